@@ -93,3 +93,21 @@ def _batched_outer_backward(ctx, grad):
 
 define("batched_outer(Tensor a, Tensor b) -> Tensor", twin=ref.primitives.batched_outer,
        fake=_batched_outer_fake, backward=_batched_outer_backward, setup_context=_save_inputs)
+
+
+# ============================================================================ ebm
+# (energies, langevin_step, langevin_chain: defined by the ebm family below this line)
+
+# ============================================================================ end ebm
+
+
+# ============================================================================ linalg
+# (matrix_inverse_root, kron, kron_precondition: defined by the linalg family below this line)
+
+# ============================================================================ end linalg
+
+
+# ============================================================================ per_sample
+# (per-sample gradients and norms: defined by the per_sample family below this line)
+
+# ============================================================================ end per_sample

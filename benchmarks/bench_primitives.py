@@ -1,0 +1,4 @@
+from conftest import family_benchmark
+
+FAMILY = "primitives"
+test_primitives = family_benchmark(FAMILY)

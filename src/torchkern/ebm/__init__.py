@@ -1,0 +1,1 @@
+"""Energy-based sampling: analytic energies and scores, fused Langevin steps, whole-chain sampling."""

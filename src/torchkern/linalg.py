@@ -1,0 +1,1 @@
+"""Batched matrix inverse p-th roots and Kronecker-factored preconditioning."""

@@ -1,0 +1,1 @@
+"""Second-order optimizers: Shampoo and K-FAC."""

@@ -1,0 +1,1 @@
+"""Per-sample gradients and their norms."""

@@ -1,0 +1,1 @@
+"""Twins of the ebm family (filled in by that family's work)."""

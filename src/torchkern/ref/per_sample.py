@@ -1,0 +1,1 @@
+"""Twins of the per_sample family (filled in by that family's work)."""

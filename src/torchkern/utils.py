@@ -1,0 +1,1 @@
+"""Small utilities: chunked matmul, CUDA memory info, device choice."""
