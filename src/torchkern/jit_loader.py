@@ -130,14 +130,13 @@ def verbose() -> bool:
 
 
 def find_nvcc() -> tuple[str | None, str | None]:
-    """Return (nvcc path, CUDA home). CUDA_HOME/CUDA_PATH win, then nvcc on PATH, then /usr/local/cuda."""
+    """Return (nvcc path, CUDA home): from CUDA_HOME/CUDA_PATH when set (authoritative), else nvcc on PATH."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(var)
-        if home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-            return os.path.join(home, "bin", "nvcc"), home
+        if home:
+            nvcc = os.path.join(home, "bin", "nvcc")
+            return (nvcc, home) if os.path.exists(nvcc) else (None, None)
     nvcc = shutil.which("nvcc")
-    if nvcc is None and os.path.exists("/usr/local/cuda/bin/nvcc"):
-        nvcc = "/usr/local/cuda/bin/nvcc"
     if nvcc is None:
         return None, None
     # nvcc may be a wrapper script outside the toolkit; nvcc itself reports the toolkit root.
@@ -456,7 +455,9 @@ def preflight() -> tuple[list[str], str | None]:
     nvcc, _ = find_nvcc()
     version = nvcc_version(nvcc) if nvcc else None
     if nvcc is None:
-        problems.append("nvcc was not found (set CUDA_HOME or put nvcc on PATH)")
+        where = next((f"{v}={os.environ[v]} has no bin/nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)),
+                     "not on PATH")
+        problems.append(f"nvcc was not found ({where}; set CUDA_HOME or put nvcc on PATH)")
     elif version and torch.version.cuda:
         if version.split(".")[0] != torch.version.cuda.split(".")[0]:
             problems.append(f"nvcc {version} does not match torch's CUDA {torch.version.cuda} (major versions differ)")
