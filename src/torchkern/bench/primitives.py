@@ -50,7 +50,7 @@ def _outer_case(size: str, shape: tuple[int, int, int], device: str) -> Case:
         a, b = torch.randn(batch, n, device=device), torch.randn(batch, m, device=device)
         nbytes = (batch * n * m + batch * (n + m)) * a.element_size()
         fn = torchkern.batched_outer
-        return Prepared(_impls(device, fn, _outer_eager, (a, b)), bytes=nbytes,
+        return Prepared(_impls(device, fn, _outer_eager, (a, b)), bytes=nbytes, ceiling="write",
                         check=lambda: _check(fn, _outer_eager, (a, b)), note="eager = einsum('bi,bj->bij')")
 
     impls = ("torchkern", "eager", "compile") + (("torchkern_cpu",) if device.startswith("cuda") else ())

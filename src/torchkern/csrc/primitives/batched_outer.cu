@@ -59,13 +59,18 @@ batched_outer_kernel(T* __restrict__ out,        // [B, n, m]
 template <typename T, int V>
 void launch_batched_outer(T* out, const T* a, const T* b, int64_t batch, int64_t n, int64_t m) {
   const int64_t rows = batch * n, m_vec = m / V, total = rows * m_vec;
-  const unsigned grid = grid_for(total, kThreads * kUnroll);
   const cudaStream_t stream = current_stream();
-  if (total + static_cast<int64_t>(grid) * kThreads * kUnroll < std::numeric_limits<int32_t>::max()) {
-    batched_outer_kernel<T, V, int32_t><<<grid, kThreads, 0, stream>>>(
-        out, a, b, static_cast<int32_t>(rows), static_cast<int32_t>(n), static_cast<int32_t>(m_vec));
+  // 32-bit index math when every index the grid-stride loop forms fits.
+  const int64_t max_index = total + static_cast<int64_t>(sm_count()) * 32 * kThreads * kUnroll;
+  if (max_index < std::numeric_limits<int32_t>::max()) {
+    const auto kernel = batched_outer_kernel<T, V, int32_t>;
+    const unsigned grid = grid_for(kernel, kThreads, total, kThreads * kUnroll);
+    kernel<<<grid, kThreads, 0, stream>>>(out, a, b, static_cast<int32_t>(rows), static_cast<int32_t>(n),
+                                          static_cast<int32_t>(m_vec));
   } else {
-    batched_outer_kernel<T, V, int64_t><<<grid, kThreads, 0, stream>>>(out, a, b, rows, n, m_vec);
+    const auto kernel = batched_outer_kernel<T, V, int64_t>;
+    const unsigned grid = grid_for(kernel, kThreads, total, kThreads * kUnroll);
+    kernel<<<grid, kThreads, 0, stream>>>(out, a, b, rows, n, m_vec);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -78,7 +83,8 @@ at::Tensor batched_outer_cuda(const at::Tensor& a, const at::Tensor& b) {
   TORCHKERN_CHECK_SAME_DEVICE(a, b);
   TORCHKERN_CHECK_DIM(a, 2, "[B, n]");
   TORCHKERN_CHECK_DIM(b, 2, "[B, m]");
-  TORCHKERN_CHECK(b.size(0) == a.size(0), "b must have shape [B, m] with B = ", a.size(0), " like a, got ", b.sizes());
+  TORCHKERN_CHECK(b.size(0) == a.size(0), "b must have shape [B, m] with B = ", a.size(0), " like a, got ",
+                  shape_str(b.sizes()));
   TORCHKERN_CHECK_CUDA(a);
   const at::cuda::OptionalCUDAGuard guard(a.device());
   const int64_t batch = a.size(0), n = a.size(1), m = b.size(1);

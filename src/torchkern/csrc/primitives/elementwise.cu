@@ -82,11 +82,13 @@ void launch_elementwise(T* out, const T* in0, const T* in1, int64_t n, Op op) {
   const bool aligned = is_aligned(out, 16) && is_aligned(in0, 16) && (kInputs == 1 || is_aligned(in1, 16));
   const cudaStream_t stream = current_stream();
   if (aligned) {
-    const unsigned grid = grid_for((n + V - 1) / V, kThreads * kUnroll);
-    elementwise_kernel<T, V, kInputs><<<grid, kThreads, 0, stream>>>(out, in0, in1, n, op);
+    const auto kernel = elementwise_kernel<T, V, kInputs, Op>;
+    const unsigned grid = grid_for(kernel, kThreads, (n + V - 1) / V, kThreads * kUnroll);
+    kernel<<<grid, kThreads, 0, stream>>>(out, in0, in1, n, op);
   } else {
-    const unsigned grid = grid_for(n, kThreads * kUnroll);
-    elementwise_kernel<T, 1, kInputs><<<grid, kThreads, 0, stream>>>(out, in0, in1, n, op);
+    const auto kernel = elementwise_kernel<T, 1, kInputs, Op>;
+    const unsigned grid = grid_for(kernel, kThreads, n, kThreads * kUnroll);
+    kernel<<<grid, kThreads, 0, stream>>>(out, in0, in1, n, op);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

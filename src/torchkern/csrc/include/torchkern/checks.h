@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -33,6 +34,17 @@ inline const char* dtype_name(at::ScalarType t) {
   }
 }
 
+// "[3, 4]", as Python prints list(x.shape). Built by hand: the message must not
+// depend on how a given torch version streams IntArrayRef.
+inline std::string shape_str(c10::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i) out += ", ";
+    out += std::to_string(sizes[i]);
+  }
+  return out + "]";
+}
+
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
@@ -55,17 +67,17 @@ inline bool is_supported_float(at::ScalarType t) {
               ::torchkern::dtype_name((x).scalar_type()))
 
 #define TORCHKERN_CHECK_SAME_DEVICE(ref, x)                                                               \
-  TORCH_CHECK((x).device() == (ref).device(), torchkern_op_name, ": " #x " must be on ", (ref).device().str(), \
-              " like " #ref ", got ", (x).device().str())
+  TORCH_CHECK((x).device() == (ref).device(), torchkern_op_name, ": " #x " must be on ",                \
+              (ref).device().str(), " like " #ref ", got ", (x).device().str())
 
 #define TORCHKERN_CHECK_SAME_SHAPE(ref, x)                                                                \
-  TORCH_CHECK((x).sizes() == (ref).sizes(), torchkern_op_name, ": " #x " must have shape ", (ref).sizes(), \
-              " like " #ref ", got ", (x).sizes())
+  TORCH_CHECK((x).sizes() == (ref).sizes(), torchkern_op_name, ": " #x " must have shape ",            \
+              ::torchkern::shape_str((ref).sizes()), " like " #ref ", got ", ::torchkern::shape_str((x).sizes()))
 
 // TORCHKERN_CHECK_DIM(x, 2, "[B, n]"): rank check that shows the expected layout.
 #define TORCHKERN_CHECK_DIM(x, ndim, layout)                                                              \
   TORCH_CHECK((x).dim() == (ndim), torchkern_op_name, ": " #x " must have shape " layout " (", ndim,      \
-              " dims), got ", (x).sizes())
+              " dims), got ", ::torchkern::shape_str((x).sizes()))
 
 // Free-form check with the op's name in front: TORCHKERN_CHECK(cond, "step_size must be > 0, got ", s).
 #define TORCHKERN_CHECK(cond, ...) TORCH_CHECK((cond), torchkern_op_name, ": ", __VA_ARGS__)

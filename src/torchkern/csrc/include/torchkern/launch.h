@@ -30,6 +30,17 @@ inline unsigned int grid_for(int64_t work, int64_t per_block, int blocks_per_sm 
   return static_cast<unsigned int>(std::max<int64_t>(1, std::min(needed, resident)));
 }
 
+// The same, with blocks per SM from the kernel's real occupancy (registers, shared
+// memory): a grid that assumes more resident blocks than fit runs in uneven waves.
+template <typename Kernel>
+inline unsigned int grid_for(Kernel kernel, int threads, int64_t work, int64_t per_block, size_t smem_bytes = 0) {
+  const int64_t needed = (work + per_block - 1) / per_block;
+  if (needed <= sm_count()) return static_cast<unsigned int>(std::max<int64_t>(1, needed));  // one wave anyway
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes));
+  return grid_for(work, per_block, std::max(per_sm, 1));
+}
+
 inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 }  // namespace torchkern
