@@ -15,7 +15,7 @@ def add_constant(x: torch.Tensor, c: float) -> torch.Tensor:
     computed in float. The result is contiguous. Differentiable in ``x``.
     Raises RuntimeError for a non-floating dtype.
     """
-    return torch.ops.torchkern.add_constant(x, float(c))
+    return torch.ops.torchkern.add_constant.default(x, float(c))
 
 
 def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -24,7 +24,7 @@ def mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Gradients: ``grad * b`` and ``grad * a``. Raises RuntimeError naming the
     offending argument for a dtype, device or shape mismatch.
     """
-    return torch.ops.torchkern.mul(a, b)
+    return torch.ops.torchkern.mul.default(a, b)
 
 
 def batched_outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -33,4 +33,4 @@ def batched_outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     Gradients: ``da[k] = grad[k] @ b[k]``, ``db[k] = grad[k]^T @ a[k]``. Raises
     RuntimeError for wrong ranks, different batch sizes, dtypes or devices.
     """
-    return torch.ops.torchkern.batched_outer(a, b)
+    return torch.ops.torchkern.batched_outer.default(a, b)
