@@ -25,11 +25,15 @@ _HAS_CUDA_KERNEL: dict[str, bool] = {}
 
 
 def define(schema: str, *, twin: Callable, fake: Callable, backward: Callable | None = None,
-           setup_context: Callable | None = None) -> None:
-    """Define ``torchkern::<name>`` from its schema and wire every backend and formula."""
+           setup_context: Callable | None = None, tags: tuple[torch.Tag, ...] = ()) -> None:
+    """Define ``torchkern::<name>`` from its schema and wire every backend and formula.
+
+    ``tags``: e.g. ``(torch.Tag.nondeterministic_seeded,)`` for ops that draw random numbers,
+    so torch.compile never merges or drops two calls with the same inputs.
+    """
     name = schema.split("(", 1)[0]
     qualname = f"torchkern::{name}"
-    _LIB.define(schema)
+    _LIB.define(schema, tags=tags)
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CUDA")
     _HAS_CUDA_KERNEL[name] = has_kernel
     _LIB.impl(name, twin, "CPU")
@@ -97,6 +101,119 @@ define("batched_outer(Tensor a, Tensor b) -> Tensor", twin=ref.primitives.batche
 
 # ============================================================================ ebm
 # (energies, langevin_step, langevin_chain: defined by the ebm family below this line)
+#
+# Analytic energies take the energy's kind (ref.ebm.KIND_NAMES) and three numbers;
+# energy ops differentiate through the score op (dE/dx = -score), so autograd
+# through an energy costs one more fused pass. Ops that draw random numbers carry
+# Tag.nondeterministic_seeded; their optional ``noise`` argument injects the
+# random numbers instead (tests compare kernels and twins with it).
+
+_ANALYTIC_ARGS = "Tensor x, int kind, float[] params"
+
+
+def _analytic_energy_fake(x, kind, params):
+    ref.ebm.check_analytic("analytic_energy", x, kind, params)
+    return x.new_empty((x.shape[0],))
+
+
+def _analytic_score_fake(x, kind, params):
+    ref.ebm.check_analytic("analytic_score", x, kind, params)
+    return x.new_empty(x.shape)
+
+
+def _analytic_energy_and_score_fake(x, kind, params):
+    ref.ebm.check_analytic("analytic_energy_and_score", x, kind, params)
+    return x.new_empty((x.shape[0],)), x.new_empty(x.shape)
+
+
+def _analytic_energy_setup(ctx, inputs, output):
+    x, ctx.kind, ctx.params = inputs
+    ctx.save_for_backward(x)
+
+
+def _analytic_energy_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    score = torch.ops.torchkern.analytic_score(x, ctx.kind, ctx.params)
+    return -score * grad.unsqueeze(1), None, None
+
+
+define(f"analytic_energy({_ANALYTIC_ARGS}) -> Tensor", twin=ref.ebm.analytic_energy, fake=_analytic_energy_fake,
+       backward=_analytic_energy_backward, setup_context=_analytic_energy_setup)
+define(f"analytic_score({_ANALYTIC_ARGS}) -> Tensor", twin=ref.ebm.analytic_score, fake=_analytic_score_fake)
+define(f"analytic_energy_and_score({_ANALYTIC_ARGS}) -> (Tensor energy, Tensor score)",
+       twin=ref.ebm.analytic_energy_and_score, fake=_analytic_energy_and_score_fake)
+
+_GAUSSIAN_ARGS = "Tensor x, Tensor mean, Tensor precision"
+
+
+def _gaussian_energy_fake(x, mean, precision):
+    ref.ebm.check_gaussian("gaussian_energy", x, mean, precision)
+    return x.new_empty((x.shape[0],))
+
+
+def _gaussian_score_fake(x, mean, precision):
+    ref.ebm.check_gaussian("gaussian_score", x, mean, precision)
+    return x.new_empty(x.shape)
+
+
+def _gaussian_energy_and_score_fake(x, mean, precision):
+    ref.ebm.check_gaussian("gaussian_energy_and_score", x, mean, precision)
+    return x.new_empty((x.shape[0],)), x.new_empty(x.shape)
+
+
+def _gaussian_energy_backward(ctx, grad):
+    # E = 1/2 r^T P r with r = x - mu: dE/dx = P r = -score, dE/dmu = -P r, dE/dP = 1/2 r r^T.
+    x, mean, precision = ctx.saved_tensors
+    g = grad.unsqueeze(1)
+    grad_x = grad_mean = grad_precision = None
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        weighted = torch.ops.torchkern.gaussian_score(x, mean, precision) * g  # -dE/dx per row
+        grad_x = -weighted if ctx.needs_input_grad[0] else None
+        grad_mean = weighted.sum(0) if ctx.needs_input_grad[1] else None
+    if ctx.needs_input_grad[2]:
+        r = x - mean
+        grad_precision = 0.5 * (r * g).mT @ r
+    return grad_x, grad_mean, grad_precision
+
+
+define(f"gaussian_energy({_GAUSSIAN_ARGS}) -> Tensor", twin=ref.ebm.gaussian_energy, fake=_gaussian_energy_fake,
+       backward=_gaussian_energy_backward, setup_context=_save_inputs)
+define(f"gaussian_score({_GAUSSIAN_ARGS}) -> Tensor", twin=ref.ebm.gaussian_score, fake=_gaussian_score_fake)
+define(f"gaussian_energy_and_score({_GAUSSIAN_ARGS}) -> (Tensor energy, Tensor score)",
+       twin=ref.ebm.gaussian_energy_and_score, fake=_gaussian_energy_and_score_fake)
+
+_STEP_ARGS = ("Tensor grad, float step_size, float noise_scale=1., float? clamp_min=None, float? clamp_max=None, "
+              "Generator? generator=None, Tensor? noise=None")
+_RANDOM = (torch.Tag.nondeterministic_seeded,)
+
+
+def _langevin_step_fake(x, grad, step_size, noise_scale=1.0, clamp_min=None, clamp_max=None, generator=None,
+                        noise=None):
+    ref.ebm.check_langevin_step("langevin_step", x, grad, step_size, noise_scale, clamp_min, clamp_max, noise)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _langevin_step_inplace_fake(x, grad, step_size, noise_scale=1.0, clamp_min=None, clamp_max=None, generator=None,
+                                noise=None):
+    ref.ebm.check_langevin_step("langevin_step_", x, grad, step_size, noise_scale, clamp_min, clamp_max, noise)
+
+
+define(f"langevin_step(Tensor x, {_STEP_ARGS}) -> Tensor", twin=ref.ebm.langevin_step, fake=_langevin_step_fake,
+       tags=_RANDOM)
+define(f"langevin_step_(Tensor(a!) x, {_STEP_ARGS}) -> ()", twin=ref.ebm.langevin_step_,
+       fake=_langevin_step_inplace_fake, tags=_RANDOM)
+
+
+def _langevin_chain_fake(x, kind, params, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin=1,
+                         return_trajectory=False, generator=None, noise=None):
+    ref.ebm.check_langevin_chain(x, kind, params, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin, noise)
+    final, traj = ref.ebm.chain_output_shapes(x, n_steps, thin, return_trajectory)
+    return x.new_empty(final), x.new_empty(traj)
+
+
+define(f"langevin_chain({_ANALYTIC_ARGS}, float step_size, float noise_scale, float? clamp_min, float? clamp_max, "
+       "int n_steps, int thin=1, bool return_trajectory=False, Generator? generator=None, Tensor? noise=None) "
+       "-> (Tensor x, Tensor trajectory)", twin=ref.ebm.langevin_chain, fake=_langevin_chain_fake, tags=_RANDOM)
 
 # ============================================================================ end ebm
 
@@ -104,10 +221,48 @@ define("batched_outer(Tensor a, Tensor b) -> Tensor", twin=ref.primitives.batche
 # ============================================================================ linalg
 # (matrix_inverse_root, kron, kron_precondition: defined by the linalg family below this line)
 
+
+def _newton_fake(G, p, eps, max_iters, tol):
+    ref.linalg.check_root_args("matrix_inverse_root", G, p, max_iters, tol, eps)
+    batch = G.shape[:-2]
+    return (torch.empty_like(G, memory_format=torch.contiguous_format),
+            G.new_empty(batch, dtype=ref.linalg.compute_dtype(G.dtype)), G.new_empty(batch, dtype=torch.int32))
+
+
+# Not differentiable (an iteration with data-dependent stopping): autograd through a root is
+# what method="eigh" is for. Outputs: root, error (||M - I||_inf, NaN for non-finite input), iterations.
+define("matrix_inverse_root_newton(Tensor G, int p, float eps, int max_iters, float tol) -> (Tensor, Tensor, Tensor)",
+       twin=ref.linalg.matrix_inverse_root_newton, fake=_newton_fake)
+
+
+def _kron_fake(A, B):
+    batch = ref.linalg.check_kron(A, B)
+    return A.new_empty(ref.linalg.kron_shape(A, B, batch))
+
+
+def _kron_backward(ctx, grad):
+    A, B = ctx.saved_tensors
+    return ref.linalg.kron_backward(grad, A, B, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+
+
+define("kron(Tensor A, Tensor B) -> Tensor", twin=ref.linalg.kron, fake=_kron_fake,
+       backward=_kron_backward, setup_context=_save_inputs)
+
 # ============================================================================ end linalg
 
 
 # ============================================================================ per_sample
 # (per-sample gradients and norms: defined by the per_sample family below this line)
+
+
+def _linear_grad_sq_norms_fake(a, g, bias=False):
+    ref.per_sample.check_linear_grad_sq_norms(a, g, bias)
+    return a.new_empty((a.shape[0],), dtype=ref.per_sample.opmath_dtype(a.dtype))
+
+
+# No autograd formula: the norms feed clipping factors, which are constants of the backward pass. Without
+# register_autograd the whole call path stays in C++ (a Python autograd formula costs microseconds per call).
+define("linear_grad_sq_norms(Tensor a, Tensor g, bool bias=False) -> Tensor", twin=ref.per_sample.linear_grad_sq_norms,
+       fake=_linear_grad_sq_norms_fake)
 
 # ============================================================================ end per_sample

@@ -1,0 +1,4 @@
+from conftest import family_benchmark
+
+FAMILY = "ebm"
+test_ebm = family_benchmark(FAMILY)

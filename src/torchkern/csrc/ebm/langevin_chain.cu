@@ -1,0 +1,318 @@
+// langevin_chain: a whole Langevin chain on an analytic energy in ONE launch, the state in registers.
+//
+// Elementwise-separable energies (DoubleWell, Harmonic, Rastrigin): one thread owns a group
+// of 4 consecutive elements of the flat [B * d] state for all steps. Row-coupled energies
+// (Rosenbrock: neighbours; Ackley: row sums): one warp owns a row, lane l holding the chunks
+// of 4 columns 4 (l + 32 k) + [0, 4) for k < kChunks (d <= 1024); neighbours come by shuffles,
+// sums by warp reductions. Longer rows of those two run step by step (score + fused step).
+//
+// Noise: the Philox counter of element i at step t is (offset / 4 + t, i / 4), component i % 4,
+// exactly what t separate langevin_step calls would reserve, so a chain and its steps draw
+// the same numbers. The trajectory [B, n_steps // thin, d] is written only when asked.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "torchkern/checks.h"
+#include "torchkern/dispatch.h"
+#include "torchkern/energies.cuh"
+#include "torchkern/launch.h"
+#include "torchkern/philox.cuh"
+
+namespace torchkern {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRowChunks = 8;  // row kernel: d <= 32 * 4 * 8 = 1024
+
+template <typename C>
+struct ChainArgs {
+  const C* noise;  // [n_steps, B, d] or null
+  int64_t batch;
+  int d;
+  int n_steps, thin, kept;  // kept = n_steps // thin when the trajectory is asked, else 0
+  bool clamp;
+  EnergyParams<C> p;
+  StepParams<C> s;
+};
+
+template <int kKind, typename T>
+__global__ void __launch_bounds__(kThreads)
+chain_elementwise_kernel(const T* __restrict__ x,  // [B, d]
+                         T* __restrict__ out,      // [B, d]
+                         T* __restrict__ traj,     // [B, kept, d]
+                         ChainArgs<at::opmath_type<T>> a, at::PhiloxCudaState philox) {
+  using C = at::opmath_type<T>;
+  const int64_t n = a.batch * a.d;
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t base = 4 * g;
+  if (base >= n) return;
+  const int count = n - base < 4 ? static_cast<int>(n - base) : 4;
+  const PhiloxKey key = a.noise ? PhiloxKey{} : unpack_key(philox);
+  C v[4];
+  int64_t row[4];
+  int col[4];
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    v[c] = c < count ? static_cast<C>(x[base + c]) : C(0);
+    row[c] = (base + c) / a.d;
+    col[c] = static_cast<int>(base + c - row[c] * a.d);
+  }
+#pragma unroll 1
+  for (int t = 0; t < a.n_steps; ++t) {
+    C eps[4];
+    if (a.noise) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) eps[c] = c < count ? a.noise[t * n + base + c] : C(0);
+    } else {
+      const float4 e = normal4(key, t, g);
+      eps[0] = e.x, eps[1] = e.y, eps[2] = e.z, eps[3] = e.w;
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) v[c] = langevin_update(v[c], elementwise_grad<kKind>(v[c], a.p), eps[c], a.s, a.clamp);
+    if (a.kept && (t + 1) % a.thin == 0) {
+      const int slot = (t + 1) / a.thin - 1;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (c < count) traj[(row[c] * a.kept + slot) * a.d + col[c]] = static_cast<T>(v[c]);
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    if (c < count) out[base + c] = static_cast<T>(v[c]);
+  }
+}
+
+template <typename C>
+__device__ __forceinline__ C warp_sum(C v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+template <int kKind, int kChunks, typename T>
+__global__ void __launch_bounds__(kThreads)
+chain_row_kernel(const T* __restrict__ x,  // [B, d]
+                 T* __restrict__ out,      // [B, d]
+                 T* __restrict__ traj,     // [B, kept, d]
+                 ChainArgs<at::opmath_type<T>> a, at::PhiloxCudaState philox) {
+  using C = at::opmath_type<T>;
+  constexpr unsigned kFull = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (r >= a.batch) return;  // whole warps leave together
+  const int d = a.d;
+  const int64_t n = a.batch * d, row_base = r * d;
+  const bool groups_aligned = d % 4 == 0;  // then each chunk is one Philox group
+  const PhiloxKey key = a.noise ? PhiloxKey{} : unpack_key(philox);
+  C v[kChunks][4];
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = 4 * (lane + 32 * k) + c;
+      v[k][c] = j < d ? static_cast<C>(x[row_base + j]) : C(0);
+    }
+  }
+#pragma unroll 1
+  for (int t = 0; t < a.n_steps; ++t) {
+    C grad[kChunks][4];
+    if constexpr (kKind == kRosenbrock) {
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const C next_same = __shfl_down_sync(kFull, v[k][0], 1);
+        const C next_wrap = __shfl_sync(kFull, v[k + 1 < kChunks ? k + 1 : k][0], 0);
+        const C prev_same = __shfl_up_sync(kFull, v[k][3], 1);
+        const C prev_wrap = __shfl_sync(kFull, v[k > 0 ? k - 1 : k][3], 31);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int j = 4 * (lane + 32 * k) + c;
+          const C xn = c < 3 ? v[k][c + 1] : (lane < 31 ? next_same : next_wrap);
+          const C xp = c > 0 ? v[k][c - 1] : (lane > 0 ? prev_same : prev_wrap);
+          grad[k][c] = rosenbrock_grad(v[k][c], xp, xn, j > 0, j + 1 < d, a.p);
+        }
+      }
+    } else {  // Ackley
+      C s2 = C(0), sc = C(0);
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (4 * (lane + 32 * k) + c < d) {
+            s2 += v[k][c] * v[k][c];
+            sc += cos(a.p.p2 * v[k][c]);
+          }
+        }
+      }
+      const AckleyTerms<C> terms = ackley_terms(warp_sum(s2), warp_sum(sc), d, a.p);
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) grad[k][c] = terms.radial * v[k][c] + terms.wave * sin(a.p.p2 * v[k][c]);
+      }
+    }
+    const bool keep = a.kept && (t + 1) % a.thin == 0;
+    const int slot = (t + 1) / a.thin - 1;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int j0 = 4 * (lane + 32 * k);
+      if (j0 >= d) continue;
+      float4 e4{};
+      if (!a.noise && groups_aligned) e4 = normal4(key, t, (row_base + j0) / 4);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = j0 + c;
+        if (j >= d) break;
+        const int64_t i = row_base + j;
+        C eps;
+        if (a.noise) {
+          eps = a.noise[t * n + i];
+        } else if (groups_aligned) {
+          eps = static_cast<C>(component(e4, c));
+        } else {
+          eps = static_cast<C>(component(normal4(key, t, i / 4), static_cast<int>(i % 4)));
+        }
+        v[k][c] = langevin_update(v[k][c], grad[k][c], eps, a.s, a.clamp);
+        if (keep) traj[(r * a.kept + slot) * d + j] = static_cast<T>(v[k][c]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = 4 * (lane + 32 * k) + c;
+      if (j < d) out[row_base + j] = static_cast<T>(v[k][c]);
+    }
+  }
+}
+
+template <int kKind, typename T>
+void launch_elementwise(const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
+                        const at::PhiloxCudaState& philox) {
+  const int64_t groups = (a.batch * a.d + 3) / 4;
+  const unsigned grid = static_cast<unsigned>((groups + kThreads - 1) / kThreads);
+  chain_elementwise_kernel<kKind, T><<<grid, kThreads, 0, current_stream()>>>(x, out, traj, a, philox);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int kKind, typename T>
+void launch_row(int chunks, const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
+                const at::PhiloxCudaState& philox) {
+  const unsigned grid = static_cast<unsigned>((a.batch + kWarps - 1) / kWarps);
+  const cudaStream_t stream = current_stream();
+  switch (chunks) {
+    case 1: chain_row_kernel<kKind, 1, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    case 2: chain_row_kernel<kKind, 2, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    case 4: chain_row_kernel<kKind, 4, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    default: chain_row_kernel<kKind, kMaxRowChunks, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Rows too long for one warp's registers: score op + in-place step op per step, reserving the
+// same Philox offsets the fused kernel would, so the noise is the same.
+void chain_by_steps(at::Tensor& state, at::Tensor& traj, int64_t kind, at::ArrayRef<double> params, double step_size,
+                    double noise_scale, std::optional<double> lo, std::optional<double> hi, int64_t n_steps,
+                    int64_t thin, int64_t kept, const std::optional<at::Generator>& generator,
+                    const std::optional<at::Tensor>& noise) {
+  static auto score_op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("torchkern::analytic_score", "")
+                             .typed<at::Tensor(const at::Tensor&, int64_t, at::ArrayRef<double>)>();
+  static auto step_op = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("torchkern::langevin_step", "")
+                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double, double,
+                                              std::optional<double>, std::optional<double>,
+                                              std::optional<at::Generator>, const std::optional<at::Tensor>&)>();
+  at::Tensor x = state;
+  for (int64_t t = 0; t < n_steps; ++t) {
+    const at::Tensor grad = score_op.call(x, kind, params).neg_();
+    const std::optional<at::Tensor> eps = noise.has_value() ? std::optional<at::Tensor>(noise->select(0, t)) : std::nullopt;
+    x = step_op.call(x, grad, step_size, noise_scale, lo, hi, generator, eps);
+    if (kept && (t + 1) % thin == 0) traj.select(1, (t + 1) / thin - 1).copy_(x);
+  }
+  state.copy_(x);
+}
+
+std::tuple<at::Tensor, at::Tensor> langevin_chain_cuda(const at::Tensor& x, int64_t kind, at::ArrayRef<double> params,
+                                                       double step_size, double noise_scale,
+                                                       std::optional<double> clamp_min, std::optional<double> clamp_max,
+                                                       int64_t n_steps, int64_t thin, bool return_trajectory,
+                                                       std::optional<at::Generator> generator,
+                                                       const std::optional<at::Tensor>& noise) {
+  TORCHKERN_OP("langevin_chain");
+  check_analytic_args(torchkern_op_name, x, kind, params);
+  check_step_args(torchkern_op_name, step_size, noise_scale, clamp_min, clamp_max);
+  TORCHKERN_CHECK(n_steps >= 0, "n_steps must be >= 0, got ", n_steps);
+  TORCHKERN_CHECK(thin >= 1, "thin must be >= 1, got ", thin);
+  const int64_t batch = x.size(0), d = x.size(1);
+  if (noise.has_value()) {
+    const at::Tensor& noise_ = *noise;
+    TORCHKERN_CHECK_FLOAT(noise_);
+    TORCHKERN_CHECK(noise_.device() == x.device(), "noise must be on ", x.device().str(), " like x, got ",
+                    noise_.device().str());
+    TORCHKERN_CHECK(noise_.dim() == 3 && noise_.size(0) == n_steps && noise_.size(1) == batch && noise_.size(2) == d,
+                    "noise must have shape [", n_steps, ", ", batch, ", ", d, "] ([n_steps, B, d]), got ",
+                    noise_.sizes());
+  }
+  TORCHKERN_CHECK(n_steps <= std::numeric_limits<int>::max(), "n_steps must fit in 32 bits, got ", n_steps);
+  TORCHKERN_CHECK_CUDA(x);
+  const at::cuda::OptionalCUDAGuard guard(x.device());
+  const int64_t kept = return_trajectory ? n_steps / thin : 0;
+  at::Tensor out = x.contiguous().clone();  // a fresh buffer, also when x is already contiguous
+  at::Tensor traj = at::empty({batch, kept, d}, x.options());
+  if (out.numel() == 0 || n_steps == 0) return {out, traj};
+  const bool by_steps = !is_elementwise(static_cast<int>(kind)) && d > 32 * 4 * kMaxRowChunks;
+  if (by_steps) {
+    chain_by_steps(out, traj, kind, params, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin, kept,
+                   generator, noise);
+    return {out, traj};
+  }
+  const at::ScalarType opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor nc = noise.has_value() ? noise->to(opmath).contiguous() : at::Tensor();
+  const at::PhiloxCudaState philox =
+      noise.has_value() ? at::PhiloxCudaState() : reserve_philox(generator, static_cast<uint64_t>(n_steps));
+  TORCHKERN_DISPATCH_FLOATING(x.scalar_type(), "langevin_chain", [&] {
+    using C = at::opmath_type<scalar_t>;
+    ChainArgs<C> a;
+    a.noise = nc.defined() ? nc.const_data_ptr<C>() : nullptr;
+    a.batch = batch;
+    a.d = static_cast<int>(d);
+    a.n_steps = static_cast<int>(n_steps);
+    a.thin = static_cast<int>(std::min<int64_t>(thin, std::numeric_limits<int>::max()));
+    a.kept = static_cast<int>(kept);
+    a.clamp = clamp_min.has_value() || clamp_max.has_value();
+    a.p = EnergyParams<C>{static_cast<C>(params[0]), static_cast<C>(params[1]), static_cast<C>(params[2])};
+    a.s = make_step_params<C>(step_size, noise_scale, clamp_min, clamp_max);
+    // The input is read from `out` (a copy): the kernels read each element before writing it.
+    const scalar_t* xin = out.const_data_ptr<scalar_t>();
+    scalar_t* xout = out.mutable_data_ptr<scalar_t>();
+    scalar_t* tp = kept ? traj.mutable_data_ptr<scalar_t>() : nullptr;
+    switch (static_cast<int>(kind)) {
+      case kDoubleWell: launch_elementwise<kDoubleWell, scalar_t>(xin, xout, tp, a, philox); break;
+      case kHarmonic: launch_elementwise<kHarmonic, scalar_t>(xin, xout, tp, a, philox); break;
+      case kRastrigin: launch_elementwise<kRastrigin, scalar_t>(xin, xout, tp, a, philox); break;
+      default: {
+        const int64_t need = (d + 127) / 128;
+        const int chunks = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : kMaxRowChunks;
+        if (kind == kRosenbrock) {
+          launch_row<kRosenbrock, scalar_t>(chunks, xin, xout, tp, a, philox);
+        } else {
+          launch_row<kAckley, scalar_t>(chunks, xin, xout, tp, a, philox);
+        }
+      }
+    }
+  });
+  return {out, traj};
+}
+
+}  // namespace
+}  // namespace torchkern
+
+TORCH_LIBRARY_IMPL(torchkern, CUDA, m) { m.impl("langevin_chain", &torchkern::langevin_chain_cuda); }

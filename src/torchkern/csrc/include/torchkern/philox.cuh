@@ -1,0 +1,78 @@
+// Philox4x32-10 counter-based random numbers and Box-Muller normals, plus the host call that
+// reserves counters from PyTorch's CUDA generator.
+//
+// Counter layout (as curand's Philox): counter = (c0, c1) a 64-bit "draw" index = the
+// generator's offset / 4 plus the step, (c2, c3) a 64-bit element-group index; key = seed.
+// One Philox call yields 4 uint32 -> 4 normals for the 4 elements of a group (flat index
+// i belongs to group i / 4, component i % 4). The numbers depend only on (seed, offset,
+// step, element index), never on the launch shape, so a fused chain and n separate steps
+// that reserve the same offsets draw the same noise.
+#pragma once
+
+#include <ATen/core/Generator.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+
+namespace torchkern {
+
+struct PhiloxKey {
+  uint64_t seed;
+  uint64_t draw;  // the generator's offset / 4: index of this call's first draw
+};
+
+__device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const uint32_t hi0 = __umulhi(kM0, ctr.x), lo0 = kM0 * ctr.x;
+    const uint32_t hi1 = __umulhi(kM1, ctr.z), lo1 = kM1 * ctr.z;
+    ctr = make_uint4(hi1 ^ ctr.y ^ k0, lo1, hi0 ^ ctr.w ^ k1, lo0);
+    k0 += kW0;
+    k1 += kW1;
+  }
+  return ctr;
+}
+
+// uint32 -> uniform in (0, 1], never 0 (log stays finite).
+__device__ __forceinline__ float uniform_open0(uint32_t u) { return u * 2.3283064365386963e-10f + 1.1641532182693481e-10f; }
+
+// Two standard normals from two uint32 (Box-Muller, fast intrinsics: the arguments are in range).
+__device__ __forceinline__ float2 box_muller(uint32_t a, uint32_t b) {
+  const float radius = sqrtf(-2.0f * __logf(uniform_open0(a)));
+  float s, c;
+  __sincosf(6.2831853071795865f * uniform_open0(b), &s, &c);
+  return make_float2(radius * c, radius * s);
+}
+
+// The 4 standard normals of element group `group` at step `step` of a call keyed by `key`.
+__device__ __forceinline__ float4 normal4(PhiloxKey key, uint64_t step, uint64_t group) {
+  const uint64_t draw = key.draw + step;
+  const uint4 bits = philox4x32_10(make_uint4(static_cast<uint32_t>(draw), static_cast<uint32_t>(draw >> 32),
+                                              static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32)),
+                                   static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
+  const float2 n01 = box_muller(bits.x, bits.y), n23 = box_muller(bits.z, bits.w);
+  return make_float4(n01.x, n01.y, n23.x, n23.y);
+}
+
+__device__ __forceinline__ float component(const float4& v, int c) {
+  return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ PhiloxKey unpack_key(const at::PhiloxCudaState& state) {
+  const auto seeds = at::cuda::philox::unpack(state);
+  return PhiloxKey{std::get<0>(seeds), std::get<1>(seeds) / 4};
+}
+
+// Host: reserve `draws_per_group` Philox calls per element group from the generator (default:
+// the current device's), the way PyTorch's own random kernels do (graph-capture safe).
+inline at::PhiloxCudaState reserve_philox(const std::optional<at::Generator>& generator, uint64_t draws_per_group) {
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(generator, at::cuda::detail::getDefaultCUDAGenerator());
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  return gen->philox_cuda_state(4 * draws_per_group);  // in 32-bit values: 4 per Philox call
+}
+
+}  // namespace torchkern

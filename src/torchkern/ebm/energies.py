@@ -1,0 +1,211 @@
+"""Energies E(x) of (B, d) batches with their scores -dE/dx, each a fused CUDA kernel with a PyTorch twin."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..ref import ebm as _ref
+
+__all__ = ["AckleyEnergy", "AnalyticEnergy", "DoubleWellEnergy", "Energy", "GaussianEnergy", "HarmonicEnergy",
+           "RastriginEnergy", "RosenbrockEnergy", "score"]
+
+
+class Energy(nn.Module):
+    """Base class: ``energy(x)`` maps (B, d) to (B,); ``score(x) = -dE/dx`` (B, d).
+
+    Subclasses implement ``energy``; the default ``score`` and ``energy_and_score``
+    differentiate it with autograd. The analytic energies override both with fused kernels.
+    """
+
+    def energy(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.energy(x)
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.energy_and_score(x)[1]
+
+    def energy_and_score(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _autograd_energy_and_score(self.energy, x)
+
+
+def _autograd_energy_and_score(fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2:
+        raise RuntimeError(f"torchkern.ebm.score: x must have shape [B, d] (2 dims), got {list(x.shape)}")
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_(True)
+        e = fn(xg)
+        if not isinstance(e, torch.Tensor) or e.shape != (x.shape[0],):
+            got = list(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+            raise RuntimeError(f"torchkern.ebm.score: the energy must map [B, d] to [B] = [{x.shape[0]}], got {got}")
+        (grad,) = torch.autograd.grad(e.sum(), xg)
+    return e.detach(), -grad
+
+
+def score(energy, x: torch.Tensor) -> torch.Tensor:
+    """-dE/dx for a (B, d) batch: the fused kernel for torchkern's energies, autograd for any
+    other module or callable mapping (B, d) to (B,). Raises RuntimeError for other shapes."""
+    if isinstance(energy, Energy):
+        return energy.score(x)
+    return _autograd_energy_and_score(energy, x)[1]
+
+
+class AnalyticEnergy(Energy):
+    """An energy with a closed-form score computed by ``torchkern::analytic_*`` (kind + 3 numbers).
+
+    The hyperparameters are Python floats passed to the kernel as runtime arguments:
+    changing one never recompiles, and no call reads a tensor back from the GPU (which
+    would synchronize and break CUDA-graph capture).
+    """
+
+    kind: int
+
+    def __init__(self, *params: float) -> None:
+        super().__init__()
+        self.params = [float(p) for p in params] + [0.0] * (_ref.N_PARAMS - len(params))
+
+    def energy(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.torchkern.analytic_energy(x, self.kind, self.params)
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.torchkern.analytic_score(x, self.kind, self.params)
+
+    def energy_and_score(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.torchkern.analytic_energy_and_score(x, self.kind, self.params)
+
+
+class DoubleWellEnergy(AnalyticEnergy):
+    """E = h sum_i (x_i^2 - b^2)^2, minima at x_i = +-b, barrier h b^4 per coordinate."""
+
+    kind = _ref.DOUBLE_WELL
+
+    def __init__(self, barrier_height: float = 2.0, b: float = 1.0) -> None:
+        super().__init__(barrier_height, b)
+        self.barrier_height, self.b = float(barrier_height), float(b)
+
+    def extra_repr(self) -> str:
+        return f"barrier_height={self.barrier_height}, b={self.b}"
+
+
+class HarmonicEnergy(AnalyticEnergy):
+    """E = k/2 sum_i x_i^2 (a standard normal over k: N(0, I / k))."""
+
+    kind = _ref.HARMONIC
+
+    def __init__(self, k: float = 1.0) -> None:
+        super().__init__(k)
+        self.k = float(k)
+
+    def extra_repr(self) -> str:
+        return f"k={self.k}"
+
+
+class RosenbrockEnergy(AnalyticEnergy):
+    """E = sum_{i<d} b (x_{i+1} - x_i^2)^2 + (a - x_i)^2; needs d >= 2."""
+
+    kind = _ref.ROSENBROCK
+
+    def __init__(self, a: float = 1.0, b: float = 100.0) -> None:
+        super().__init__(a, b)
+        self.a, self.b = float(a), float(b)
+
+    def extra_repr(self) -> str:
+        return f"a={self.a}, b={self.b}"
+
+
+class RastriginEnergy(AnalyticEnergy):
+    """E = a d + sum_i (x_i^2 - a cos(2 pi x_i))."""
+
+    kind = _ref.RASTRIGIN
+
+    def __init__(self, a: float = 10.0) -> None:
+        super().__init__(a)
+        self.a = float(a)
+
+    def extra_repr(self) -> str:
+        return f"a={self.a}"
+
+
+class AckleyEnergy(AnalyticEnergy):
+    """E = -a exp(-b sqrt(mean x^2)) - exp(mean cos(c x)) + a + e (score taken as 0 for the radial term at x = 0)."""
+
+    kind = _ref.ACKLEY
+
+    def __init__(self, a: float = 20.0, b: float = 0.2, c: float = 2 * math.pi) -> None:
+        super().__init__(a, b, c)
+        self.a, self.b, self.c = float(a), float(b), float(c)
+
+    def extra_repr(self) -> str:
+        return f"a={self.a}, b={self.b}, c={self.c}"
+
+
+def _check_square(name: str, m: torch.Tensor, d: int) -> None:
+    if m.dim() != 2 or m.shape[0] != m.shape[1] or m.shape[0] != d:
+        raise ValueError(f"GaussianEnergy: {name} must have shape [d, d] with d = {d} like mean, got {list(m.shape)}")
+
+
+class GaussianEnergy(Energy):
+    """E = 1/2 (x - mu)^T P (x - mu), score = -P (x - mu).
+
+    Give exactly one of ``precision`` P (symmetric) or ``covariance`` (symmetric positive
+    definite; P = covariance^-1); with neither, P = I. ``mean`` (d,) and ``precision`` (d, d)
+    are buffers (they move with ``.to()``). Raises ValueError for a mean that is not 1-D, a
+    matrix of the wrong size, a non-symmetric matrix or a covariance that is not positive definite.
+    """
+
+    def __init__(self, mean: torch.Tensor, precision: torch.Tensor | None = None,
+                 covariance: torch.Tensor | None = None) -> None:
+        super().__init__()
+        mean = torch.as_tensor(mean)
+        if not mean.is_floating_point():
+            mean = mean.to(torch.get_default_dtype())
+        if mean.dim() != 1 or mean.shape[0] == 0:
+            raise ValueError(f"GaussianEnergy: mean must have shape [d] with d >= 1, got {list(mean.shape)}")
+        d = mean.shape[0]
+        if precision is not None and covariance is not None:
+            raise ValueError("GaussianEnergy: give precision or covariance, not both")
+        if covariance is not None:
+            covariance = torch.as_tensor(covariance, dtype=mean.dtype, device=mean.device)
+            _check_square("covariance", covariance, d)
+            _check_symmetric("covariance", covariance)
+            chol, info = torch.linalg.cholesky_ex(covariance.double())
+            if int(info) != 0:
+                raise ValueError("GaussianEnergy: covariance must be positive definite")
+            precision = torch.cholesky_inverse(chol)
+            precision = (0.5 * (precision + precision.mT)).to(mean.dtype)
+        elif precision is None:
+            precision = torch.eye(d, dtype=mean.dtype, device=mean.device)
+        else:
+            precision = torch.as_tensor(precision, dtype=mean.dtype, device=mean.device)
+            _check_square("precision", precision, d)
+            _check_symmetric("precision", precision)
+        self.register_buffer("mean", mean.contiguous())
+        self.register_buffer("precision", precision.contiguous())
+
+    @property
+    def dim(self) -> int:
+        return self.mean.shape[0]
+
+    def energy(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.torchkern.gaussian_energy(x, self.mean.to(x.dtype), self.precision.to(x.dtype))
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.torchkern.gaussian_score(x, self.mean.to(x.dtype), self.precision.to(x.dtype))
+
+    def energy_and_score(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ops.torchkern.gaussian_energy_and_score(x, self.mean.to(x.dtype), self.precision.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+def _check_symmetric(name: str, m: torch.Tensor) -> None:
+    scale = m.abs().max().item() if m.numel() else 0.0
+    tol = 64 * torch.finfo(m.dtype).eps * max(scale, 1e-30)
+    asym = (m - m.mT).abs().max().item()
+    if asym > tol:
+        raise ValueError(f"GaussianEnergy: {name} must be symmetric, got max |M - M^T| = {asym:.3g}")
