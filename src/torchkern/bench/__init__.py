@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-FAMILIES = ("primitives", "ebm", "linalg", "optim")
+FAMILIES = ("primitives", "ebm", "linalg", "per_sample", "optim")
 
 
 @dataclasses.dataclass

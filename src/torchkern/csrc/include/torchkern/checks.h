@@ -10,7 +10,9 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
+#include <cstdio>
 #include <string>
+#include <type_traits>
 
 namespace torchkern {
 
@@ -49,35 +51,65 @@ inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }
 
+// Error messages are assembled here without std::ostream: numbers never go through
+// operator<<. Host code compiled by nvcc against some libstdc++ versions (seen with
+// torch 2.11 on an H200 host) instantiates ostream's number formatting locally, and
+// that copy dereferences a null locale facet: streaming an int into a TORCH_CHECK
+// message segfaulted instead of raising. Only whole strings reach TORCH_CHECK.
+namespace detail {
+
+inline std::string message_part(const std::string& s) { return s; }
+inline std::string message_part(const char* s) { return s; }
+inline std::string message_part(char c) { return std::string(1, c); }
+inline std::string message_part(bool b) { return b ? "true" : "false"; }
+inline std::string message_part(c10::IntArrayRef sizes) { return shape_str(sizes); }
+inline std::string message_part(at::ScalarType t) { return dtype_name(t); }
+inline std::string message_part(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+inline std::string message_part(float v) { return message_part(static_cast<double>(v)); }
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+inline std::string message_part(T v) {
+  return std::to_string(v);
+}
+
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::string out;
+  (out += ... += message_part(args));
+  return out;
+}
+
+}  // namespace detail
 }  // namespace torchkern
 
 // Names the op for the checks that follow in this scope.
 #define TORCHKERN_OP(name) [[maybe_unused]] static constexpr const char* torchkern_op_name = "torchkern." name
 
-#define TORCHKERN_CHECK_CUDA(x) \
-  TORCH_CHECK((x).is_cuda(), torchkern_op_name, ": " #x " must be a CUDA tensor, got ", (x).device().str())
+// Free-form check with the op's name in front; arguments may be strings, numbers,
+// shapes (x.sizes()) and dtypes: TORCHKERN_CHECK(s > 0, "step_size must be > 0, got ", s).
+#define TORCHKERN_CHECK(cond, ...) \
+  TORCH_CHECK((cond), ::torchkern::detail::message(torchkern_op_name, ": ", __VA_ARGS__))
 
-#define TORCHKERN_CHECK_FLOAT(x)                                                                         \
-  TORCH_CHECK(::torchkern::is_supported_float((x).scalar_type()), torchkern_op_name,                     \
-              ": " #x " must be float32, float64, float16 or bfloat16, got ", ::torchkern::dtype_name((x).scalar_type()))
+#define TORCHKERN_CHECK_CUDA(x) TORCHKERN_CHECK((x).is_cuda(), #x " must be a CUDA tensor, got ", (x).device().str())
 
-#define TORCHKERN_CHECK_SAME_DTYPE(ref, x)                                                               \
-  TORCH_CHECK((x).scalar_type() == (ref).scalar_type(), torchkern_op_name, ": " #x " must have dtype ", \
-              ::torchkern::dtype_name((ref).scalar_type()), " like " #ref ", got ",                      \
-              ::torchkern::dtype_name((x).scalar_type()))
+#define TORCHKERN_CHECK_FLOAT(x)                                                          \
+  TORCHKERN_CHECK(::torchkern::is_supported_float((x).scalar_type()),                     \
+                  #x " must be float32, float64, float16 or bfloat16, got ", (x).scalar_type())
 
-#define TORCHKERN_CHECK_SAME_DEVICE(ref, x)                                                               \
-  TORCH_CHECK((x).device() == (ref).device(), torchkern_op_name, ": " #x " must be on ",                \
-              (ref).device().str(), " like " #ref ", got ", (x).device().str())
+#define TORCHKERN_CHECK_SAME_DTYPE(ref, x)                                                                 \
+  TORCHKERN_CHECK((x).scalar_type() == (ref).scalar_type(), #x " must have dtype ", (ref).scalar_type(), \
+                  " like " #ref ", got ", (x).scalar_type())
 
-#define TORCHKERN_CHECK_SAME_SHAPE(ref, x)                                                                \
-  TORCH_CHECK((x).sizes() == (ref).sizes(), torchkern_op_name, ": " #x " must have shape ",            \
-              ::torchkern::shape_str((ref).sizes()), " like " #ref ", got ", ::torchkern::shape_str((x).sizes()))
+#define TORCHKERN_CHECK_SAME_DEVICE(ref, x)                                                            \
+  TORCHKERN_CHECK((x).device() == (ref).device(), #x " must be on ", (ref).device().str(), " like " #ref \
+                  ", got ", (x).device().str())
+
+#define TORCHKERN_CHECK_SAME_SHAPE(ref, x) \
+  TORCHKERN_CHECK((x).sizes() == (ref).sizes(), #x " must have shape ", (ref).sizes(), " like " #ref ", got ", (x).sizes())
 
 // TORCHKERN_CHECK_DIM(x, 2, "[B, n]"): rank check that shows the expected layout.
-#define TORCHKERN_CHECK_DIM(x, ndim, layout)                                                              \
-  TORCH_CHECK((x).dim() == (ndim), torchkern_op_name, ": " #x " must have shape " layout " (", ndim,      \
-              " dims), got ", ::torchkern::shape_str((x).sizes()))
-
-// Free-form check with the op's name in front: TORCHKERN_CHECK(cond, "step_size must be > 0, got ", s).
-#define TORCHKERN_CHECK(cond, ...) TORCH_CHECK((cond), torchkern_op_name, ": ", __VA_ARGS__)
+#define TORCHKERN_CHECK_DIM(x, ndim, layout) \
+  TORCHKERN_CHECK((x).dim() == (ndim), #x " must have shape " layout " (", ndim, " dims), got ", (x).sizes())

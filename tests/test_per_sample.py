@@ -1,0 +1,167 @@
+"""per_sample: linear_grad_sq_norms against its twin and materialized gradients; per-sample gradients and
+norms against torch.func; opcheck; bad inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchkern
+from torchkern import ref
+from torchkern.per_sample import linear_grad_sq_norms, per_sample_grad_norms, per_sample_gradients
+from testing import devices, dtypes, randn
+
+SHAPES = [((5, 7), (5, 9)), ((5, 3, 7), (5, 3, 9)), ((4, 32, 64), (4, 32, 48)), ((3, 70, 130), (3, 70, 66)),
+          ((2, 33, 1025), (2, 33, 1023)), ((2, 600, 40), (2, 600, 50)), ((0, 4), (0, 3)), ((2, 0, 4), (2, 0, 3))]
+RTOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def materialized_sq_norms(a, g, bias):
+    a, g = a.double(), g.double()
+    if a.dim() == 2:
+        a, g = a.unsqueeze(1), g.unsqueeze(1)
+    w = torch.einsum("bto,bti->boi", g, a)
+    out = w.square().sum((1, 2))
+    return out + g.sum(1).square().sum(1) if bias else out
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("shapes", SHAPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_norms_against_materialized(device, dtype, shapes, bias):
+    a, g = randn(*shapes[0], dtype=dtype, device=device), randn(*shapes[1], dtype=dtype, device=device)
+    out = linear_grad_sq_norms(a, g, bias)
+    assert out.dtype == ref.per_sample.opmath_dtype(dtype) and out.shape == (a.shape[0],)
+    expected = materialized_sq_norms(a, g, bias)
+    torch.testing.assert_close(out.double(), expected, rtol=RTOL[dtype], atol=1e-9)
+    twin = ref.per_sample.linear_grad_sq_norms(a, g, bias)
+    torch.testing.assert_close(out, twin, rtol=RTOL[dtype], atol=1e-9)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_norms_noncontiguous(device):
+    a = randn(4, 8, 40, device=device).transpose(0, 1)[:4]
+    g = randn(4, 8, 24, device=device).transpose(0, 1)[:4]
+    torch.testing.assert_close(linear_grad_sq_norms(a, g, True), ref.per_sample.linear_grad_sq_norms(a, g, True))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("seq", [False, True])
+def test_opcheck(device, seq):
+    shape = (3, 5) if not seq else (3, 4, 5)
+    a, g = randn(*shape, device=device), randn(*shape[:-1], 6, device=device)
+    torch.library.opcheck(torch.ops.torchkern.linear_grad_sq_norms.default, (a, g, True))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_compile_fullgraph(device):
+    a, g = randn(3, 4, 5, device=device), randn(3, 4, 6, device=device)
+    compiled = torch.compile(lambda x, y: linear_grad_sq_norms(x, y, True), fullgraph=True)
+    torch.testing.assert_close(compiled(a, g), linear_grad_sq_norms(a, g, True))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_norms_bad_inputs(device):
+    a, g = randn(3, 5, device=device), randn(3, 6, device=device)
+    op = "torchkern.linear_grad_sq_norms: "
+    with pytest.raises(RuntimeError, match=op + "g must have dtype float32 like a, got float64"):
+        linear_grad_sq_norms(a, g.double())
+    with pytest.raises(RuntimeError, match=op + "a must be float32, float64, float16 or bfloat16, got int64"):
+        linear_grad_sq_norms(a.long(), g)
+    with pytest.raises(RuntimeError, match=op + r"a must have shape \[B, d_in\] or \[B, T, d_in\], got \[3\]"):
+        linear_grad_sq_norms(a[:, 0], g)
+    with pytest.raises(RuntimeError, match=op + r"g must have shape \[B, d_out\] with B like a \[3, 5\], got \[2, 6\]"):
+        linear_grad_sq_norms(a, g[:2])
+    with pytest.raises(RuntimeError, match=op + r"g must have shape \[B, T, d_out\] with B, T like a \[3, 4, 5\], "
+                                              r"got \[3, 2, 6\]"):
+        linear_grad_sq_norms(randn(3, 4, 5, device=device), randn(3, 2, 6, device=device))
+
+
+def mlp(seq_out=3):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, seq_out))
+
+
+def mse_sum(o, t):
+    return nn.functional.mse_loss(o, t, reduction="sum")
+
+
+INPUTS = [(6, 10), (6, 4, 10), (6, 2, 3, 10)]
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("shape", INPUTS, ids=str)
+@pytest.mark.parametrize("loss_reduction", [None, "sum"])
+def test_fused_gradients_match_torch_func(device, shape, loss_reduction):
+    model = mlp().to(device)
+    x, y = randn(*shape, device=device), randn(*shape[:-1], 3, device=device)
+    fused = per_sample_gradients(model, mse_sum, x, y, method="fused", loss_reduction=loss_reduction)
+    func = per_sample_gradients(model, mse_sum, x, y, method="func")
+    assert list(fused) == list(func) == [n for n, _ in model.named_parameters()]
+    for name in func:
+        assert fused[name].shape == (6, *model.get_parameter(name).shape)
+        torch.testing.assert_close(fused[name], func[name], rtol=1e-5, atol=1e-5)
+    norms = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction=loss_reduction)
+    expected = torch.cat([g.flatten(1) for g in func.values()], 1).norm(dim=1)
+    torch.testing.assert_close(norms, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_mean_reduction_and_cross_entropy(device):
+    model = mlp().to(device)
+    x, y = randn(5, 10, device=device), torch.randint(0, 3, (5,), device=device)
+    ce = nn.functional.cross_entropy  # mean over the batch
+    func = per_sample_gradients(model, ce, x, y, method="func")
+    fused = per_sample_gradients(model, ce, x, y, method="fused", loss_reduction="mean")
+    for name in func:
+        torch.testing.assert_close(fused[name], func[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_non_linear_models_use_torch_func(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 8), nn.LayerNorm(8), nn.Linear(8, 3)).to(device)
+    x, y = randn(5, 10, device=device), randn(5, 3, device=device)
+    grads = per_sample_gradients(model, mse_sum, x, y)
+    assert "1.weight" in grads and grads["1.weight"].shape == (5, 8)
+    expected = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y), expected)
+    with pytest.raises(ValueError, match="method='fused' needs every trainable parameter to belong to an nn.Linear"):
+        per_sample_gradients(model, mse_sum, x, y, method="fused")
+
+
+def test_linear_called_twice_falls_back():
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, nn.Tanh(), lin)
+    x, y = randn(3, 4), randn(3, 4)
+    auto = per_sample_gradients(model, mse_sum, x, y)
+    func = per_sample_gradients(model, mse_sum, x, y, method="func")
+    for name in func:
+        torch.testing.assert_close(auto[name], func[name])
+    with pytest.raises(ValueError, match="called exactly once per forward"):
+        per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+
+
+def test_frozen_weight_and_bias_only():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    x, y = randn(4, 10), randn(4, 3)
+    fused = per_sample_gradients(model, mse_sum, x, y, method="fused")
+    func = per_sample_gradients(model, mse_sum, x, y, method="func")
+    assert "0.weight" not in fused and list(fused) == list(func)
+    for name in func:
+        torch.testing.assert_close(fused[name], func[name])
+    expected = torch.cat([g.flatten(1) for g in func.values()], 1).norm(dim=1)
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, method="fused"), expected)
+
+
+def test_bad_arguments():
+    model, x, y = mlp(), randn(4, 10), randn(4, 3)
+    with pytest.raises(ValueError, match="method must be 'auto', 'fused' or 'func', got 'fast'"):
+        per_sample_gradients(model, mse_sum, x, y, method="fast")
+    with pytest.raises(ValueError, match="loss_reduction must be None, 'sum' or 'mean', got 'avg'"):
+        per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="avg")
+    with pytest.raises(ValueError, match=r"inputs and targets must share the batch dim 0, got \[4, 10\] and \[3, 3\]"):
+        per_sample_gradients(model, mse_sum, x, y[:3])
