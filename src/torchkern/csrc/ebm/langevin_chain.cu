@@ -17,6 +17,7 @@
 
 #include <tuple>
 
+#include "langevin_chain.cuh"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
 #include "torchkern/energies.cuh"
@@ -26,20 +27,9 @@
 namespace torchkern {
 namespace {
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxRowChunks = 8;  // row kernel: d <= 32 * 4 * 8 = 1024
-
-template <typename C>
-struct ChainArgs {
-  const C* noise;  // [n_steps, B, d] or null
-  int64_t batch;
-  int d;
-  int n_steps, thin, kept;  // kept = n_steps // thin when the trajectory is asked, else 0
-  bool clamp;
-  EnergyParams<C> p;
-  StepParams<C> s;
-};
+using chain::ChainArgs;
+using chain::kMaxRowChunks;
+using chain::kThreads;
 
 template <int kKind, typename T>
 __global__ void __launch_bounds__(kThreads)
@@ -89,130 +79,12 @@ chain_elementwise_kernel(const T* __restrict__ x,  // [B, d]
   }
 }
 
-template <typename C>
-__device__ __forceinline__ C warp_sum(C v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
-
-template <int kKind, int kChunks, typename T>
-__global__ void __launch_bounds__(kThreads)
-chain_row_kernel(const T* __restrict__ x,  // [B, d]
-                 T* __restrict__ out,      // [B, d]
-                 T* __restrict__ traj,     // [B, kept, d]
-                 ChainArgs<at::opmath_type<T>> a, at::PhiloxCudaState philox) {
-  using C = at::opmath_type<T>;
-  constexpr unsigned kFull = 0xffffffffu;
-  const int lane = threadIdx.x & 31;
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
-  if (r >= a.batch) return;  // whole warps leave together
-  const int d = a.d;
-  const int64_t n = a.batch * d, row_base = r * d;
-  const bool groups_aligned = d % 4 == 0;  // then each chunk is one Philox group
-  const PhiloxKey key = a.noise ? PhiloxKey{} : unpack_key(philox);
-  C v[kChunks][4];
-#pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int j = 4 * (lane + 32 * k) + c;
-      v[k][c] = j < d ? static_cast<C>(x[row_base + j]) : C(0);
-    }
-  }
-#pragma unroll 1
-  for (int t = 0; t < a.n_steps; ++t) {
-    C grad[kChunks][4];
-    if constexpr (kKind == kRosenbrock) {
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-        const C next_same = __shfl_down_sync(kFull, v[k][0], 1);
-        const C next_wrap = __shfl_sync(kFull, v[k + 1 < kChunks ? k + 1 : k][0], 0);
-        const C prev_same = __shfl_up_sync(kFull, v[k][3], 1);
-        const C prev_wrap = __shfl_sync(kFull, v[k > 0 ? k - 1 : k][3], 31);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int j = 4 * (lane + 32 * k) + c;
-          const C xn = c < 3 ? v[k][c + 1] : (lane < 31 ? next_same : next_wrap);
-          const C xp = c > 0 ? v[k][c - 1] : (lane > 0 ? prev_same : prev_wrap);
-          grad[k][c] = rosenbrock_grad(v[k][c], xp, xn, j > 0, j + 1 < d, a.p);
-        }
-      }
-    } else {  // Ackley
-      C s2 = C(0), sc = C(0);
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          if (4 * (lane + 32 * k) + c < d) {
-            s2 += v[k][c] * v[k][c];
-            sc += cos(a.p.p2 * v[k][c]);
-          }
-        }
-      }
-      const AckleyTerms<C> terms = ackley_terms(warp_sum(s2), warp_sum(sc), d, a.p);
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) grad[k][c] = terms.radial * v[k][c] + terms.wave * sin(a.p.p2 * v[k][c]);
-      }
-    }
-    const bool keep = a.kept && (t + 1) % a.thin == 0;
-    const int slot = (t + 1) / a.thin - 1;
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      const int j0 = 4 * (lane + 32 * k);
-      if (j0 >= d) continue;
-      float4 e4{};
-      if (!a.noise && groups_aligned) e4 = normal4(key, t, (row_base + j0) / 4);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int j = j0 + c;
-        if (j >= d) break;
-        const int64_t i = row_base + j;
-        C eps;
-        if (a.noise) {
-          eps = a.noise[t * n + i];
-        } else if (groups_aligned) {
-          eps = static_cast<C>(component(e4, c));
-        } else {
-          eps = static_cast<C>(component(normal4(key, t, i / 4), static_cast<int>(i % 4)));
-        }
-        v[k][c] = langevin_update(v[k][c], grad[k][c], eps, a.s, a.clamp);
-        if (keep) traj[(r * a.kept + slot) * d + j] = static_cast<T>(v[k][c]);
-      }
-    }
-  }
-#pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int j = 4 * (lane + 32 * k) + c;
-      if (j < d) out[row_base + j] = static_cast<T>(v[k][c]);
-    }
-  }
-}
-
 template <int kKind, typename T>
 void launch_elementwise(const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
                         const at::PhiloxCudaState& philox) {
   const int64_t groups = (a.batch * a.d + 3) / 4;
   const unsigned grid = static_cast<unsigned>((groups + kThreads - 1) / kThreads);
   chain_elementwise_kernel<kKind, T><<<grid, kThreads, 0, current_stream()>>>(x, out, traj, a, philox);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <int kKind, typename T>
-void launch_row(int chunks, const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
-                const at::PhiloxCudaState& philox) {
-  const unsigned grid = static_cast<unsigned>((a.batch + kWarps - 1) / kWarps);
-  const cudaStream_t stream = current_stream();
-  switch (chunks) {
-    case 1: chain_row_kernel<kKind, 1, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
-    case 2: chain_row_kernel<kKind, 2, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
-    case 4: chain_row_kernel<kKind, 4, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
-    default: chain_row_kernel<kKind, kMaxRowChunks, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox);
-  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -301,11 +173,7 @@ std::tuple<at::Tensor, at::Tensor> langevin_chain_cuda(const at::Tensor& x, int6
       default: {
         const int64_t need = (d + 127) / 128;
         const int chunks = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : kMaxRowChunks;
-        if (kind == kRosenbrock) {
-          launch_row<kRosenbrock, scalar_t>(chunks, xin, xout, tp, a, philox);
-        } else {
-          launch_row<kAckley, scalar_t>(chunks, xin, xout, tp, a, philox);
-        }
+        chain::launch_rows<scalar_t>(static_cast<int>(kind), chunks, xin, xout, tp, a, philox);
       }
     }
   });

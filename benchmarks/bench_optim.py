@@ -1,0 +1,4 @@
+from conftest import family_benchmark
+
+FAMILY = "optim"
+test_optim = family_benchmark(FAMILY)

@@ -1,0 +1,154 @@
+// langevin_chain for row-coupled energies (Rosenbrock, Ackley): one warp owns a row (see
+// langevin_chain.cu for the layout and the noise contract).
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+
+#include "langevin_chain.cuh"
+#include "torchkern/launch.h"
+#include "torchkern/philox.cuh"
+
+namespace torchkern {
+namespace chain {
+namespace {
+
+template <typename C>
+__device__ __forceinline__ C warp_sum(C v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+template <int kKind, int kChunks, typename T>
+__global__ void __launch_bounds__(kThreads)
+chain_row_kernel(const T* __restrict__ x,  // [B, d]
+                 T* __restrict__ out,      // [B, d]
+                 T* __restrict__ traj,     // [B, kept, d]
+                 ChainArgs<at::opmath_type<T>> a, at::PhiloxCudaState philox) {
+  using C = at::opmath_type<T>;
+  constexpr unsigned kFull = 0xffffffffu;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (r >= a.batch) return;  // whole warps leave together
+  const int d = a.d;
+  const int64_t n = a.batch * d, row_base = r * d;
+  const bool groups_aligned = d % 4 == 0;  // then each chunk is one Philox group
+  const PhiloxKey key = a.noise ? PhiloxKey{} : unpack_key(philox);
+  C v[kChunks][4];
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = 4 * (lane + 32 * k) + c;
+      v[k][c] = j < d ? static_cast<C>(x[row_base + j]) : C(0);
+    }
+  }
+#pragma unroll 1
+  for (int t = 0; t < a.n_steps; ++t) {
+    C grad[kChunks][4];
+    if constexpr (kKind == kRosenbrock) {
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const C next_same = __shfl_down_sync(kFull, v[k][0], 1);
+        const C next_wrap = __shfl_sync(kFull, v[k + 1 < kChunks ? k + 1 : k][0], 0);
+        const C prev_same = __shfl_up_sync(kFull, v[k][3], 1);
+        const C prev_wrap = __shfl_sync(kFull, v[k > 0 ? k - 1 : k][3], 31);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int j = 4 * (lane + 32 * k) + c;
+          const C xn = c < 3 ? v[k][c + 1] : (lane < 31 ? next_same : next_wrap);
+          const C xp = c > 0 ? v[k][c - 1] : (lane > 0 ? prev_same : prev_wrap);
+          grad[k][c] = rosenbrock_grad(v[k][c], xp, xn, j > 0, j + 1 < d, a.p);
+        }
+      }
+    } else {  // Ackley
+      C s2 = C(0), sc = C(0);
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (4 * (lane + 32 * k) + c < d) {
+            s2 += v[k][c] * v[k][c];
+            sc += cos(a.p.p2 * v[k][c]);
+          }
+        }
+      }
+      const AckleyTerms<C> terms = ackley_terms(warp_sum(s2), warp_sum(sc), d, a.p);
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) grad[k][c] = terms.radial * v[k][c] + terms.wave * sin(a.p.p2 * v[k][c]);
+      }
+    }
+    const bool keep = a.kept && (t + 1) % a.thin == 0;
+    const int slot = (t + 1) / a.thin - 1;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int j0 = 4 * (lane + 32 * k);
+      if (j0 >= d) continue;
+      float4 e4{};
+      if (!a.noise && groups_aligned) e4 = normal4(key, t, (row_base + j0) / 4);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int j = j0 + c;
+        if (j >= d) break;
+        const int64_t i = row_base + j;
+        C eps;
+        if (a.noise) {
+          eps = a.noise[t * n + i];
+        } else if (groups_aligned) {
+          eps = static_cast<C>(component(e4, c));
+        } else {
+          eps = static_cast<C>(component(normal4(key, t, i / 4), static_cast<int>(i % 4)));
+        }
+        v[k][c] = langevin_update(v[k][c], grad[k][c], eps, a.s, a.clamp);
+        if (keep) traj[(r * a.kept + slot) * d + j] = static_cast<T>(v[k][c]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = 4 * (lane + 32 * k) + c;
+      if (j < d) out[row_base + j] = static_cast<T>(v[k][c]);
+    }
+  }
+}
+
+}  // namespace
+
+template <int kKind, typename T>
+static void launch_row(int chunks, const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
+                const at::PhiloxCudaState& philox) {
+  const unsigned grid = static_cast<unsigned>((a.batch + kWarps - 1) / kWarps);
+  const cudaStream_t stream = current_stream();
+  switch (chunks) {
+    case 1: chain_row_kernel<kKind, 1, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    case 2: chain_row_kernel<kKind, 2, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    case 4: chain_row_kernel<kKind, 4, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    default: chain_row_kernel<kKind, kMaxRowChunks, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
+                 const at::PhiloxCudaState& philox) {
+  if (kind == kRosenbrock) {
+    launch_row<kRosenbrock, T>(chunks, x, out, traj, a, philox);
+  } else {
+    launch_row<kAckley, T>(chunks, x, out, traj, a, philox);
+  }
+}
+
+#define TORCHKERN_INSTANTIATE_ROWS(T)                                                                      \
+  template void launch_rows<T>(int, int, const T*, T*, T*, const ChainArgs<at::opmath_type<T>>&, \
+                               const at::PhiloxCudaState&);
+TORCHKERN_INSTANTIATE_ROWS(float)
+TORCHKERN_INSTANTIATE_ROWS(double)
+TORCHKERN_INSTANTIATE_ROWS(at::Half)
+TORCHKERN_INSTANTIATE_ROWS(at::BFloat16)
+#undef TORCHKERN_INSTANTIATE_ROWS
+
+}  // namespace chain
+}  // namespace torchkern

@@ -1,0 +1,283 @@
+"""Shampoo with layer-wise grafting, blocked preconditioners and batched inverse roots.
+
+Per parameter (viewed as a matrix, split into blocks of at most ``max_preconditioner_dim``
+on each side) and per block with gradient block ``G``:
+
+    L <- beta2 L + G G^T,    R <- beta2 R + G^T G                        (every step)
+    L_root = (L + eps_L I)^(-1/4),  R_root = (R + eps_R I)^(-1/4)          (every precondition_frequency steps)
+    P = L_root M R_root                                                   (every step, cached roots)
+    direction = P * ||D|| / ||P||                                         (grafting, per block)
+    param <- param (1 - lr weight_decay) - lr direction
+
+``M`` is the filtered gradient (beta1 EMA of the gradient with Adam's bias correction; the raw
+gradient when beta1 = 0) and ``D`` the grafting method's direction for ``M``: Adam's
+``M / (sqrt(v_hat) + grafting_eps)`` with ``v`` an EMA of squared gradients (``grafting_beta2``),
+or AdaGrad's ``M / (sqrt(sum g^2) + grafting_eps)``. With ``grafting=None`` the direction is ``P``
+itself. Parameters with fewer than 2 dims take ``D`` (``M`` when ``grafting=None``); parameters with
+more (conv weights) are viewed as ``(shape[0], prod(shape[1:]))``.
+
+All inverse roots due at a step are computed by one batched
+:func:`torchkern.linalg.matrix_inverse_root` call per block size, across all parameters and
+param groups.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+
+from ._common import check_arg, is_int, is_real, load_state_dict_keeping_dtypes, no_autocast, stats_dtype
+
+_GRAFTINGS = ("adam", "adagrad", None)
+_STAT_KEYS = frozenset({"exp_avg", "graft_sq", "L", "R", "L_root", "R_root"})
+_TINY = 1e-30
+
+
+def _splits(size: int, max_dim: int) -> list[int]:
+    """``size`` cut into as few blocks of at most ``max_dim`` as possible, of near-equal sizes."""
+    count = -(-size // max_dim)
+    base, extra = divmod(size, count)
+    return [base + 1] * extra + [base] * (count - extra)
+
+
+class Shampoo(torch.optim.Optimizer):
+    """Shampoo (Gupta et al. 2018; Anil et al. 2020; Shi et al. 2023) with grafting.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (>= 0).
+        betas: ``(beta1, beta2)``. beta1 in [0, 1): EMA of the gradient (bias-corrected) that is
+            preconditioned and grafted; beta2 in (0, 1]: decay of the Kronecker factors
+            ``L <- beta2 L + G G^T`` (1.0: plain sums, as in AdaGrad).
+        eps: *relative* regularization of the factors: each factor ``S`` is rooted as
+            ``(S + eps * ||S||_F I)^(-1/4)``. Relative to the factor's own scale (which grows
+            with the step count and with the gradients' magnitude), it bounds the condition
+            number the root sees by ``1 + 1/eps``; a fixed absolute epsilon such as 1e-12 is
+            lost in float32 next to factors of norm 1e3 and leaves rank-deficient factors
+            (early steps, small batches) singular. Default 1e-6.
+        precondition_frequency: recompute the inverse roots every this many steps (>= 1).
+        start_preconditioning_step: the first step (counting from 1) that uses the Shampoo
+            direction; before it, the grafting direction. Default (None): precondition_frequency.
+            Statistics accumulate from the first step.
+        max_preconditioner_dim: larger dims are split into blocks of at most this size (>= 1).
+        grafting: ``"adam"``, ``"adagrad"`` or ``None``.
+        weight_decay: decoupled (AdamW-style) weight decay (>= 0).
+        grafting_beta2, grafting_eps: Adam/AdaGrad grafting's second-moment decay and epsilon.
+        root_method: ``method`` of :func:`torchkern.linalg.matrix_inverse_root`.
+
+    Raises ValueError naming the argument for invalid hyperparameters, RuntimeError for sparse
+    gradients. Under ``torch.autocast`` with ``GradScaler``, ``scaler.step(opt)`` unscales the
+    gradients and skips ``step`` when they contain inf/NaN, so the statistics never see them.
+    Roots that come back non-finite are discarded (the previous roots stay in use).
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 1.0),
+                 eps: float = 1e-6, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
+                 max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
+                 grafting_beta2: float = 0.999, grafting_eps: float = 1e-8, root_method: str = "auto"):
+        name = "Shampoo"
+        check_arg(name, "lr", lr, is_real(lr) and lr >= 0, "must be a number >= 0")
+        check_arg(name, "betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
+                  and all(is_real(b) for b in betas), "must be a pair of numbers (beta1, beta2)")
+        check_arg(name, "betas[0]", betas[0], 0.0 <= betas[0] < 1.0, "beta1 must be in [0, 1)")
+        check_arg(name, "betas[1]", betas[1], 0.0 < betas[1] <= 1.0, "beta2 must be in (0, 1]")
+        check_arg(name, "eps", eps, is_real(eps) and eps > 0, "must be a number > 0 (relative to each factor's norm)")
+        check_arg(name, "precondition_frequency", precondition_frequency,
+                  is_int(precondition_frequency) and precondition_frequency >= 1, "must be an integer >= 1")
+        if start_preconditioning_step is None:
+            start_preconditioning_step = precondition_frequency
+        check_arg(name, "start_preconditioning_step", start_preconditioning_step,
+                  is_int(start_preconditioning_step) and start_preconditioning_step >= 1,
+                  "must be an integer >= 1 (steps count from 1) or None")
+        check_arg(name, "max_preconditioner_dim", max_preconditioner_dim,
+                  is_int(max_preconditioner_dim) and max_preconditioner_dim >= 1, "must be an integer >= 1")
+        check_arg(name, "grafting", grafting, grafting in _GRAFTINGS, "must be 'adam', 'adagrad' or None")
+        check_arg(name, "weight_decay", weight_decay, is_real(weight_decay) and weight_decay >= 0,
+                  "must be a number >= 0")
+        check_arg(name, "grafting_beta2", grafting_beta2, is_real(grafting_beta2) and 0.0 <= grafting_beta2 < 1.0,
+                  "must be in [0, 1)")
+        check_arg(name, "grafting_eps", grafting_eps, is_real(grafting_eps) and grafting_eps > 0, "must be > 0")
+        check_arg(name, "root_method", root_method, isinstance(root_method, str), "must be a string")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, precondition_frequency=precondition_frequency,
+                        start_preconditioning_step=start_preconditioning_step,
+                        max_preconditioner_dim=max_preconditioner_dim, grafting=grafting, weight_decay=weight_decay,
+                        grafting_beta2=grafting_beta2, grafting_eps=grafting_eps, root_method=root_method)
+        super().__init__(params, defaults)
+
+    # ------------------------------------------------------------------ state
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if state:
+            return state
+        dtype = stats_dtype(p)
+        state["step"] = 0
+        if group["betas"][0] > 0:
+            state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+        if group["grafting"] is not None:
+            state["graft_sq"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+        if p.dim() >= 2 and p.numel() > 0:
+            rows, cols = self._block_sizes(p, group)
+            eye = lambda n: torch.eye(n, dtype=dtype, device=p.device)  # noqa: E731
+            state["L"] = [torch.zeros(r, r, dtype=dtype, device=p.device) for r in rows for _ in cols]
+            state["R"] = [torch.zeros(c, c, dtype=dtype, device=p.device) for _ in rows for c in cols]
+            state["L_root"] = [eye(r) for r in rows for _ in cols]
+            state["R_root"] = [eye(c) for _ in rows for c in cols]
+        return state
+
+    @staticmethod
+    def _block_sizes(p: torch.Tensor, group: dict) -> tuple[list[int], list[int]]:
+        m = p.shape[0]
+        n = p.numel() // m
+        d = group["max_preconditioner_dim"]
+        return _splits(m, d), _splits(n, d)
+
+    @staticmethod
+    def _blocks(matrix: torch.Tensor, rows: list[int], cols: list[int]) -> list[torch.Tensor]:
+        return [blk for row in matrix.split(rows, 0) for blk in row.split(cols, 1)]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One optimization step; ``closure`` (re-evaluating the loss) is optional."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with no_autocast():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        roots_due: dict[tuple, list] = defaultdict(list)
+        work = []  # (param, group, state, filtered grad M, graft direction D or None)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            grads = []
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("Shampoo does not support sparse gradients")
+                state = self._init_state(p, group)
+                state["step"] += 1
+                grads.append(p.grad.to(stats_dtype(p)))
+
+            # Filtered gradient M (bias-corrected EMA), one foreach call per group.
+            if beta1 > 0:
+                exp_avgs = [self.state[p]["exp_avg"] for p in params]
+                torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+                filtered = torch._foreach_div(exp_avgs, [1.0 - beta1 ** self.state[p]["step"] for p in params])
+            else:
+                filtered = grads
+
+            # Grafting direction D.
+            grafted = [None] * len(params)
+            if group["grafting"] is not None:
+                sqs = [self.state[p]["graft_sq"] for p in params]
+                if group["grafting"] == "adam":
+                    b2 = group["grafting_beta2"]
+                    torch._foreach_mul_(sqs, b2)
+                    torch._foreach_addcmul_(sqs, grads, grads, 1.0 - b2)
+                    denoms = torch._foreach_div(sqs, [1.0 - b2 ** self.state[p]["step"] for p in params])
+                    torch._foreach_sqrt_(denoms)
+                else:
+                    torch._foreach_addcmul_(sqs, grads, grads, 1.0)
+                    denoms = torch._foreach_sqrt(sqs)
+                torch._foreach_add_(denoms, group["grafting_eps"])
+                grafted = torch._foreach_div(filtered, denoms)
+
+            # Kronecker factors (every step) and the roots due at this step.
+            for p, g, m, d in zip(params, grads, filtered, grafted):
+                state = self.state[p]
+                if "L" in state:
+                    rows, cols = self._block_sizes(p, group)
+                    g2 = g.reshape(p.shape[0], -1)
+                    for blk, left, right in zip(self._blocks(g2, rows, cols), state["L"], state["R"]):
+                        left.addmm_(blk, blk.T, beta=beta2)
+                        right.addmm_(blk.T, blk, beta=beta2)
+                    t, start = state["step"], group["start_preconditioning_step"]
+                    if t >= start and (t - start) % group["precondition_frequency"] == 0:
+                        for stats, roots in ((state["L"], state["L_root"]), (state["R"], state["R_root"])):
+                            for s, r in zip(stats, roots):
+                                key = (s.shape[-1], s.dtype, s.device, group["root_method"], group["eps"])
+                                roots_due[key].append((s, r))
+                work.append((p, group, state, m, d))
+
+        for (n, dtype, device, method, eps), pairs in roots_due.items():
+            self._update_roots(pairs, eps, method)
+
+        directions = self._directions(work)
+        for group in self.param_groups:
+            items = [(p, directions[p]) for p in group["params"] if p in directions]
+            if not items:
+                continue
+            params = [p for p, _ in items]
+            if group["weight_decay"] != 0:
+                torch._foreach_mul_(params, 1.0 - group["lr"] * group["weight_decay"])
+            torch._foreach_add_(params, [d.reshape(p.shape).to(p.dtype) for p, d in items], alpha=-group["lr"])
+
+    @staticmethod
+    def _update_roots(pairs: list, eps: float, method: str) -> None:
+        """All factors of one size: one batched inverse-4th-root call, scaled by each factor's norm."""
+        from .. import linalg
+
+        stats = torch.stack([s for s, _ in pairs])
+        scale = torch.linalg.matrix_norm(stats).clamp_min(_TINY)  # ||S||_F per factor
+        try:
+            roots = linalg.matrix_inverse_root(stats / scale[:, None, None], 4, eps=eps, method=method)
+        except RuntimeError as exc:
+            if "NaN or Inf" not in str(exc):
+                raise
+            raise RuntimeError("Shampoo: the Kronecker-factor statistics contain NaN/Inf: a step ran on non-finite "
+                               "gradients (under autocast, use GradScaler: scaler.step skips such steps)") from exc
+        roots = roots * scale.pow(-0.25)[:, None, None]  # (S/s + eps I)^(-1/4) s^(-1/4) = (S + eps s I)^(-1/4)
+        finite = torch.isfinite(roots).flatten(1).all(dim=1)
+        for i, (_, old) in enumerate(pairs):
+            old.copy_(torch.where(finite[i], roots[i], old))
+
+    def _directions(self, work: list) -> dict:
+        """The update direction of every parameter; preconditioned blocks of one shape in one batch."""
+        from .. import linalg
+
+        out = {}
+        buckets: dict[tuple, list] = defaultdict(list)  # (block shape, dtype, device, graft) -> blocks
+        assembled = []  # (param, rows, cols, first bucket entries)
+        for p, group, state, m, d in work:
+            if "L" not in state or state["step"] < group["start_preconditioning_step"]:
+                out[p] = d if d is not None else m
+                continue
+            rows, cols = self._block_sizes(p, group)
+            m_blocks = self._blocks(m.reshape(p.shape[0], -1), rows, cols)
+            d_blocks = (self._blocks(d.reshape(p.shape[0], -1), rows, cols) if d is not None
+                        else [None] * len(m_blocks))
+            slots = []
+            for mb, db, left, right in zip(m_blocks, d_blocks, state["L_root"], state["R_root"]):
+                key = (mb.shape, mb.dtype, mb.device, db is not None)
+                slots.append((key, len(buckets[key])))
+                buckets[key].append((mb, db, left, right))
+            assembled.append((p, rows, cols, slots))
+        results = {}
+        for key, entries in buckets.items():
+            M = torch.stack([e[0] for e in entries])
+            P = linalg.kron_precondition(M, torch.stack([e[2] for e in entries]), torch.stack([e[3] for e in entries]))
+            if key[3]:  # layer-wise (per block) grafting: Shampoo's direction at the grafting direction's norm
+                pn = torch.linalg.vector_norm(P, dim=(-2, -1))
+                dn = torch.linalg.vector_norm(torch.stack([e[1] for e in entries]), dim=(-2, -1))
+                P.mul_(torch.where(pn > 0, dn / pn.clamp_min(_TINY), 0.0)[:, None, None])
+            results[key] = P
+        for p, rows, cols, slots in assembled:
+            blocks = [results[key][i] for key, i in slots]
+            if len(blocks) == 1:
+                out[p] = blocks[0]
+            else:
+                n = len(cols)
+                out[p] = torch.cat([torch.cat(blocks[i:i + n], dim=1) for i in range(0, len(blocks), n)], dim=0)
+        return out
