@@ -98,6 +98,34 @@ def test_gaussian_matches_twin(d, dtype, device):
             torch.testing.assert_close(got.double(), want, rtol=0, atol=_rel_tol(dtype) * d * mag)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("layout", ["contiguous", "noncontiguous", "misaligned"])
+@pytest.mark.parametrize("d", [1, 36, 67, 100])
+def test_gaussian_tile_edges(d, layout, dtype, device):
+    # The CUDA kernel's edges: B = 300 is no multiple of its 128-row tile, d = 67 and 100 need a
+    # second, partial 64-column pass, d = 1 and 67 are no multiple of 4 (the scalar path), as is
+    # x starting one element past an aligned address.
+    energy, _ = _gaussian(d, device, dtype, seed=1)
+    x = randn(300, d, dtype=dtype, device=device)
+    if layout == "noncontiguous":
+        x = noncontiguous(x)
+    elif layout == "misaligned":
+        x = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(300, d)
+    e, s = energy.energy_and_score(x)
+    hi = ref.gaussian_math(x.double(), energy.mean.double(), energy.precision.double())
+    lowp = ref.gaussian_math(x, energy.mean, energy.precision)
+    for got, want, want_lowp in ((e, hi[0], lowp[0]), (s, hi[1], lowp[1])):
+        assert got.dtype == dtype and got.shape == want.shape
+        if dtype in (torch.float16, torch.bfloat16):
+            err = (got.double() - want).abs().max().item()
+            base = (want_lowp.double() - want).abs().max().item()
+            assert err <= 2 * base + torch.finfo(dtype).eps * want.abs().max().item()
+        else:
+            mag = want.abs().max().item() + 1.0
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=_rel_tol(dtype) * d * mag)
+
+
 @pytest.mark.parametrize("name", list(ANALYTIC))
 def test_score_is_minus_autograd_of_the_formula(name):
     # The closed-form score against autograd through the energy formula (float64).

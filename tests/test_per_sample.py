@@ -1,5 +1,6 @@
 """per_sample: linear_grad_sq_norms against its twin and materialized gradients; per-sample gradients and
-norms against torch.func; opcheck; bad inputs."""
+norms against torch.func (also after the model changes between calls: the cached module scan); no host sync;
+opcheck; bad inputs."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 import torchkern
 from torchkern import ref
 from torchkern.per_sample import linear_grad_sq_norms, per_sample_grad_norms, per_sample_gradients
-from testing import devices, dtypes, randn
+from testing import cuda_devices, devices, dtypes, randn
 
 SHAPES = [((5, 7), (5, 9)), ((5, 3, 7), (5, 3, 9)), ((4, 32, 64), (4, 32, 48)), ((3, 70, 130), (3, 70, 66)),
           ((2, 33, 1025), (2, 33, 1023)), ((2, 600, 40), (2, 600, 50)), ((0, 4), (0, 3)), ((2, 0, 4), (2, 0, 3))]
@@ -165,3 +166,108 @@ def test_bad_arguments():
         per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="avg")
     with pytest.raises(ValueError, match=r"inputs and targets must share the batch dim 0, got \[4, 10\] and \[3, 3\]"):
         per_sample_gradients(model, mse_sum, x, y[:3])
+
+
+def func_norms(model, loss, x, y):
+    grads = per_sample_gradients(model, loss, x, y, method="func")
+    return torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], 1).norm(dim=1)
+
+
+def test_cached_scan_follows_model_changes():
+    """The module scan is cached per model: every change between calls must be seen."""
+    from torchkern import per_sample
+    model, x, y = mlp(), randn(5, 10), randn(5, 3)
+
+    def check(fused: bool):
+        torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y), func_norms(model, mse_sum, x, y))
+        if not fused:
+            with pytest.raises(ValueError, match="method='fused' needs"):
+                per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+        assert (per_sample._plan(model).layers is not None) == fused
+        assert per_sample._plan(model) is per_sample._plan(model)  # cached while unchanged
+
+    check(True)
+    model[0].weight.requires_grad_(False)  # trainable set
+    check(True)
+    model[0].weight.requires_grad_(True)
+    model[2] = nn.Linear(16, 3)  # a replaced layer
+    check(True)
+    model[2].bias = None  # a removed parameter
+    check(True)
+    model[2].bias = nn.Parameter(torch.zeros(3))  # a new one
+    check(True)
+    model[1] = nn.Sequential(nn.LayerNorm(16))  # a non-Linear trainable parameter: torch.func only
+    check(False)
+    model[1][0] = nn.Tanh()  # changed one level down
+    check(True)
+    model.scale = nn.Parameter(torch.ones(()))  # a parameter on the root, no Linear's
+    check(False)
+    del model.scale
+    check(True)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_many_layers_and_mixed_dtypes(device):
+    torch.manual_seed(0)
+    layers = [nn.Linear(10, 10) for _ in range(5)]
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())], nn.Linear(10, 3)).to(device)
+    x, y = randn(6, 10, device=device), randn(6, 3, device=device)
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum"),
+                               func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+    model = mlp().to(device)
+    model[2].double()
+    model.insert(2, _ToDouble())
+    x, y = randn(6, 10, device=device), randn(6, 3, dtype=torch.float64, device=device)
+    out = per_sample_grad_norms(model, mse_sum, x, y, method="fused", loss_reduction="sum")
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, func_norms(model, mse_sum, x, y).double(), rtol=1e-5, atol=1e-5)
+
+
+class _ToDouble(nn.Module):
+    def forward(self, x):
+        return x.double()
+
+
+def test_under_no_grad():
+    model, x, y = mlp(), randn(5, 10), randn(5, 3)
+    expected = func_norms(model, mse_sum, x, y)
+    with torch.no_grad():
+        for reduction in (None, "sum"):
+            torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, loss_reduction=reduction), expected)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("loss", [nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss])
+def test_loss_module_reduction_skips_vmap(monkeypatch, loss, reduction):
+    from torchkern import per_sample
+    model, x, y = mlp(), randn(5, 4, 10), randn(5, 4, 3)
+    loss_fn = loss(reduction=reduction)
+    expected = func_norms(model, loss_fn, x, y)
+
+    def no_vmap(*args):
+        raise AssertionError("vmap over the loss should have been skipped")
+
+    monkeypatch.setattr(per_sample, "_per_sample_losses", no_vmap)
+    torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, y), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+@pytest.mark.parametrize("seq", [False, True])
+def test_no_host_sync(device, seq):
+    """Nothing in the fused path waits for the device (no .item(), .tolist(), bool(tensor), ...)."""
+    model = mlp().to(device)
+    shape = (6, 4, 10) if seq else (6, 10)
+    x, y = randn(*shape, device=device), randn(*shape[:-1], 3, device=device)
+    labels = torch.randint(0, 3, (6,), device=device)
+    expected = func_norms(model, mse_sum, x, y)
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum")
+        per_sample_grad_norms(model, nn.MSELoss(reduction="mean"), x, y)
+        if not seq:
+            per_sample_grad_norms(model, nn.functional.cross_entropy, x, labels, loss_reduction="mean")
+        per_sample_gradients(model, mse_sum, x, y, loss_reduction="sum")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

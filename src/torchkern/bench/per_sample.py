@@ -1,8 +1,11 @@
 """Cases for per-sample gradient norms and per-sample Linear gradients (issue 4's bars: Linear 1024 -> 1024, B = 256).
 
 * ``grad_norms/...``: the whole computation a DP-SGD step needs, from the model: torchkern's
-  ``per_sample_grad_norms`` (one batched forward/backward with hooks, then the ghost-norm kernel) against
-  torch.func per-sample gradients and their norms. The note gives each one's peak extra memory:
+  ``per_sample_grad_norms`` (one batched forward/backward with hooks, then the ghost-norm kernel, the loss
+  reduction passed as a user would) against torch.func per-sample gradients as a user writes them
+  (``vmap(grad(functional_call))``, then one norm per parameter and the norm of those), both over every
+  weight and bias. ``b256`` / ``b256_t32``: one Linear(1024, 1024) with a summed MSE; ``mlp_b256``:
+  Linear(1024, 1024) - ReLU - Linear(1024, 10) with cross-entropy (mean). The note gives each one's peak extra memory:
   ``torch.cuda.max_memory_allocated`` after a reset, minus the memory allocated before the call.
 * ``ghost_norm/...``: the norm op alone on captured (a, g) against the same formula in eager torch and compiled.
 * ``linear_grads/...``: per-sample Linear weight gradients from (a, g): ``batched_outer`` (no T; bytes = the
@@ -20,7 +23,7 @@ from torchkern import per_sample
 
 from . import Case, Prepared, synchronize
 
-B, D_IN, D_OUT, SEQ = 256, 1024, 1024, 32
+B, D_IN, D_OUT, SEQ, CLASSES = 256, 1024, 1024, 32, 10
 
 
 def _loss(out, target):
@@ -35,9 +38,29 @@ def _problem(device: str, seq: int | None, quick: bool):
     return model, torch.randn(*shape, device=device), torch.randn(*shape, device=device)
 
 
-def _func_norms(model, x, y):
-    grads = per_sample.per_sample_gradients(model, _loss, x, y, method="func")
-    return torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+def _torch_func_grads(model, loss, x, y):
+    """Per-sample gradients as a user writes them with torch.func: vmap(grad(functional_call))."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p, xi, yi):
+        return loss(torch.func.functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    return torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(params, x, y)
+
+
+def _torch_func_norms(model, loss, x, y):
+    """Their total norms the usual way (Opacus' clipping): one norm per parameter, then the norm of those
+    (no torch.cat copy of the per-sample gradients)."""
+    grads = _torch_func_grads(model, loss, x, y)
+    return torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
+
+
+def _mlp_problem(device: str, quick: bool):
+    """Linear(d, d) - ReLU - Linear(d, 10) with cross-entropy (mean) on B samples: a DP-SGD classifier."""
+    b, d = (8, 64) if quick else (B, D_IN)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, CLASSES)).to(device)
+    return model, torch.randn(b, d, device=device), torch.randint(0, CLASSES, (b,), device=device)
 
 
 def peak_extra_bytes(fn, device: str) -> int | None:
@@ -68,15 +91,19 @@ def _tag(seq):
     return "b256" if seq is None else f"b256_t{seq}"
 
 
-def _norms_case(device: str, seq: int | None, quick: bool) -> Case:
+def _norms_case(device: str, seq: int | None, quick: bool, mlp: bool = False) -> Case:
     def setup() -> Prepared:
-        model, x, y = _problem(device, seq, quick)
-        impls = {"torchkern": lambda: per_sample.per_sample_grad_norms(model, _loss, x, y, loss_reduction="sum"),
-                 "torch_func": lambda: _func_norms(model, x, y)}
+        if mlp:  # the loss reduction is passed as a user would (it is what makes the fused path skip vmap)
+            (model, x, y), loss, reduction = _mlp_problem(device, quick), nn.functional.cross_entropy, "mean"
+        else:
+            (model, x, y), loss, reduction = _problem(device, seq, quick), _loss, "sum"
+        impls = {"torchkern": lambda: per_sample.per_sample_grad_norms(model, loss, x, y, loss_reduction=reduction),
+                 "torch_func": lambda: _torch_func_norms(model, loss, x, y)}
         check = lambda: torch.testing.assert_close(impls["torchkern"](), impls["torch_func"](), rtol=1e-4, atol=1e-3)
         return Prepared(impls, check=check, note=_memory_note(impls, device))
 
-    return Case("per_sample", f"grad_norms/{_tag(seq)}", setup, device, ("torchkern", "torch_func"))
+    name = f"grad_norms/{'mlp_b256' if mlp else _tag(seq)}"
+    return Case("per_sample", name, setup, device, ("torchkern", "torch_func"))
 
 
 def _eager_ghost(a, g):
@@ -124,7 +151,7 @@ def _e2e_grads_case(device: str, seq: int | None, quick: bool) -> Case:
     def setup() -> Prepared:
         model, x, y = _problem(device, seq, quick)
         impls = {"torchkern": lambda: per_sample.per_sample_gradients(model, _loss, x, y, loss_reduction="sum"),
-                 "torch_func": lambda: per_sample.per_sample_gradients(model, _loss, x, y, method="func")}
+                 "torch_func": lambda: _torch_func_grads(model, _loss, x, y)}
 
         def check():
             ours, theirs = impls["torchkern"](), impls["torch_func"]()
@@ -141,4 +168,4 @@ def cases(device: str, quick: bool) -> list[Case]:
     for seq in (None, SEQ):
         out += [_norms_case(device, seq, quick), _ghost_case(device, seq, quick), _grads_case(device, seq, quick),
                 _e2e_grads_case(device, seq, quick)]
-    return out
+    return out + [_norms_case(device, None, quick, mlp=True)]

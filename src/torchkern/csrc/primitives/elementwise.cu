@@ -13,6 +13,8 @@
 #include "torchkern/launch.h"
 #include "torchkern/vec.cuh"
 
+#include <algorithm>
+
 namespace torchkern {
 namespace {
 
@@ -40,7 +42,10 @@ __device__ __forceinline__ T apply(const Op& op, T x, T y) {
   }
 }
 
-// out[i] = op(in0[i] [, in1[i]]) for i < n, in V-wide vectors (V = 1 when unaligned).
+// out[i] = op(in0[i] [, in1[i]]) for i < n, in V-wide vectors (V = 1 when unaligned). Each
+// thread issues all kUnroll loads before its first store and leaves: no grid-stride loop, so
+// registers stay low, occupancy high, and the scheduler balances blocks (as torch's own
+// vectorized kernel does).
 template <typename T, int V, int kInputs, typename Op>
 __global__ void __launch_bounds__(kThreads)
 elementwise_kernel(T* __restrict__ out,           // [n]
@@ -48,32 +53,31 @@ elementwise_kernel(T* __restrict__ out,           // [n]
                    const T* __restrict__ in1,     // [n], unused when kInputs == 1
                    int64_t n, Op op) {
   const int64_t nvec = n / V;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads * kUnroll;
-  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < nvec;
-       base += stride) {
-    Vec<T, V> x[kUnroll], y[kUnroll];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x;
+  Vec<T, V> x[kUnroll], y[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads;
-      if (i < nvec) {
-        x[u] = load_vec<T, V>(in0, i);
-        if constexpr (kInputs == 2) y[u] = load_vec<T, V>(in1, i);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t i = base + u * kThreads;
-      if (i < nvec) {
-        Vec<T, V> r;
-#pragma unroll
-        for (int k = 0; k < V; ++k) r.v[k] = apply<kInputs>(op, x[u].v[k], kInputs == 2 ? y[u].v[k] : T(0));
-        store_vec<T, V>(out, i, r);
-      }
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + u * kThreads;
+    if (i < nvec) {
+      x[u] = load_vec<T, V>(in0, i);
+      if constexpr (kInputs == 2) y[u] = load_vec<T, V>(in1, i);
     }
   }
-  // The last n % V elements, one per thread.
-  const int64_t tail = nvec * V + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (tail < n) out[tail] = apply<kInputs>(op, in0[tail], kInputs == 2 ? in1[tail] : T(0));
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t i = base + u * kThreads;
+    if (i < nvec) {
+      Vec<T, V> r;
+#pragma unroll
+      for (int k = 0; k < V; ++k) r.v[k] = apply<kInputs>(op, x[u].v[k], kInputs == 2 ? y[u].v[k] : T(0));
+      store_vec<T, V>(out, i, r);
+    }
+  }
+  // The last n % V elements: one each for the first threads of the grid.
+  if constexpr (V > 1) {
+    const int64_t tail = nvec * V + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+    if (tail < n) out[tail] = apply<kInputs>(op, in0[tail], kInputs == 2 ? in1[tail] : T(0));
+  }
 }
 
 template <int kInputs, typename T, typename Op>
@@ -81,14 +85,13 @@ void launch_elementwise(T* out, const T* in0, const T* in1, int64_t n, Op op) {
   constexpr int V = kVec16<T>;
   const bool aligned = is_aligned(out, 16) && is_aligned(in0, 16) && (kInputs == 1 || is_aligned(in1, 16));
   const cudaStream_t stream = current_stream();
+  constexpr int64_t per_block = static_cast<int64_t>(kThreads) * kUnroll;
   if (aligned) {
-    const auto kernel = elementwise_kernel<T, V, kInputs, Op>;
-    const unsigned grid = grid_for(kernel, kThreads, (n + V - 1) / V, kThreads * kUnroll);
-    kernel<<<grid, kThreads, 0, stream>>>(out, in0, in1, n, op);
+    const auto blocks = std::max<int64_t>(1, (n / V + per_block - 1) / per_block);
+    elementwise_kernel<T, V, kInputs><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(out, in0, in1, n, op);
   } else {
-    const auto kernel = elementwise_kernel<T, 1, kInputs, Op>;
-    const unsigned grid = grid_for(kernel, kThreads, n, kThreads * kUnroll);
-    kernel<<<grid, kThreads, 0, stream>>>(out, in0, in1, n, op);
+    const auto blocks = (n + per_block - 1) / per_block;
+    elementwise_kernel<T, 1, kInputs><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(out, in0, in1, n, op);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -1,0 +1,311 @@
+// Small dense matrices held in one thread block's shared memory: a register-tiled fp32/fp64
+// GEMM (in place: C = A * B may overwrite A or B), block reductions, and the coupled Newton
+// iteration for the matrix inverse p-th root of one matrix per block (DESIGN.md).
+//
+// Layout: an NMAX x NMAX matrix, row-major with leading dimension LD = NMAX + 4 (16-byte rows,
+// rows 4 banks apart). Matrices of size n < NMAX are zero-padded, and every product keeps the
+// padding zero, so the GEMM needs no bounds checks.
+//
+// Thread tiling: THREADS = TX * TY threads; thread (tx, ty) owns rows ty + TY*i (i < TM) and
+// columns 4*tx + 4*TX*j + e (j < TN4, e < 4). Per step of 4 k's it loads TM 4-wide A fragments
+// (rows of A, one 16-byte load each; the warp's two ty values make them broadcasts) and 4*TN4
+// 4-wide B fragments (a row of B, contiguous across tx), then does TM*4*TN4*4 FMAs: for
+// NMAX = 128 (8 x 8 tile, 256 threads) that is 256 FMAs per 16 loads.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace torchkern {
+
+// Stall rule of the Newton iteration; keep equal to STALL_BELOW / STALL_RATIO in ref/linalg.py.
+constexpr double kStallBelow = 1e-3;
+constexpr double kStallRatio = 0.5;
+
+namespace small_matrix {
+
+template <int NMAX_, int TM_, int TN4_>
+struct Config {
+  static constexpr int NMAX = NMAX_, TM = TM_, TN4 = TN4_;
+  static constexpr int TX = NMAX / (4 * TN4);  // threads along columns
+  static constexpr int TY = NMAX / TM;         // threads along rows
+  static constexpr int THREADS = TX * TY;
+  static constexpr int LD = NMAX + 4;
+  static_assert(TX <= 32 && 32 % TX == 0, "a row's threads must sit in one warp");
+  static_assert(THREADS % 32 == 0, "whole warps");
+  template <typename C>
+  static constexpr size_t smem_bytes() { return 3 * size_t(NMAX) * LD * sizeof(C); }
+};
+
+template <typename C>
+struct Four {
+  C v[4];
+};
+
+template <typename C>
+__device__ __forceinline__ Four<C> load4(const C* p) {
+  Four<C> r;
+  if constexpr (sizeof(C) == 4) {
+    const float4 t = *reinterpret_cast<const float4*>(p);
+    r.v[0] = t.x, r.v[1] = t.y, r.v[2] = t.z, r.v[3] = t.w;
+  } else {
+    const double2 a = reinterpret_cast<const double2*>(p)[0], b = reinterpret_cast<const double2*>(p)[1];
+    r.v[0] = a.x, r.v[1] = a.y, r.v[2] = b.x, r.v[3] = b.y;
+  }
+  return r;
+}
+
+template <typename C>
+__device__ __forceinline__ void store4(C* p, const C* v) {
+  if constexpr (sizeof(C) == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else {
+    reinterpret_cast<double2*>(p)[0] = make_double2(v[0], v[1]);
+    reinterpret_cast<double2*>(p)[1] = make_double2(v[2], v[3]);
+  }
+}
+
+// Block-wide sum / max through `scratch` (at least THREADS / 32 entries); every thread gets the result.
+template <int THREADS, typename C, bool kMax>
+__device__ __forceinline__ C block_reduce(C v, C* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const C w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = kMax ? (w > v || w != w ? w : v) : v + w;  // max propagates NaN
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read by the previous reduction
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < THREADS / 32; ++w) {
+    const C x = scratch[w];
+    v = kMax ? (x > v || x != x ? x : v) : v + x;
+  }
+  return v;
+}
+
+// dst = A * B over the padded NMAX x NMAX matrices (k up to kmax, a multiple of 4 >= n); dst may
+// be A or B. Returns ||dst - I_n||_inf when kErr (only meaningful with dst = M).
+template <typename Cfg, typename C, bool kErr>
+__device__ __forceinline__ C gemm_inplace(C* dst, const C* A, const C* B, int kmax, int n, C* scratch) {
+  constexpr int TM = Cfg::TM, TN = 4 * Cfg::TN4, TX = Cfg::TX, TY = Cfg::TY, LD = Cfg::LD;
+  const int tx = threadIdx.x % TX, ty = threadIdx.x / TX;
+  C acc[TM][TN];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = C(0);
+
+  const C* a_base = A + ty * LD;
+  const C* b_base = B + 4 * tx;
+#pragma unroll 1
+  for (int k0 = 0; k0 < kmax; k0 += 4) {
+    Four<C> a[TM];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) a[i] = load4(a_base + i * TY * LD + k0);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      Four<C> b[Cfg::TN4];
+#pragma unroll
+      for (int j = 0; j < Cfg::TN4; ++j) b[j] = load4(b_base + (k0 + kk) * LD + 4 * TX * j);
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] = fma(a[i].v[kk], b[j / 4].v[j % 4], acc[i][j]);
+    }
+  }
+  __syncthreads();  // everyone has read A and B: now dst may be overwritten
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < Cfg::TN4; ++j) store4(dst + (ty + i * TY) * LD + 4 * tx + 4 * TX * j, &acc[i][4 * j]);
+  C err = C(0);
+  if constexpr (kErr) {
+    // row sums of |dst - I| from the registers: partial over this thread's columns, then over the
+    // TX threads of the row (adjacent lanes), then the max over rows across the block
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+      const int r = ty + i * TY;
+      C s = C(0);
+#pragma unroll
+      for (int j = 0; j < TN; ++j) {
+        const int c = 4 * tx + 4 * TX * (j / 4) + (j % 4);
+        s += fabs(acc[i][j] - ((r == c && r < n) ? C(1) : C(0)));
+      }
+#pragma unroll
+      for (int o = TX / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      err = (s > err || s != s) ? s : err;
+    }
+    err = block_reduce<Cfg::THREADS, C, true>(err, scratch);
+  }
+  __syncthreads();
+  return err;
+}
+
+// ||M - I_n||_inf straight from shared memory (the initial error).
+template <typename Cfg, typename C>
+__device__ __forceinline__ C inf_norm_residual(const C* M, int n, C* scratch) {
+  C err = C(0);
+  for (int r = threadIdx.x; r < n; r += Cfg::THREADS) {
+    C s = C(0);
+    for (int c = 0; c < n; ++c) s += fabs(M[r * Cfg::LD + c] - (r == c ? C(1) : C(0)));
+    err = (s > err || s != s) ? s : err;
+  }
+  return block_reduce<Cfg::THREADS, C, true>(err, scratch);
+}
+
+
+// One matrix per block: the whole coupled Newton iteration in shared memory.
+// A = G + eps I, alpha = -1/p, z = (p+1) / (2 ||A||_F), X = z^(1/p) I, M = z A;
+// repeat P = (1 - alpha) I + alpha M; X <- X P; M <- P^p M (P^p by squaring, in place)
+// until err = ||M - I||_inf <= tol, the stall rule, a non-finite err, or max_iters.
+// Buffers: X, M, P (3 NMAX x LD). A matrix with a non-finite entry: root NaN, err NaN, iters 0.
+template <typename Cfg, typename T, typename C>
+__global__ void __launch_bounds__(Cfg::THREADS)
+newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
+                    T* __restrict__ out,      // [B, n, n]
+                    C* __restrict__ err_out,  // [B]
+                    int* __restrict__ iters_out,  // [B]
+                    int n, int p, C eps, int max_iters, C tol) {
+  constexpr int NMAX = Cfg::NMAX, LD = Cfg::LD, THREADS = Cfg::THREADS;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  C* X = reinterpret_cast<C*>(smem_raw);
+  C* M = X + NMAX * LD;
+  C* P = M + NMAX * LD;
+  __shared__ C scratch[THREADS / 32];
+  const int64_t b = blockIdx.x;
+  const T* g = G + b * n * n;
+  const int tid = threadIdx.x;
+
+  // zero all three buffers (the padding must stay zero), then load A = G + eps I into M
+  for (int i = tid; i < 3 * NMAX * LD; i += THREADS) X[i] = C(0);
+  __syncthreads();
+  C sq = C(0);
+  bool finite = true;
+  for (int i = tid; i < n * n; i += THREADS) {
+    const int r = i / n, c = i - r * n;
+    C v = static_cast<C>(g[i]);
+    finite &= isfinite(v);
+    if (r == c) v += eps;
+    M[r * LD + c] = v;
+    sq += v * v;
+  }
+  const C nonfinite = block_reduce<THREADS, C, false>(finite ? C(0) : C(1), scratch);
+  sq = block_reduce<THREADS, C, false>(sq, scratch);
+  T* o = out + b * n * n;
+  if (nonfinite > C(0)) {
+    for (int i = tid; i < n * n; i += THREADS) o[i] = static_cast<T>(C(NAN));
+    if (tid == 0) err_out[b] = C(NAN), iters_out[b] = 0;
+    return;
+  }
+  const C alpha = C(-1) / C(p);
+  const C z = C(p + 1) / (C(2) * sqrt(sq));
+  const C xz = pow(z, C(1) / C(p));
+  for (int i = tid; i < NMAX * NMAX; i += THREADS) {
+    const int r = i / NMAX, c = i - r * NMAX;
+    M[r * LD + c] *= z;
+    if (r == c && r < n) X[r * LD + c] = xz;
+  }
+  __syncthreads();
+  C err = inf_norm_residual<Cfg, C>(M, n, scratch);
+  const int kmax = (n + 3) & ~3;
+  int it = 0;
+  bool active = err > tol && isfinite(err);
+  while (active && it < max_iters) {
+    for (int i = tid; i < NMAX * NMAX; i += THREADS) {
+      const int r = i / NMAX, c = i - r * NMAX;
+      P[r * LD + c] = alpha * M[r * LD + c] + ((r == c && r < n) ? C(1) - alpha : C(0));
+    }
+    __syncthreads();
+    gemm_inplace<Cfg, C, false>(X, X, P, kmax, n, scratch);  // X <- X P
+    C new_err = C(0);
+    for (int q = p;;) {  // M <- P^p M: multiply in P^(2^j) for each set bit j, squaring P in between
+      if (q & 1) {
+        if ((q >> 1) == 0) new_err = gemm_inplace<Cfg, C, true>(M, P, M, kmax, n, scratch);
+        else gemm_inplace<Cfg, C, false>(M, P, M, kmax, n, scratch);
+      }
+      q >>= 1;
+      if (!q) break;
+      gemm_inplace<Cfg, C, false>(P, P, P, kmax, n, scratch);
+    }
+    ++it;
+    const C prev = err;
+    err = new_err;
+    const bool stalled = prev <= C(kStallBelow) && err > C(kStallRatio) * prev;
+    active = err > tol && isfinite(err) && !stalled;
+  }
+  for (int i = tid; i < n * n; i += THREADS) {
+    const int r = i / n, c = i - r * n;
+    o[i] = static_cast<T>(X[r * LD + c]);
+  }
+  if (tid == 0) err_out[b] = err, iters_out[b] = it;
+}
+
+template <typename Cfg, typename T, typename C>
+bool newton_small_run(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
+                      int max_iters, double tol, cudaStream_t stream, size_t smem_optin) {
+  constexpr size_t smem = Cfg::template smem_bytes<C>();
+  if (smem + sizeof(C) * 32 > smem_optin) return false;
+  auto kernel = newton_small_kernel<Cfg, T, C>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  kernel<<<static_cast<unsigned>(batch), Cfg::THREADS, smem, stream>>>(
+      G, out, static_cast<C*>(err), iters, n, p, static_cast<C>(eps), max_iters, static_cast<C>(tol));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+// Tile configurations by size: 16 (2x4 tiles, 32 threads), 32 (4x4, 64), 64 (4x4, 256), 128 (8x8, 256).
+using Cfg16 = Config<16, 2, 1>;
+using Cfg32 = Config<32, 4, 1>;
+using Cfg64 = Config<64, 4, 1>;
+using Cfg128 = Config<128, 8, 2>;
+
+inline size_t smem_optin_bytes() {
+  int device = 0, bytes = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return static_cast<size_t>(bytes);
+}
+
+// The launcher for storage type T computing in C (float for float/half/bf16, double for double).
+template <typename T, typename C>
+bool newton_small_dispatch(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
+                           int max_iters, double tol, cudaStream_t stream) {
+  const size_t optin = smem_optin_bytes();
+  if (n <= 16) return newton_small_run<Cfg16, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
+  if (n <= 32) return newton_small_run<Cfg32, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
+  if (n <= 64) return newton_small_run<Cfg64, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
+  if constexpr (sizeof(C) == 4) {
+    if (n <= 128)
+      return newton_small_run<Cfg128, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
+  }
+  return false;  // float64 above 64 (3 x 128^2 doubles do not fit) and everything above 128: the large path
+}
+
+
+
+}  // namespace small_matrix
+
+// Explicit instantiations live in csrc/linalg/newton_small_{f32,half,f64}.cu (one compile each).
+template <typename T>
+bool newton_small_launch(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
+                         int max_iters, double tol, cudaStream_t stream);
+template <>
+bool newton_small_launch<float>(const float*, float*, void*, int*, int64_t, int, int, double, int, double, cudaStream_t);
+template <>
+bool newton_small_launch<double>(const double*, double*, void*, int*, int64_t, int, int, double, int, double,
+                                 cudaStream_t);
+template <>
+bool newton_small_launch<c10::Half>(const c10::Half*, c10::Half*, void*, int*, int64_t, int, int, double, int, double,
+                                    cudaStream_t);
+template <>
+bool newton_small_launch<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, void*, int*, int64_t, int, int, double,
+                                        int, double, cudaStream_t);
+
+}  // namespace torchkern

@@ -1,0 +1,328 @@
+// matrix_inverse_root_newton(G, p, eps, max_iters, tol) -> (root, error, iterations).
+//
+// The coupled Newton iteration (DESIGN.md) per matrix of a batch; each matrix stops at its own
+// iteration (tol, the stall rule in small_matrix.cuh, a non-finite error, or max_iters).
+//
+// Small matrices (n <= 128 for float32/float16/bfloat16, n <= 64 for float64): one block per
+// matrix runs the whole iteration in shared memory (small_matrix.cuh).
+//
+// Large matrices: per iteration, one fused elementwise kernel builds P = (1 - alpha) I + alpha M
+// (P = I for a matrix that is done, so the products below leave its X and M exactly as they
+// are: the "done mask" costs nothing extra), cuBLAS batched products X <- X P and M <- P^p M
+// (P^p by squaring; p = 4: 4 products of n^3 multiply-adds per iteration), then a row-sum kernel
+// over (matrix, 8-row chunk) blocks and a one-thread-per-matrix update compute ||M - I||_inf,
+// apply the stopping rule and count the matrices still active (spreading the rows over blocks
+// matters: one block per matrix left a batch of 16 matrices latency-bound on 16 SMs).
+// Host syncs, one per iteration: for n < 512 the count of iteration k is copied to pinned memory
+// and read after iteration k + 1 has been queued, so the GPU never waits for the host (the price:
+// one extra, frozen, no-op iteration at the end); for n >= 512 an iteration costs milliseconds,
+// so the host waits for each iteration's own count instead (microseconds of idle GPU per
+// iteration rather than a wasted iteration). Not CUDA-graph capturable for that reason.
+// The products run in the compute dtype through at::bmm, so they follow torch's TF32 setting
+// (off by default): leave TF32 off for float32 roots at 1e-4 accuracy.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <utility>
+
+#include "torchkern/checks.h"
+#include "torchkern/dispatch.h"
+#include "torchkern/launch.h"
+#include "torchkern/small_matrix.cuh"
+
+namespace torchkern {
+namespace {
+
+constexpr int kRowThreads = 256;  // init / check kernels: one block per matrix, one warp per row
+
+template <typename C>
+__device__ __forceinline__ C warp_sum(C v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+constexpr int kRowsPerBlock = kRowThreads / 32;
+constexpr int kSyncCheckFromN = 512;  // from this n on the convergence check waits for its own iteration
+
+// Row reductions spread over (matrix, chunk of 8 rows) blocks, so that a batch of a few large
+// matrices still fills the GPU. kInit: sum of squares of A = G + eps I and a non-finite flag;
+// else: max over rows of sum_c |M - I| (skipping matrices that are done).
+template <typename T, typename C, bool kInit>
+__global__ void __launch_bounds__(kRowThreads)
+newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
+                   C* __restrict__ partial,    // [B, chunks]
+                   int* __restrict__ bad,      // [B, chunks] (kInit)
+                   const int* __restrict__ active,  // [B] (!kInit)
+                   int n, int chunks, C eps) {
+  __shared__ C scratch[kRowsPerBlock];
+  const int64_t idx = blockIdx.x, b = idx / chunks;
+  if constexpr (!kInit) {
+    if (!active[b]) return;
+  }
+  const int r = static_cast<int>(idx - b * chunks) * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  C s = C(0);
+  bool finite = true;
+  if (r < n) {
+    const T* row = src + (b * n + r) * int64_t(n);
+#pragma unroll 4
+    for (int c = lane; c < n; c += 32) {
+      const C v = static_cast<C>(row[c]);
+      if constexpr (kInit) {
+        finite &= isfinite(v);
+        const C a = v + (r == c ? eps : C(0));
+        s += a * a;
+      } else {
+        s += fabs(v - (r == c ? C(1) : C(0)));
+      }
+    }
+  }
+  s = warp_sum(s);
+  if constexpr (kInit) finite = __all_sync(0xffffffffu, finite);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = kInit ? (finite ? s : C(NAN)) : s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    C v = scratch[0];
+    for (int w = 1; w < kRowsPerBlock; ++w) {
+      const C x = scratch[w];
+      v = kInit ? v + x : ((x > v || x != x) ? x : v);
+    }
+    partial[idx] = v;
+    if constexpr (kInit) bad[idx] = v != v;
+  }
+}
+
+// One thread per matrix: z = (p+1) / (2 ||A||_F) and z^(1/p) from the partial sums.
+template <typename C>
+__global__ void newton_scale_kernel(const C* __restrict__ partial, const int* __restrict__ bad, C* __restrict__ z,
+                                    C* __restrict__ xz, int* __restrict__ is_bad, int64_t batch, int chunks, int p) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
+    C sq = C(0);
+    int any_bad = 0;
+    for (int c = 0; c < chunks; ++c) {
+      sq += partial[b * chunks + c];
+      any_bad |= bad[b * chunks + c];
+    }
+    const C zb = C(p + 1) / (C(2) * sqrt(sq));
+    z[b] = zb;
+    xz[b] = pow(zb, C(1) / C(p));
+    is_bad[b] = any_bad;
+  }
+}
+
+// M = z A, X = z^(1/p) I (NaN for a non-finite matrix), elementwise over the batch.
+template <typename T, typename C>
+__global__ void newton_fill_kernel(const T* __restrict__ G, C* __restrict__ X, C* __restrict__ M,
+                                   const C* __restrict__ z, const C* __restrict__ xz, const int* __restrict__ is_bad,
+                                   int64_t total, int n, C eps) {
+  const int64_t nn = int64_t(n) * n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / nn, j = i - b * nn;
+    const bool diag = (j / n) == (j % n);
+    M[i] = z[b] * (static_cast<C>(G[i]) + (diag ? eps : C(0)));
+    X[i] = is_bad[b] ? C(NAN) : (diag ? xz[b] : C(0));
+  }
+}
+
+// One thread per matrix: err = max of the partial row sums; kInit sets up the state, else the
+// stopping rule (DESIGN.md + stall rule) updates it; counts the matrices still active.
+template <typename C, bool kInit>
+__global__ void newton_update_kernel(const C* __restrict__ partial, const int* __restrict__ is_bad, C* __restrict__ err,
+                                     C* __restrict__ prev, int* __restrict__ iters, int* __restrict__ active,
+                                     int* __restrict__ count, int64_t batch, int chunks, C tol) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
+    if (!kInit && !active[b]) continue;
+    C e = C(0);
+    for (int c = 0; c < chunks; ++c) {
+      const C x = partial[b * chunks + c];
+      e = (x > e || x != x) ? x : e;
+    }
+    bool go;
+    if constexpr (kInit) {
+      const bool bad_b = is_bad[b];
+      go = !bad_b && e > tol && isfinite(e);
+      err[b] = bad_b ? C(NAN) : e;
+      prev[b] = C(INFINITY);
+      iters[b] = 0;
+    } else {
+      const C before = err[b];
+      const bool stalled = before <= C(kStallBelow) && e > C(kStallRatio) * before;
+      go = e > tol && isfinite(e) && !stalled;
+      prev[b] = before;
+      err[b] = e;
+      iters[b] += 1;
+    }
+    active[b] = go;
+    if (go) atomicAdd(count, 1);
+  }
+}
+
+// P = (1 - alpha) I + alpha M for active matrices, P = I for the others.
+template <typename C>
+__global__ void newton_step_kernel(const C* __restrict__ M, C* __restrict__ P, const int* __restrict__ active,
+                                   int64_t total, int n, C alpha) {
+  const int64_t nn = int64_t(n) * n;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = i / nn, j = i - b * nn;
+    const bool diag = (j / n) == (j % n);
+    P[i] = active[b] ? alpha * M[i] + (diag ? C(1) - alpha : C(0)) : (diag ? C(1) : C(0));
+  }
+}
+
+template <typename T, typename C>
+void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Tensor& iters, int64_t batch, int n,
+                  int p, double eps, int max_iters, double tol) {
+  const cudaStream_t stream = current_stream();
+  const auto copt = G.options().dtype(c10::CppTypeToScalarType<C>::value);
+  at::Tensor X = at::empty({batch, n, n}, copt), M = at::empty_like(X), P = at::empty_like(X);
+  at::Tensor Xn = at::empty_like(X), Mn = at::empty_like(X), S1, S2;
+  if (p > 1) S1 = at::empty_like(X);
+  if (p > 3) S2 = at::empty_like(X);
+  at::Tensor prev = at::empty({batch}, copt);
+  at::Tensor active = at::empty({batch}, G.options().dtype(at::kInt));
+  at::Tensor counts = at::zeros({max_iters + 1}, G.options().dtype(at::kInt));
+  at::Tensor host = at::empty({max_iters + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  int* counts_d = counts.mutable_data_ptr<int>();
+  int* host_p = host.mutable_data_ptr<int>();
+  C* err_p = err.mutable_data_ptr<C>();
+  C* prev_p = prev.mutable_data_ptr<C>();
+  int* iters_p = iters.mutable_data_ptr<int>();
+  int* active_p = active.mutable_data_ptr<int>();
+
+  const int chunks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t total = batch * int64_t(n) * n;
+  const unsigned ew_grid = grid_for(total, 256, 4), per_matrix_grid = static_cast<unsigned>((batch + 127) / 128);
+  at::Tensor partial = at::empty({batch, chunks}, copt);
+  at::Tensor bad = at::empty({batch, chunks}, G.options().dtype(at::kInt));
+  at::Tensor z = at::empty({batch}, copt), xz = at::empty({batch}, copt);
+  at::Tensor is_bad = at::empty({batch}, G.options().dtype(at::kInt));
+  C* partial_p = partial.mutable_data_ptr<C>();
+  newton_rows_kernel<T, C, true><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
+      G.const_data_ptr<T>(), partial_p, bad.mutable_data_ptr<int>(), nullptr, n, chunks, static_cast<C>(eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  newton_scale_kernel<C><<<per_matrix_grid, 128, 0, stream>>>(partial_p, bad.const_data_ptr<int>(),
+                                                              z.mutable_data_ptr<C>(), xz.mutable_data_ptr<C>(),
+                                                              is_bad.mutable_data_ptr<int>(), batch, chunks, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  newton_fill_kernel<T, C><<<ew_grid, 256, 0, stream>>>(G.const_data_ptr<T>(), X.mutable_data_ptr<C>(),
+                                                         M.mutable_data_ptr<C>(), z.const_data_ptr<C>(),
+                                                         xz.const_data_ptr<C>(), is_bad.const_data_ptr<int>(), total,
+                                                         n, static_cast<C>(eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // every matrix counts as active for this one residual pass
+  at::Tensor all = at::ones({batch}, G.options().dtype(at::kInt));
+  newton_rows_kernel<C, C, false><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
+      M.const_data_ptr<C>(), partial_p, nullptr, all.const_data_ptr<int>(), n, chunks, C(0));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  newton_update_kernel<C, true><<<per_matrix_grid, 128, 0, stream>>>(partial_p, is_bad.const_data_ptr<int>(), err_p,
+                                                                     prev_p, iters_p, active_p, counts_d, batch,
+                                                                     chunks, static_cast<C>(tol));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  struct Events {  // two timing-free events, destroyed on every way out
+    cudaEvent_t e[2] = {nullptr, nullptr};
+    ~Events() {
+      for (cudaEvent_t x : e)
+        if (x) cudaEventDestroy(x);
+    }
+  } ev;
+  for (cudaEvent_t& x : ev.e) C10_CUDA_CHECK(cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaMemcpyAsync(host_p, counts_d, sizeof(int), cudaMemcpyDeviceToHost, stream));
+  C10_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+
+  const C alpha = C(-1) / C(p);
+  const bool speculative = n < kSyncCheckFromN;
+  if (!speculative) C10_CUDA_CHECK(cudaEventSynchronize(ev.e[0]));
+  for (int it = 0; it < max_iters && (speculative || host_p[0] != 0); ++it) {
+    // queue iteration it (a no-op for matrices that are done) ...
+    newton_step_kernel<C><<<ew_grid, 256, 0, stream>>>(M.const_data_ptr<C>(), P.mutable_data_ptr<C>(), active_p,
+                                                          total, n, alpha);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::bmm_out(Xn, X, P);
+    std::swap(X, Xn);
+    at::Tensor base = P;
+    for (int q = p;;) {
+      if (q & 1) {
+        at::bmm_out(Mn, base, M);
+        std::swap(M, Mn);
+      }
+      q >>= 1;
+      if (!q) break;
+      at::Tensor& next = (base.is_same(S1)) ? S2 : S1;
+      at::bmm_out(next, base, base);
+      base = next;
+    }
+    newton_rows_kernel<C, C, false><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
+        M.const_data_ptr<C>(), partial_p, nullptr, active_p, n, chunks, C(0));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    newton_update_kernel<C, false><<<per_matrix_grid, 128, 0, stream>>>(partial_p, nullptr, err_p, prev_p, iters_p,
+                                                                        active_p, counts_d + it + 1, batch, chunks,
+                                                                        static_cast<C>(tol));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(cudaMemcpyAsync(host_p + it + 1, counts_d + it + 1, sizeof(int), cudaMemcpyDeviceToHost, stream));
+    C10_CUDA_CHECK(cudaEventRecord(ev.e[(it + 1) % 2], stream));
+    // ... then, speculatively, read the count of the iteration before it (if none was active,
+    // iteration it was a no-op); or, for large n, where one iteration costs milliseconds and a
+    // wasted one more than the host round trip, wait for this iteration's own count.
+    const int look = speculative ? it : it + 1;
+    C10_CUDA_CHECK(cudaEventSynchronize(ev.e[look % 2]));
+    if (host_p[look] == 0) break;
+  }
+  root.copy_(X.view(root.sizes()));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(const at::Tensor& G, int64_t p,
+                                                                               double eps, int64_t max_iters,
+                                                                               double tol) {
+  TORCHKERN_OP("matrix_inverse_root");
+  TORCHKERN_CHECK_FLOAT(G);
+  TORCHKERN_CHECK(G.dim() >= 2 && G.size(-1) == G.size(-2), "G must have shape [..., n, n] (square matrices), got ",
+                  G.sizes());
+  TORCHKERN_CHECK(p >= 1, "p must be a positive integer, got ", p);
+  TORCHKERN_CHECK(max_iters >= 0, "max_iters must be >= 0, got ", max_iters);
+  TORCHKERN_CHECK(tol >= 0, "tol must be >= 0, got ", tol);
+  TORCHKERN_CHECK(eps >= 0, "eps must be >= 0, got ", eps);
+  TORCHKERN_CHECK_CUDA(G);
+  TORCHKERN_CHECK(G.size(-1) < (1 << 20) && max_iters < (1 << 30), "n and max_iters are too large");
+  const at::cuda::OptionalCUDAGuard guard(G.device());
+  const auto batch_shape = G.sizes().slice(0, G.dim() - 2);
+  const at::ScalarType cdt = G.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor root = at::empty(G.sizes(), G.options());
+  at::Tensor err = at::empty(batch_shape, G.options().dtype(cdt));
+  at::Tensor iters = at::empty(batch_shape, G.options().dtype(at::kInt));
+  if (G.numel() == 0) {
+    err.zero_();
+    iters.zero_();
+    return {root, err, iters};
+  }
+  const int n = static_cast<int>(G.size(-1));
+  const int64_t batch = G.numel() / (int64_t(n) * n);
+  const at::Tensor Gc = G.contiguous();
+  TORCHKERN_DISPATCH_FLOATING(G.scalar_type(), "matrix_inverse_root_newton", [&] {
+    using C = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const bool small = newton_small_launch<scalar_t>(Gc.const_data_ptr<scalar_t>(), root.mutable_data_ptr<scalar_t>(),
+                                                     err.mutable_data_ptr(), iters.mutable_data_ptr<int>(), batch, n,
+                                                     static_cast<int>(p), eps, static_cast<int>(max_iters), tol,
+                                                     current_stream());
+    if (!small) {
+      newton_large<scalar_t, C>(Gc, root, err, iters, batch, n, static_cast<int>(p), eps, static_cast<int>(max_iters),
+                                tol);
+    }
+  });
+  return {root, err, iters};
+}
+
+}  // namespace
+}  // namespace torchkern
+
+TORCH_LIBRARY_IMPL(torchkern, CUDA, m) {
+  m.impl("matrix_inverse_root_newton", &torchkern::matrix_inverse_root_newton_cuda);
+}
