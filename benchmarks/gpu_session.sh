@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One device session: environment, cold build, warm import cost, the full test suite,
-# the benchmarks. Writes logs under $OUT (or ./gpu-out). Usage: bash benchmarks/gpu_session.sh [quick]
+# One device session: environment, cold build, warm import cost, the full test suite, the
+# benchmark table. Logs go under $OUT (default ./gpu-out). Usage:
+#   bash benchmarks/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [bench families...]
 set -uo pipefail
-mode=${1:-full}
+test_seconds=${1:-300}; bench_seconds=${2:-300}; shift 2 2>/dev/null; families=("$@")
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
@@ -14,8 +15,8 @@ export TORCHKERN_CACHE=${TORCHKERN_CACHE:-/tmp/torchkern-cache} MAX_JOBS=${MAX_J
 } 2>&1 | tee "$OUT/env.txt"
 
 echo "== cold build"; rm -rf "$TORCHKERN_CACHE"
-/usr/bin/time -f "cold import (build) wall %e s" python -c "import torchkern; print(torchkern.backend_info())" 2>&1 | tee "$OUT/build.txt"
-echo "== warm import cost (median of 5)"
+python -c "import torchkern; print(torchkern.backend_info())" 2>&1 | tee "$OUT/build.txt"
+cat "$TORCHKERN_CACHE"/torchkern_kernels-*/.ninja_log 2>/dev/null | awk 'NR>1 {printf "%.1f s %s\n", ($2-$1)/1000, $4}' | sort -rn | head -5 | tee -a "$OUT/build.txt"
 python - <<'PY' 2>&1 | tee -a "$OUT/build.txt"
 import statistics, subprocess, sys
 def t(code):
@@ -23,16 +24,14 @@ def t(code):
     return float(out.stdout.split()[-1])
 torch_only = statistics.median(t("import torch") for _ in range(5))
 both = statistics.median(t("import torch, torchkern") for _ in range(5))
-print(f"import torch {torch_only:.3f} s; import torch, torchkern {both:.3f} s; torchkern adds {both - torch_only:.3f} s")
+print(f"warm import: torch {torch_only:.3f} s; torch + torchkern {both:.3f} s; torchkern adds {both - torch_only:.3f} s")
 PY
 
 echo "== tests"
-python -m pytest tests -q -x --timeout=900 -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -40 || true
-[ "$mode" = tests ] && exit 0
+timeout "$test_seconds" python -m pytest tests -q -p no:cacheprovider --timeout=120 -rfE 2>&1 | grep -v "^SKIPPED" > "$OUT/tests.txt"
+tail -30 "$OUT/tests.txt"
+
 echo "== benchmarks"
-if [ "$mode" = quick ]; then
-  python -m torchkern bench --family primitives --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
-else
-  python -m torchkern bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
-  (cd benchmarks && python -m pytest -q --benchmark-json="$OUT/pytest-benchmark.json" --benchmark-columns=median,iqr,rounds 2>&1 | tail -5)
-fi
+fam_args=(); for f in "${families[@]}"; do fam_args+=(--family "$f"); done
+timeout "$bench_seconds" python -m torchkern bench "${fam_args[@]}" --json "$OUT/bench.json" > "$OUT/bench.txt" 2> "$OUT/bench.err"
+cat "$OUT/bench.txt"; tail -5 "$OUT/bench.err"

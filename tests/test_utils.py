@@ -15,6 +15,16 @@ SHAPES = [((7, 5), (5, 3)), ((5,), (5, 3)), ((7, 5), (5,)), ((5,), (5,)), ((4, 1
           ((4, 100, 64), (64, 130)), ((0, 5), (5, 3)), ((3, 0), (0, 4))]
 
 
+def assert_within_product_bound(out: torch.Tensor, A: torch.Tensor, B: torch.Tensor):
+    """|out - A @ B| <= K eps (|A| @ |B|): the rounding bound of the product itself (cuBLAS picks kernels by
+    shape, so a piece may sum in another order than the whole product)."""
+    expected = A @ B
+    assert out.shape == expected.shape
+    k = A.shape[-1]
+    bound = k * torch.finfo(A.dtype).eps * (A.abs().double() @ B.abs().double())
+    assert ((out.double() - expected.double()).abs() <= bound + 1e-30).all()
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("shapes", SHAPES, ids=str)
 @pytest.mark.parametrize("max_bytes", [None, 10**7, 20_000, 4_000])
@@ -25,22 +35,24 @@ def test_matches_matmul(device, shapes, max_bytes):
     except ValueError as exc:
         assert "is below the smallest piece" in str(exc)
         return
-    expected = A @ B
-    assert out.shape == expected.shape
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert_within_product_bound(out, A, B)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shapes,max_bytes", [(((512, 256), (256, 384)), 2**20), (((6, 64, 96), (6, 96, 80)), 2**17),
                                               (((8, 64, 96), (96, 80)), 2**17)], ids=str)
-def test_row_and_batch_pieces_are_bitwise_equal(device, dtype, shapes, max_bytes):
+def test_row_and_batch_pieces_match(device, dtype, shapes, max_bytes):
     A, B = randn(*shapes[0], dtype=dtype, device=device), randn(*shapes[1], dtype=dtype, device=device)
     plan = plan_chunks(1 if B.dim() == 2 else A.shape[0], A.shape[-2] * (A.shape[0] if A.dim() == 3 and B.dim() == 2
                                                                          else 1), A.shape[-1], B.shape[-1],
                        A.element_size(), max_bytes)
     assert plan.col_chunk == B.shape[-1] and plan.row_chunk >= 8  # split, but only into row/batch blocks
-    assert torch.equal(memory_efficient_matmul(A, B, max_bytes), A @ B)
+    out = memory_efficient_matmul(A, B, max_bytes)
+    if device == "cpu":
+        assert torch.equal(out, A @ B)
+    else:  # cuBLAS picks kernels by shape: bitwise equality is not promised there
+        assert_within_product_bound(out, A, B)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -76,7 +88,6 @@ def test_plan_chunks():
 def test_peak_extra_memory_under_bound(shapes, max_bytes):
     A, B = randn(*shapes[0], device="cuda"), randn(*shapes[1], device="cuda")
     out = A @ B  # also warms cuBLAS (its workspace stays allocated)
-    expected = out.clone()
     memory_efficient_matmul(A, B, max_bytes, out=out)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -85,7 +96,7 @@ def test_peak_extra_memory_under_bound(shapes, max_bytes):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     assert extra <= max_bytes, f"peak extra {extra} > bound {max_bytes}"
-    torch.testing.assert_close(out, expected)
+    assert_within_product_bound(out, A, B)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
