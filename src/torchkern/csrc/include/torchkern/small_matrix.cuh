@@ -37,6 +37,10 @@ struct Config {
   static constexpr int LD = NMAX + 4;
   static_assert(TX <= 32 && 32 % TX == 0, "a row's threads must sit in one warp");
   static_assert(THREADS % 32 == 0, "whole warps");
+  // NMAX >= 64: products use the symmetric path (sym_gemm_inplace) on a 16 x 16 grid of T x T tiles
+  static constexpr bool kSym = NMAX >= 64;
+  static constexpr int T = NMAX / 16;
+  static_assert(!kSym || (THREADS == 256 && T % 4 == 0), "the symmetric path wants 8 warps and 4 | T");
   template <typename C>
   static constexpr size_t smem_bytes() { return 3 * size_t(NMAX) * LD * sizeof(C); }
 };
@@ -148,6 +152,146 @@ __device__ __forceinline__ C gemm_inplace(C* dst, const C* A, const C* B, int km
   return err;
 }
 
+// ---------------------------------------------------------------------------------------------
+// Symmetric products. Every product of the iteration (X P, P P, P^(2^j) M) multiplies commuting
+// symmetric matrices, so its result is symmetric: only the T x T tiles (I, J), I <= J, of a
+// 16 x 16 tile grid are computed, and each is written twice (as is and mirrored), which keeps
+// X, M and P exactly symmetric (M0 is symmetrized at load). With symmetric operands
+// C[r][c] = sum_k A[k][r] B[k][c]: both operands are read as rows (two 16-byte loads per T = 8
+// values), and k is split over lanes with a shuffle reduction so that the work balances:
+//   warps 0..6: warp w owns the 16 off-diagonal tiles of tile rows w and 14 - w (15 - w + w + 1
+//     tiles), lane = t + 16 h computes tile t over k = h, h + 2, ... (h = 0, 1);
+//   warp 7: the 16 diagonal tiles (upper half only, k split in 2 as above), then the 8 tiles of
+//     tile row 7 (lane = t + 8 q: tile (7, 8 + t) over k = q, q + 4, ...).
+// FMAs per lane: T^2 kmax / 2 (warps 0..6), (T (T+1) / 2) kmax / 2 + T^2 kmax / 4 (warp 7): about
+// 0.52 of the full product. Interleaving k (rather than splitting it in two ranges) puts the lanes
+// of the two halves on rows k and k + 1, i.e. on different banks.
+
+// acc[i][j] = sum over k = k0, k0 + kstep, ... < kmax of A[k][r0 + i] * B[k][c0 + j]
+// (= (A B)[r0 + i][c0 + j] for symmetric A); kDiag: only j >= i.
+template <int T, int LD, bool kDiag, typename C>
+__device__ __forceinline__ void tile_product(C (&acc)[T][T], const C* A, const C* B, int r0, int c0, int k0, int kstep,
+                                             int kmax) {
+#pragma unroll
+  for (int i = 0; i < T; ++i)
+#pragma unroll
+    for (int j = 0; j < T; ++j) acc[i][j] = C(0);
+  const C* a = A + k0 * LD + r0;
+  const C* b = B + k0 * LD + c0;
+  const int step = kstep * LD;
+#pragma unroll 2
+  for (int k = k0; k < kmax; k += kstep, a += step, b += step) {
+    Four<C> av[T / 4], bv[T / 4];
+#pragma unroll
+    for (int s = 0; s < T / 4; ++s) av[s] = load4(a + 4 * s), bv[s] = load4(b + 4 * s);
+#pragma unroll
+    for (int i = 0; i < T; ++i)
+#pragma unroll
+      for (int j = 0; j < T; ++j)
+        if (!kDiag || j >= i) acc[i][j] = fma(av[i / 4].v[i % 4], bv[j / 4].v[j % 4], acc[i][j]);
+  }
+}
+
+// Sum `in` with the lane whose index differs in `mask`, keeping half the rows: the lane with
+// `upper` set keeps rows [R/2, R), its partner rows [0, R/2). Both get keep + received.
+template <int R, int T, typename C>
+__device__ __forceinline__ void halve_rows(const C (&in)[R][T], C (&out)[R / 2][T], bool upper, int mask) {
+#pragma unroll
+  for (int i = 0; i < R / 2; ++i)
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      const C lo = in[i][j], hi = in[i + R / 2][j];
+      out[i][j] = (upper ? hi : lo) + __shfl_xor_sync(0xffffffffu, upper ? lo : hi, mask);
+    }
+}
+
+// Write rows [rb, rb + R) of tile (r0, c0), r0 != c0, and their mirror image.
+template <int R, int T, int LD, typename C>
+__device__ __forceinline__ void store_tile_and_mirror(C* dst, const C (&v)[R][T], int r0, int c0, int rb) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int s = 0; s < T / 4; ++s) store4(dst + (r0 + rb + i) * LD + c0 + 4 * s, &v[i][4 * s]);
+#pragma unroll
+  for (int j = 0; j < T; ++j) {
+    if constexpr (R % 4 == 0) {
+#pragma unroll
+      for (int s = 0; s < R / 4; ++s) {
+        const C w[4] = {v[4 * s][j], v[4 * s + 1][j], v[4 * s + 2][j], v[4 * s + 3][j]};
+        store4(dst + (c0 + j) * LD + r0 + rb + 4 * s, w);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < R; ++i) dst[(c0 + j) * LD + r0 + rb + i] = v[i][j];
+    }
+  }
+}
+
+// ||M - I_n||_inf from shared memory: one warp per row.
+template <typename Cfg, typename C>
+__device__ __forceinline__ C residual_by_rows(const C* M, int n, C* scratch) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  C err = C(0);
+  for (int r = warp; r < n; r += Cfg::THREADS / 32) {
+    C s = C(0);
+    for (int c = lane; c < n; c += 32) s += fabs(M[r * Cfg::LD + c] - (r == c ? C(1) : C(0)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    err = (s > err || s != s) ? s : err;
+  }
+  return block_reduce<Cfg::THREADS, C, true>(err, scratch);
+}
+
+// dst = A * B for symmetric, commuting A and B (see above); dst may be A or B. Returns
+// ||dst - I_n||_inf when kErr. kmax: a multiple of 4 >= n (rows k >= n of A and B are zero).
+template <typename Cfg, typename C, bool kErr>
+__device__ __forceinline__ C sym_gemm_inplace(C* dst, const C* A, const C* B, int kmax, int n, C* scratch) {
+  constexpr int T = Cfg::T, LD = Cfg::LD, H = T / 2, Q = T / 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // lane roles (warp-uniform branches): warps 0..6: tile (I, J), k parity h; warp 7: diagonal tile
+  // (t, t), k parity h, then tile (7, 8 + t8), k residue q mod 4
+  const int t = lane % 16, h = lane / 16, t8 = lane % 8, q = lane / 8, hi = q >> 1, lo = q & 1;
+  const bool first = t < 15 - warp;
+  const int I = warp < 7 ? (first ? warp : 14 - warp) : t, J = warp < 7 ? (first ? warp + 1 + t : t) : t;
+  C acc[T][T], res[H][T], quarter[Q][T];
+  if (warp < 7) {
+    tile_product<T, LD, false>(acc, A, B, I * T, J * T, h, 2, kmax);
+    halve_rows<T, T>(acc, res, h == 1, 16);
+  } else {
+    tile_product<T, LD, true>(acc, A, B, I * T, I * T, h, 2, kmax);
+    halve_rows<T, T>(acc, res, h == 1, 16);
+    tile_product<T, LD, false>(acc, A, B, 7 * T, (8 + t8) * T, q, 4, kmax);
+    C half[H][T];
+    halve_rows<T, T>(acc, half, hi == 1, 16);
+    halve_rows<H, T>(half, quarter, lo == 1, 8);
+  }
+  __syncthreads();  // everyone has read A and B: now dst may be overwritten
+  if (warp < 7) {
+    store_tile_and_mirror<H, T, LD>(dst, res, I * T, J * T, h * H);
+  } else {
+    const int r0 = I * T, rb = h * H;
+#pragma unroll
+    for (int i = 0; i < H; ++i)
+#pragma unroll
+      for (int j = 0; j < T; ++j) {
+        const int r = r0 + rb + i, c = r0 + j;
+        if (c >= r) dst[r * LD + c] = res[i][j];
+        if (c > r) dst[c * LD + r] = res[i][j];
+      }
+    store_tile_and_mirror<Q, T, LD>(dst, quarter, 7 * T, (8 + t8) * T, hi * H + lo * Q);
+  }
+  __syncthreads();
+  if constexpr (kErr) return residual_by_rows<Cfg, C>(dst, n, scratch);
+  return C(0);
+}
+
+// The product used by the kernel: symmetric path for NMAX >= 64, the full GEMM below that.
+template <typename Cfg, typename C, bool kErr>
+__device__ __forceinline__ C product(C* dst, const C* A, const C* B, int kmax, int n, C* scratch) {
+  if constexpr (Cfg::kSym) return sym_gemm_inplace<Cfg, C, kErr>(dst, A, B, kmax, n, scratch);
+  else return gemm_inplace<Cfg, C, kErr>(dst, A, B, kmax, n, scratch);
+}
+
 // ||M - I_n||_inf straight from shared memory (the initial error).
 template <typename Cfg, typename C>
 __device__ __forceinline__ C inf_norm_residual(const C* M, int n, C* scratch) {
@@ -192,6 +336,10 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
     const int r = i / n, c = i - r * n;
     C v = static_cast<C>(g[i]);
     finite &= isfinite(v);
+    if constexpr (Cfg::kSym) {  // the symmetric path needs M exactly symmetric: use (G + G^T) / 2
+      const C w = static_cast<C>(g[c * n + r]);
+      if (w != v) v = (v + w) * C(0.5);
+    }
     if (r == c) v += eps;
     M[r * LD + c] = v;
     sq += v * v;
@@ -223,16 +371,16 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
       P[r * LD + c] = alpha * M[r * LD + c] + ((r == c && r < n) ? C(1) - alpha : C(0));
     }
     __syncthreads();
-    gemm_inplace<Cfg, C, false>(X, X, P, kmax, n, scratch);  // X <- X P
+    product<Cfg, C, false>(X, X, P, kmax, n, scratch);  // X <- X P
     C new_err = C(0);
     for (int q = p;;) {  // M <- P^p M: multiply in P^(2^j) for each set bit j, squaring P in between
       if (q & 1) {
-        if ((q >> 1) == 0) new_err = gemm_inplace<Cfg, C, true>(M, P, M, kmax, n, scratch);
-        else gemm_inplace<Cfg, C, false>(M, P, M, kmax, n, scratch);
+        if ((q >> 1) == 0) new_err = product<Cfg, C, true>(M, P, M, kmax, n, scratch);
+        else product<Cfg, C, false>(M, P, M, kmax, n, scratch);
       }
       q >>= 1;
       if (!q) break;
-      gemm_inplace<Cfg, C, false>(P, P, P, kmax, n, scratch);
+      product<Cfg, C, false>(P, P, P, kmax, n, scratch);
     }
     ++it;
     const C prev = err;
