@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     build.set_defaults(run=_build)
     bench = commands.add_parser("bench", help="run the benchmarks on this machine and print a table of ratios")
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (smoke run)")
-    bench.add_argument("--family", action="append", help="primitives, ebm or linalg (default: all)")
+    bench.add_argument("--family", action="append", help="primitives, ebm, linalg, per_sample or optim (default: all); repeatable")
     bench.add_argument("--json", help="also write the raw results to this file")
     bench.set_defaults(run=_bench)
     clean = commands.add_parser("clean", help="delete the kernel cache")

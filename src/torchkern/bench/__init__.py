@@ -141,6 +141,8 @@ def format_table(rows: list[dict], device_name: str, ceilings: dict[str, float])
         tflops = f"{row['tflops']:.2f}" if row.get("tflops") else ""
         lines.append(f"{row['family'] + '/' + row['case']:<40} {row['impl']:<16} {t_txt:>11} {gbps:>7} "
                      f"{frac:>8} {tflops:>8} {row['ratio']:>7.2f}x")
+    notes = {f"{r['family']}/{r['case']}": r["note"] for r in rows if r.get("note")}
+    lines += [f"note {case}: {note}" for case, note in notes.items()]
     return "\n".join(lines)
 
 
