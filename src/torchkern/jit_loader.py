@@ -129,24 +129,30 @@ def verbose() -> bool:
 # --------------------------------------------------------------------------- toolchain
 
 
-def find_nvcc() -> tuple[str | None, str | None]:
-    """Return (nvcc path, CUDA home): from CUDA_HOME/CUDA_PATH when set (authoritative), else nvcc on PATH."""
+def find_nvcc() -> str | None:
+    """nvcc from CUDA_HOME/CUDA_PATH when set (authoritative), else from PATH."""
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(var)
         if home:
             nvcc = os.path.join(home, "bin", "nvcc")
-            return (nvcc, home) if os.path.exists(nvcc) else (None, None)
-    nvcc = shutil.which("nvcc")
-    if nvcc is None:
-        return None, None
+            return nvcc if os.path.exists(nvcc) else None
+    return shutil.which("nvcc")
+
+
+def cuda_home(nvcc: str) -> str:
+    """The toolkit root of ``nvcc`` (asked only when compiling: it costs a subprocess)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
     # nvcc may be a wrapper script outside the toolkit; nvcc itself reports the toolkit root.
     try:
         dry = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True, timeout=30)
         match = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.M)
-        home = os.path.normpath(match.group(1).strip()) if match else None
+        if match:
+            return os.path.normpath(match.group(1).strip())
     except (OSError, subprocess.SubprocessError):
-        home = None
-    return nvcc, home or os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+        pass
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
 
 
 def nvcc_version(nvcc: str) -> str | None:
@@ -159,11 +165,7 @@ def nvcc_version(nvcc: str) -> str | None:
 
 
 def ninja_available() -> bool:
-    try:
-        subprocess.run(["ninja", "--version"], capture_output=True, check=True, timeout=30)
-        return True
-    except (OSError, subprocess.SubprocessError):
-        return False
+    return shutil.which("ninja") is not None
 
 
 def parse_arch_list(spec: str) -> tuple[str, ...]:
@@ -378,9 +380,9 @@ def load(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Seque
         if not path.is_file():
             raise FileNotFoundError(f"torchkern.jit_loader.load: source {path} does not exist")
     with_cuda = any(p.suffix == ".cu" for p in paths)
-    nvcc = cuda_home = nvcc_ver = None
+    nvcc = nvcc_ver = None
     if with_cuda:
-        nvcc, cuda_home = find_nvcc()
+        nvcc = find_nvcc()
         if nvcc is None:
             raise BuildError("torchkern: nvcc not found; set CUDA_HOME or put nvcc on PATH")
         nvcc_ver = nvcc_version(nvcc)
@@ -408,13 +410,16 @@ def load(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Seque
         for stale in staging.glob(f"{key}.*"):  # left by a killed build; we hold the key's lock
             shutil.rmtree(stale, ignore_errors=True)
         build_dir = Path(tempfile.mkdtemp(prefix=f"{key}.", dir=staging))
+        if not ninja_available():
+            raise BuildError("torchkern: ninja was not found (pip install ninja)")
         _status(f"compiling {name} for {arch_tag(archs)} (first use of this configuration; cached in {root})...")
         start = time.perf_counter()
         try:
             module = _compile(name, paths, build_dir, cflags=[*COMMON_CFLAGS, *extra_cflags],
                               cuda_cflags=[*COMMON_CUDA_CFLAGS, *cuda_cflags] if with_cuda else [],
                               ldflags=extra_ldflags, include_paths=[Path(p) for p in extra_include_paths],
-                              with_cuda=with_cuda, cuda_home=cuda_home, is_python_module=is_python_module)
+                              with_cuda=with_cuda, cuda_home=cuda_home(nvcc) if with_cuda else None,
+                              is_python_module=is_python_module)
         except BaseException:
             shutil.rmtree(build_dir, ignore_errors=True)
             raise
@@ -452,7 +457,7 @@ def preflight() -> tuple[list[str], str | None]:
         problems.append(f"this torch build ({torch.__version__}) has no CUDA support")
     elif not torch.cuda.is_available():
         problems.append("no CUDA device is visible")
-    nvcc, _ = find_nvcc()
+    nvcc = find_nvcc()
     version = nvcc_version(nvcc) if nvcc else None
     if nvcc is None:
         where = next((f"{v}={os.environ[v]} has no bin/nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)),
