@@ -27,6 +27,8 @@ both = statistics.median(t("import torch, torchkern") for _ in range(5))
 print(f"warm import: torch {torch_only:.3f} s; torch + torchkern {both:.3f} s; torchkern adds {both - torch_only:.3f} s")
 PY
 
+python benchmarks/import_profile.py > "$OUT/import_profile.txt" 2>&1; head -3 "$OUT/import_profile.txt"
+
 echo "== tests"
 timeout "$test_seconds" python -m pytest tests -q -p no:cacheprovider --timeout=120 -rfE 2>&1 | grep -v "^SKIPPED" > "$OUT/tests.txt"
 tail -30 "$OUT/tests.txt"
@@ -35,3 +37,6 @@ echo "== benchmarks"
 fam_args=(); for f in "${families[@]}"; do fam_args+=(--family "$f"); done
 timeout "$bench_seconds" python -m torchkern bench "${fam_args[@]}" --json "$OUT/bench.json" > "$OUT/bench.txt" 2> "$OUT/bench.err"
 cat "$OUT/bench.txt"; tail -5 "$OUT/bench.err"
+
+echo "== README user kernel"
+timeout 120 python benchmarks/readme_user_kernel.py 2>&1 | tail -3
