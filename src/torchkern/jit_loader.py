@@ -24,6 +24,7 @@ Environment variables (read here and nowhere else):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -183,12 +184,39 @@ def parse_arch_list(spec: str) -> tuple[str, ...]:
     return tuple(sorted(set(archs)))
 
 
+def _nvml_capabilities() -> set[tuple[int, int]] | None:
+    """Compute capabilities of the machine's GPUs from NVML, which (unlike the CUDA runtime)
+    costs no CUDA initialization; None where NVML is not usable."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        caps = set()
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
+                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+                return None
+            caps.add((major.value, minor.value))
+        return caps or None
+    finally:
+        nvml.nvmlShutdown()
+
+
 def default_archs() -> tuple[str, ...]:
-    """TORCH_CUDA_ARCH_LIST if set, else the compute capabilities of the visible GPUs."""
+    """TORCH_CUDA_ARCH_LIST if set, else the compute capabilities of the machine's GPUs."""
     spec = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if spec:
         return parse_arch_list(spec)
-    caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+    caps = _nvml_capabilities()
+    if caps is None:
+        caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
     return tuple(sorted(f"{major}.{minor}" for major, minor in caps))
 
 
@@ -455,7 +483,7 @@ def preflight() -> tuple[list[str], str | None]:
     problems = []
     if torch.version.cuda is None:
         problems.append(f"this torch build ({torch.__version__}) has no CUDA support")
-    elif not torch.cuda.is_available():
+    elif torch.cuda.device_count() == 0:  # NVML when it can: importing torchkern must not initialize CUDA
         problems.append("no CUDA device is visible")
     nvcc = find_nvcc()
     version = nvcc_version(nvcc) if nvcc else None
