@@ -355,3 +355,25 @@ def test_wheel_is_pure_python_and_carries_the_sources(tmp_path):
         if path.is_file() and path.suffix in jit_loader.SOURCE_SUFFIXES + jit_loader.HEADER_SUFFIXES:
             assert f"torchkern/csrc/{path.relative_to(jit_loader.CSRC)}" in names, path
     assert "torchkern/jit_loader.py" in names and "torchkern/__main__.py" in names
+
+
+@pytest.mark.slow
+def test_cli_bench_quick_prints_the_ratio_table(tmp_path):
+    """`python -m torchkern bench` is the main command: it runs on whatever hardware is present."""
+    out = subprocess.run([sys.executable, "-m", "torchkern", "bench", "--quick", "--family", "primitives",
+                          "--json", str(tmp_path / "bench.json")], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "copy bandwidth" in out.stdout and "primitives/mul/large" in out.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} >= {"torchkern", "eager", "compile"}
+    assert all(r["seconds"] > 0 for r in rows)
+
+
+def test_cli_clean_empties_the_cache(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / "some-key").mkdir(parents=True)
+    out = subprocess.run([sys.executable, "-m", "torchkern", "clean"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(SRC), "TORCHKERN_CACHE": str(cache)})
+    assert out.returncode == 0 and f"removed {cache}" in out.stdout
+    assert not cache.exists()
