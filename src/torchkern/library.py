@@ -113,19 +113,23 @@ define("batched_outer(Tensor a, Tensor b) -> Tensor", twin=ref.primitives.batche
 _ANALYTIC_ARGS = "Tensor x, int kind, float[] params"
 
 
-def _analytic_energy_fake(x, kind, params):
-    ref.ebm.check_analytic("analytic_energy", x, kind, params)
-    return x.new_empty((x.shape[0],))
+def _energy_fakes(family: str, check: Callable) -> dict[str, Callable]:
+    """Fake kernels of ``<family>_energy``, ``_score`` and ``_energy_and_score``: the twin's checks,
+    then (B,) energies and (B, d) scores."""
+
+    def make(op: str, energy: bool, score: bool) -> Callable:
+        def fake(x, *args):
+            check(op, x, *args)
+            outs = ((x.new_empty((x.shape[0],)),) if energy else ()) + ((x.new_empty(x.shape),) if score else ())
+            return outs if len(outs) > 1 else outs[0]
+
+        return fake
+
+    return {suffix: make(f"{family}_{suffix}", "energy" in suffix, "score" in suffix)
+            for suffix in ("energy", "score", "energy_and_score")}
 
 
-def _analytic_score_fake(x, kind, params):
-    ref.ebm.check_analytic("analytic_score", x, kind, params)
-    return x.new_empty(x.shape)
-
-
-def _analytic_energy_and_score_fake(x, kind, params):
-    ref.ebm.check_analytic("analytic_energy_and_score", x, kind, params)
-    return x.new_empty((x.shape[0],)), x.new_empty(x.shape)
+_ANALYTIC_FAKES = _energy_fakes("analytic", ref.ebm.check_analytic)
 
 
 def _analytic_energy_setup(ctx, inputs, output):
@@ -139,28 +143,16 @@ def _analytic_energy_backward(ctx, grad):
     return -score * grad.unsqueeze(1), None, None
 
 
-define(f"analytic_energy({_ANALYTIC_ARGS}) -> Tensor", twin=ref.ebm.analytic_energy, fake=_analytic_energy_fake,
-       backward=_analytic_energy_backward, setup_context=_analytic_energy_setup)
-define(f"analytic_score({_ANALYTIC_ARGS}) -> Tensor", twin=ref.ebm.analytic_score, fake=_analytic_score_fake)
+define(f"analytic_energy({_ANALYTIC_ARGS}) -> Tensor", twin=ref.ebm.analytic_energy,
+       fake=_ANALYTIC_FAKES["energy"], backward=_analytic_energy_backward, setup_context=_analytic_energy_setup)
+define(f"analytic_score({_ANALYTIC_ARGS}) -> Tensor", twin=ref.ebm.analytic_score, fake=_ANALYTIC_FAKES["score"])
 define(f"analytic_energy_and_score({_ANALYTIC_ARGS}) -> (Tensor energy, Tensor score)",
-       twin=ref.ebm.analytic_energy_and_score, fake=_analytic_energy_and_score_fake)
+       twin=ref.ebm.analytic_energy_and_score, fake=_ANALYTIC_FAKES["energy_and_score"])
 
 _GAUSSIAN_ARGS = "Tensor x, Tensor mean, Tensor precision"
 
 
-def _gaussian_energy_fake(x, mean, precision):
-    ref.ebm.check_gaussian("gaussian_energy", x, mean, precision)
-    return x.new_empty((x.shape[0],))
-
-
-def _gaussian_score_fake(x, mean, precision):
-    ref.ebm.check_gaussian("gaussian_score", x, mean, precision)
-    return x.new_empty(x.shape)
-
-
-def _gaussian_energy_and_score_fake(x, mean, precision):
-    ref.ebm.check_gaussian("gaussian_energy_and_score", x, mean, precision)
-    return x.new_empty((x.shape[0],)), x.new_empty(x.shape)
+_GAUSSIAN_FAKES = _energy_fakes("gaussian", ref.ebm.check_gaussian)
 
 
 def _gaussian_energy_backward(ctx, grad):
@@ -178,11 +170,11 @@ def _gaussian_energy_backward(ctx, grad):
     return grad_x, grad_mean, grad_precision
 
 
-define(f"gaussian_energy({_GAUSSIAN_ARGS}) -> Tensor", twin=ref.ebm.gaussian_energy, fake=_gaussian_energy_fake,
-       backward=_gaussian_energy_backward, setup_context=_save_inputs)
-define(f"gaussian_score({_GAUSSIAN_ARGS}) -> Tensor", twin=ref.ebm.gaussian_score, fake=_gaussian_score_fake)
+define(f"gaussian_energy({_GAUSSIAN_ARGS}) -> Tensor", twin=ref.ebm.gaussian_energy,
+       fake=_GAUSSIAN_FAKES["energy"], backward=_gaussian_energy_backward, setup_context=_save_inputs)
+define(f"gaussian_score({_GAUSSIAN_ARGS}) -> Tensor", twin=ref.ebm.gaussian_score, fake=_GAUSSIAN_FAKES["score"])
 define(f"gaussian_energy_and_score({_GAUSSIAN_ARGS}) -> (Tensor energy, Tensor score)",
-       twin=ref.ebm.gaussian_energy_and_score, fake=_gaussian_energy_and_score_fake)
+       twin=ref.ebm.gaussian_energy_and_score, fake=_GAUSSIAN_FAKES["energy_and_score"])
 
 _STEP_ARGS = ("Tensor grad, float step_size, float noise_scale=1., float? clamp_min=None, float? clamp_max=None, "
               "Generator? generator=None, Tensor? noise=None")
