@@ -77,6 +77,17 @@ def _rel_tol(dtype):
     return {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
 
 
+def _assert_gaussian_close(got, want, want_lowp, dtype, d):
+    """Half types: at most 2x torch's own error in that dtype; else a d-scaled rounding bound."""
+    if dtype in (torch.float16, torch.bfloat16):
+        err = (got.double() - want).abs().max().item()
+        base = (want_lowp.double() - want).abs().max().item()
+        assert err <= 2 * base + torch.finfo(dtype).eps * want.abs().max().item()
+    else:
+        mag = want.abs().max().item() + 1.0
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=_rel_tol(dtype) * d * mag)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", dtypes())
 @pytest.mark.parametrize("d", [3, 64, 200])
@@ -89,13 +100,7 @@ def test_gaussian_matches_twin(d, dtype, device):
     for got, want, want_lowp in ((e, hi[0], lowp[0]), (s, hi[1], lowp[1]), (energy.energy(x), hi[0], lowp[0]),
                                  (energy.score(x), hi[1], lowp[1])):
         assert got.dtype == dtype
-        if dtype in (torch.float16, torch.bfloat16):
-            err = (got.double() - want).abs().max().item()
-            base = (want_lowp.double() - want).abs().max().item()
-            assert err <= 2 * base + torch.finfo(dtype).eps * want.abs().max().item()
-        else:
-            mag = want.abs().max().item() + 1.0
-            torch.testing.assert_close(got.double(), want, rtol=0, atol=_rel_tol(dtype) * d * mag)
+        _assert_gaussian_close(got, want, want_lowp, dtype, d)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -117,13 +122,7 @@ def test_gaussian_tile_edges(d, layout, dtype, device):
     lowp = ref.gaussian_math(x, energy.mean, energy.precision)
     for got, want, want_lowp in ((e, hi[0], lowp[0]), (s, hi[1], lowp[1])):
         assert got.dtype == dtype and got.shape == want.shape
-        if dtype in (torch.float16, torch.bfloat16):
-            err = (got.double() - want).abs().max().item()
-            base = (want_lowp.double() - want).abs().max().item()
-            assert err <= 2 * base + torch.finfo(dtype).eps * want.abs().max().item()
-        else:
-            mag = want.abs().max().item() + 1.0
-            torch.testing.assert_close(got.double(), want, rtol=0, atol=_rel_tol(dtype) * d * mag)
+        _assert_gaussian_close(got, want, want_lowp, dtype, d)
 
 
 @pytest.mark.parametrize("name", list(ANALYTIC))
