@@ -28,6 +28,7 @@ import ctypes
 import dataclasses
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -156,7 +157,9 @@ def cuda_home(nvcc: str) -> str:
     return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
 
 
+@functools.lru_cache(maxsize=None)
 def nvcc_version(nvcc: str) -> str | None:
+    """'13.0' from ``nvcc --version``; cached, since preflight and the cache key both ask on every import."""
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
