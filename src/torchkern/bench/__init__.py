@@ -1,6 +1,6 @@
 """Benchmark cases shared by ``benchmarks/`` (pytest-benchmark) and ``python -m torchkern bench``.
 
-A family module (``primitives``, ``ebm``, ``linalg``, ``optim``) exposes
+A family module (``primitives``, ``ebm``, ``linalg``, ``per_sample``, ``optim``) exposes
 ``cases(device, quick) -> list[Case]``. A case allocates nothing until
 ``setup()``; ``setup()`` returns a :class:`Prepared` with one zero-argument callable
 per implementation (``"torchkern"`` first, then the baselines a user would write:
