@@ -117,6 +117,52 @@ def test_root_mixed_batch_each_matrix_stops_on_its_own(device, n):
         assert it_i.item() == iters[i].item()
 
 
+@pytest.mark.parametrize("p", [1, 2, 4, 8])
+def test_newton_scaling_step(p):
+    # P = a I + b M sends an eigenvalue m of M to m (a + b m)^p = h(c m); over [low, 1] the images
+    # stay in [next_low, 1] with both ends attained, c = -b (p + 1) / a lies in [1, 1 + p / 2], and
+    # the bound grows. (The iteration's correctness rests on this; see ref.linalg.)
+    low = torch.tensor([1e-12, 1e-6, 1e-3, 0.1, 0.5, 0.9, 1 - 1e-9, 1.0], dtype=torch.float64)
+    a, b, next_low = ref.linalg.newton_scaling(low, p)
+    c = -b * (p + 1) / a
+    assert ((c >= 1 - 1e-12) & (c <= 1 + p / 2 + 1e-12)).all(), c
+    m = low[:, None] + (1 - low[:, None]) * torch.linspace(0, 1, 2001, dtype=torch.float64)
+    image = m * (a[:, None] + b[:, None] * m) ** p
+    torch.testing.assert_close(image.amin(1), next_low, rtol=1e-9, atol=0)
+    torch.testing.assert_close(image.amax(1), torch.ones_like(low), rtol=1e-6, atol=0)
+    assert (next_low[low < 1] > low[low < 1]).all()
+
+
+def plain_newton_steps(G: torch.Tensor, p: int, eps: float, tol: float = 1e-6) -> list[int]:
+    """Steps of DESIGN.md's unscaled iteration (c = 1, z = (p + 1) / (2 ||A||_F)) in float32, same stopping rule."""
+    A = G.float() + eps * torch.eye(G.shape[-1])
+    z = (p + 1) / (2 * torch.linalg.matrix_norm(A))
+    M = z[:, None, None] * A
+    steps = []
+    for Mi in M:
+        err, prev, k = ref.linalg.inf_norm_residual(Mi).item(), math.inf, 0
+        while err > tol and k < 100 and not (prev <= ref.linalg.STALL_BELOW and err > ref.linalg.STALL_RATIO * prev):
+            P = (p + 1) / p * torch.eye(Mi.shape[-1]) - Mi / p
+            Mi = torch.linalg.matrix_power(P, p) @ Mi
+            prev, err, k = err, ref.linalg.inf_norm_residual(Mi).item(), k + 1
+        steps.append(k)
+    return steps
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_root_newton_scaled_steps_on_eps_floored_statistics(device):
+    # Shampoo-like statistics: rank-deficient, normalized, eps relative to the norm, so the
+    # spectrum reaches down to eps: the worst case of the unscaled iteration, which the scaling bounds.
+    G = spd(64, 10.0, batch=(3,), rank=16)
+    G = G / torch.linalg.matrix_norm(G)[:, None, None]
+    X, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(G.float().to(device), 4, 1e-6, 100, 1e-6)
+    assert iters.max().item() <= 11, iters.tolist()
+    assert min(plain_newton_steps(G, 4, 1e-6)) >= 17
+    assert (err.cpu() <= 1e-6).all()
+    # float32 resolves the eigenvalues at the 1e-6 floor to about 1%: c = 1 gives 3.4e-3 here, the scaled 3.0e-3
+    assert rel_err(X, root_ref(G.float(), 4, 1e-6)) <= 6e-3
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("batch", [(), (3,), (2, 3), (0,)], ids=["none", "B", "B1xB2", "empty"])
 @pytest.mark.parametrize("method", ["newton", "eigh", "auto"])
@@ -155,12 +201,12 @@ def test_root_error_semantics(device):
     direct = ref.linalg.inf_norm_residual(torch.linalg.matrix_power(X.double().cpu(), 4) @ A)
     assert (e_newton.cpu().double() <= 1e-4).all() and (e_eigh.cpu().double() <= 1e-4).all()
     assert (direct <= 1e-4).all()
-    # max_iters=0: M0 = zA, error ||zA - I||_inf, root z^(1/p) I
+    # max_iters=0: M0 = A / u with u = min(||A||_F, ||A||_inf), error ||M0 - I||_inf, root u^(-1/p) I
     X0, e0 = linalg.matrix_inverse_root(G, 4, method="newton", max_iters=0, return_error=True)
-    z = 5 / (2 * torch.linalg.matrix_norm(A))
-    torch.testing.assert_close(X0.cpu().double(), z.pow(0.25)[:, None, None] * torch.eye(16, dtype=torch.float64),
+    u = torch.minimum(torch.linalg.matrix_norm(A), A.abs().sum(-1).amax(-1))
+    torch.testing.assert_close(X0.cpu().double(), u.pow(-0.25)[:, None, None] * torch.eye(16, dtype=torch.float64),
                                rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(e0.cpu().double(), ref.linalg.inf_norm_residual(z[:, None, None] * A),
+    torch.testing.assert_close(e0.cpu().double(), ref.linalg.inf_norm_residual(A / u[:, None, None]),
                                rtol=1e-5, atol=1e-6)
 
 

@@ -1,18 +1,20 @@
 // matrix_inverse_root_newton(G, p, eps, max_iters, tol) -> (root, error, iterations).
 //
-// The coupled Newton iteration (DESIGN.md) per matrix of a batch; each matrix stops at its own
+// The scaled coupled Newton iteration (ref/linalg.py: DESIGN.md's iteration with a per-matrix
+// scaling that cuts the step count) per matrix of a batch; each matrix stops at its own
 // iteration (tol, the stall rule in small_matrix.cuh, a non-finite error, or max_iters).
 //
 // Small matrices (n <= 128 for float32/float16/bfloat16, n <= 64 for float64): one block per
 // matrix runs the whole iteration in shared memory (small_matrix.cuh).
 //
-// Large matrices: per iteration, one fused elementwise kernel builds P = (1 - alpha) I + alpha M
-// (P = I for a matrix that is done, so the products below leave its X and M exactly as they
-// are: the "done mask" costs nothing extra), cuBLAS batched products X <- X P and M <- P^p M
-// (P^p by squaring; p = 4: 4 products of n^3 multiply-adds per iteration), then a row-sum kernel
-// over (matrix, 8-row chunk) blocks and a one-thread-per-matrix update compute ||M - I||_inf,
-// apply the stopping rule and count the matrices still active (spreading the rows over blocks
-// matters: one block per matrix left a batch of 16 matrices latency-bound on 16 SMs).
+// Large matrices: per iteration, one fused elementwise kernel builds P = a I + b M with the
+// matrix's own coefficients (P = I for a matrix that is done, so the products below leave its X
+// and M exactly as they are: the "done mask" costs nothing extra), cuBLAS batched products
+// X <- X P and M <- P^p M (P^p by squaring; p = 4: 4 products of n^3 multiply-adds per
+// iteration), then a row-sum kernel over (matrix, 8-row chunk) blocks and a one-thread-per-matrix
+// update compute ||M - I||_inf, apply the stopping rule, advance the scaling (next step's a, b)
+// and count the matrices still active (spreading the rows over blocks matters: one block per
+// matrix left a batch of 16 matrices latency-bound on 16 SMs).
 // Host syncs, one per iteration: for n < 512 the count of iteration k is copied to pinned memory
 // and read after iteration k + 1 has been queued, so the GPU never waits for the host (the price:
 // one extra, frozen, no-op iteration at the end); for n >= 512 an iteration costs milliseconds,
@@ -55,22 +57,23 @@ constexpr int kRowsPerBlock = kRowThreads / 32;
 constexpr int kSyncCheckFromN = 512;  // from this n on the convergence check waits for its own iteration
 
 // Row reductions spread over (matrix, chunk of 8 rows) blocks, so that a batch of a few large
-// matrices still fills the GPU. kInit: sum of squares of A = G + eps I and a non-finite flag;
-// else: max over rows of sum_c |M - I| (skipping matrices that are done).
+// matrices still fills the GPU. kInit: sum of squares and max row sum of |A| for A = G + eps I,
+// and a non-finite flag; else: max over rows of sum_c |M - I| (skipping matrices that are done).
 template <typename T, typename C, bool kInit>
 __global__ void __launch_bounds__(kRowThreads)
 newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
                    C* __restrict__ partial,    // [B, chunks]
+                   C* __restrict__ row_max,    // [B, chunks] (kInit)
                    int* __restrict__ bad,      // [B, chunks] (kInit)
                    const int* __restrict__ active,  // [B] (!kInit)
                    int n, int chunks, C eps) {
-  __shared__ C scratch[kRowsPerBlock];
+  __shared__ C scratch[kRowsPerBlock], scratch_max[kRowsPerBlock];
   const int64_t idx = blockIdx.x, b = idx / chunks;
   if constexpr (!kInit) {
     if (!active[b]) return;
   }
   const int r = static_cast<int>(idx - b * chunks) * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
-  C s = C(0);
+  C s = C(0), t = C(0);  // kInit: s = sum of squares, t = sum of |A|; else s = sum of |M - I|
   bool finite = true;
   if (r < n) {
     const T* row = src + (b * n + r) * int64_t(n);
@@ -81,14 +84,21 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
         finite &= isfinite(v);
         const C a = v + (r == c ? eps : C(0));
         s += a * a;
+        t += fabs(a);
       } else {
         s += fabs(v - (r == c ? C(1) : C(0)));
       }
     }
   }
   s = warp_sum(s);
-  if constexpr (kInit) finite = __all_sync(0xffffffffu, finite);
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = kInit ? (finite ? s : C(NAN)) : s;
+  if constexpr (kInit) {
+    t = warp_sum(t);
+    finite = __all_sync(0xffffffffu, finite);
+  }
+  if (threadIdx.x % 32 == 0) {
+    scratch[threadIdx.x / 32] = kInit ? (finite ? s : C(NAN)) : s;
+    if constexpr (kInit) scratch_max[threadIdx.x / 32] = t;
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     C v = scratch[0];
@@ -97,29 +107,37 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
       v = kInit ? v + x : ((x > v || x != x) ? x : v);
     }
     partial[idx] = v;
-    if constexpr (kInit) bad[idx] = v != v;
+    if constexpr (kInit) {
+      C m = scratch_max[0];
+      for (int w = 1; w < kRowsPerBlock; ++w) m = fmax(m, scratch_max[w]);
+      row_max[idx] = m;
+      bad[idx] = v != v;
+    }
   }
 }
 
-// One thread per matrix: z = (p+1) / (2 ||A||_F) and z^(1/p) from the partial sums.
+// One thread per matrix: u = min(||A||_F, ||A||_inf) from the partial sums, z = 1 / u and
+// xz = u^(-1/p).
 template <typename C>
-__global__ void newton_scale_kernel(const C* __restrict__ partial, const int* __restrict__ bad, C* __restrict__ z,
-                                    C* __restrict__ xz, int* __restrict__ is_bad, int64_t batch, int chunks, int p) {
+__global__ void newton_scale_kernel(const C* __restrict__ partial, const C* __restrict__ row_max,
+                                    const int* __restrict__ bad, C* __restrict__ z, C* __restrict__ xz,
+                                    int* __restrict__ is_bad, int64_t batch, int chunks, int p) {
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
-    C sq = C(0);
+    C sq = C(0), inf_norm = C(0);
     int any_bad = 0;
     for (int c = 0; c < chunks; ++c) {
       sq += partial[b * chunks + c];
+      inf_norm = fmax(inf_norm, row_max[b * chunks + c]);
       any_bad |= bad[b * chunks + c];
     }
-    const C zb = C(p + 1) / (C(2) * sqrt(sq));
-    z[b] = zb;
-    xz[b] = pow(zb, C(1) / C(p));
+    const C u = fmin(sqrt(sq), inf_norm);
+    z[b] = C(1) / u;
+    xz[b] = pow(u, C(-1) / C(p));
     is_bad[b] = any_bad;
   }
 }
 
-// M = z A, X = z^(1/p) I (NaN for a non-finite matrix), elementwise over the batch.
+// M = z A, X = xz I (NaN for a non-finite matrix), elementwise over the batch.
 template <typename T, typename C>
 __global__ void newton_fill_kernel(const T* __restrict__ G, C* __restrict__ X, C* __restrict__ M,
                                    const C* __restrict__ z, const C* __restrict__ xz, const int* __restrict__ is_bad,
@@ -133,12 +151,23 @@ __global__ void newton_fill_kernel(const T* __restrict__ G, C* __restrict__ X, C
   }
 }
 
+// Per-matrix scaling state: the coefficients of the next step's P = a I + b M and the lower
+// bound that step leaves (newton_scaling in small_matrix.cuh).
+template <typename C>
+struct ScalingState {
+  C* a;
+  C* b;
+  double* next_low;
+};
+
 // One thread per matrix: err = max of the partial row sums; kInit sets up the state, else the
-// stopping rule (DESIGN.md + stall rule) updates it; counts the matrices still active.
+// stopping rule (DESIGN.md + stall rule) updates it; for a matrix that goes on, the next step's
+// scaling; counts the matrices still active. z = 1 / u (kInit: the first lower bound needs eps / u).
 template <typename C, bool kInit>
 __global__ void newton_update_kernel(const C* __restrict__ partial, const int* __restrict__ is_bad, C* __restrict__ err,
                                      C* __restrict__ prev, int* __restrict__ iters, int* __restrict__ active,
-                                     int* __restrict__ count, int64_t batch, int chunks, C tol) {
+                                     int* __restrict__ count, ScalingState<C> scaling, const C* __restrict__ z,
+                                     double eps, int p, int64_t batch, int chunks, C tol) {
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
     if (!kInit && !active[b]) continue;
     C e = C(0);
@@ -147,12 +176,14 @@ __global__ void newton_update_kernel(const C* __restrict__ partial, const int* _
       e = (x > e || x != x) ? x : e;
     }
     bool go;
+    double low;
     if constexpr (kInit) {
       const bool bad_b = is_bad[b];
       go = !bad_b && e > tol && isfinite(e);
       err[b] = bad_b ? C(NAN) : e;
       prev[b] = C(INFINITY);
       iters[b] = 0;
+      low = newton_first_low(eps, 1.0 / static_cast<double>(z[b]), static_cast<double>(e));
     } else {
       const C before = err[b];
       const bool stalled = before <= C(kStallBelow) && e > C(kStallRatio) * before;
@@ -160,21 +191,28 @@ __global__ void newton_update_kernel(const C* __restrict__ partial, const int* _
       prev[b] = before;
       err[b] = e;
       iters[b] += 1;
+      low = fmin(1.0, fmax(scaling.next_low[b], 1.0 - static_cast<double>(e)));
     }
     active[b] = go;
-    if (go) atomicAdd(count, 1);
+    if (go) {
+      const NewtonScaling step = newton_scaling(low, p);
+      scaling.a[b] = static_cast<C>(step.a);
+      scaling.b[b] = static_cast<C>(step.b);
+      scaling.next_low[b] = step.next_low;
+      atomicAdd(count, 1);
+    }
   }
 }
 
-// P = (1 - alpha) I + alpha M for active matrices, P = I for the others.
+// P = a I + b M (the matrix's own coefficients) for active matrices, P = I for the others.
 template <typename C>
 __global__ void newton_step_kernel(const C* __restrict__ M, C* __restrict__ P, const int* __restrict__ active,
-                                   int64_t total, int n, C alpha) {
+                                   const C* __restrict__ coef_a, const C* __restrict__ coef_b, int64_t total, int n) {
   const int64_t nn = int64_t(n) * n;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t b = i / nn, j = i - b * nn;
     const bool diag = (j / n) == (j % n);
-    P[i] = active[b] ? alpha * M[i] + (diag ? C(1) - alpha : C(0)) : (diag ? C(1) : C(0));
+    P[i] = active[b] ? coef_b[b] * M[i] + (diag ? coef_a[b] : C(0)) : (diag ? C(1) : C(0));
   }
 }
 
@@ -201,17 +239,22 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
   const int chunks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t total = batch * int64_t(n) * n;
   const unsigned ew_grid = grid_for(total, 256, 4), per_matrix_grid = static_cast<unsigned>((batch + 127) / 128);
-  at::Tensor partial = at::empty({batch, chunks}, copt);
+  at::Tensor partial = at::empty({batch, chunks}, copt), row_max = at::empty({batch, chunks}, copt);
   at::Tensor bad = at::empty({batch, chunks}, G.options().dtype(at::kInt));
   at::Tensor z = at::empty({batch}, copt), xz = at::empty({batch}, copt);
   at::Tensor is_bad = at::empty({batch}, G.options().dtype(at::kInt));
+  at::Tensor coef = at::empty({2, batch}, copt), next_low = at::empty({batch}, G.options().dtype(at::kDouble));
+  const ScalingState<C> scaling{coef.mutable_data_ptr<C>(), coef.mutable_data_ptr<C>() + batch,
+                                next_low.mutable_data_ptr<double>()};
   C* partial_p = partial.mutable_data_ptr<C>();
   newton_rows_kernel<T, C, true><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
-      G.const_data_ptr<T>(), partial_p, bad.mutable_data_ptr<int>(), nullptr, n, chunks, static_cast<C>(eps));
+      G.const_data_ptr<T>(), partial_p, row_max.mutable_data_ptr<C>(), bad.mutable_data_ptr<int>(), nullptr, n,
+      chunks, static_cast<C>(eps));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  newton_scale_kernel<C><<<per_matrix_grid, 128, 0, stream>>>(partial_p, bad.const_data_ptr<int>(),
-                                                              z.mutable_data_ptr<C>(), xz.mutable_data_ptr<C>(),
-                                                              is_bad.mutable_data_ptr<int>(), batch, chunks, p);
+  newton_scale_kernel<C><<<per_matrix_grid, 128, 0, stream>>>(partial_p, row_max.const_data_ptr<C>(),
+                                                              bad.const_data_ptr<int>(), z.mutable_data_ptr<C>(),
+                                                              xz.mutable_data_ptr<C>(), is_bad.mutable_data_ptr<int>(),
+                                                              batch, chunks, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   newton_fill_kernel<T, C><<<ew_grid, 256, 0, stream>>>(G.const_data_ptr<T>(), X.mutable_data_ptr<C>(),
                                                          M.mutable_data_ptr<C>(), z.const_data_ptr<C>(),
@@ -221,11 +264,11 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
   // every matrix counts as active for this one residual pass
   at::Tensor all = at::ones({batch}, G.options().dtype(at::kInt));
   newton_rows_kernel<C, C, false><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
-      M.const_data_ptr<C>(), partial_p, nullptr, all.const_data_ptr<int>(), n, chunks, C(0));
+      M.const_data_ptr<C>(), partial_p, nullptr, nullptr, all.const_data_ptr<int>(), n, chunks, C(0));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  newton_update_kernel<C, true><<<per_matrix_grid, 128, 0, stream>>>(partial_p, is_bad.const_data_ptr<int>(), err_p,
-                                                                     prev_p, iters_p, active_p, counts_d, batch,
-                                                                     chunks, static_cast<C>(tol));
+  newton_update_kernel<C, true><<<per_matrix_grid, 128, 0, stream>>>(
+      partial_p, is_bad.const_data_ptr<int>(), err_p, prev_p, iters_p, active_p, counts_d, scaling,
+      z.const_data_ptr<C>(), eps, p, batch, chunks, static_cast<C>(tol));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   struct Events {  // two timing-free events, destroyed on every way out
     cudaEvent_t e[2] = {nullptr, nullptr};
@@ -238,13 +281,12 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
   C10_CUDA_CHECK(cudaMemcpyAsync(host_p, counts_d, sizeof(int), cudaMemcpyDeviceToHost, stream));
   C10_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
 
-  const C alpha = C(-1) / C(p);
   const bool speculative = n < kSyncCheckFromN;
   if (!speculative) C10_CUDA_CHECK(cudaEventSynchronize(ev.e[0]));
   for (int it = 0; it < max_iters && (speculative || host_p[0] != 0); ++it) {
     // queue iteration it (a no-op for matrices that are done) ...
     newton_step_kernel<C><<<ew_grid, 256, 0, stream>>>(M.const_data_ptr<C>(), P.mutable_data_ptr<C>(), active_p,
-                                                          total, n, alpha);
+                                                          scaling.a, scaling.b, total, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     at::bmm_out(Xn, X, P);
     std::swap(X, Xn);
@@ -261,11 +303,11 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
       base = next;
     }
     newton_rows_kernel<C, C, false><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
-        M.const_data_ptr<C>(), partial_p, nullptr, active_p, n, chunks, C(0));
+        M.const_data_ptr<C>(), partial_p, nullptr, nullptr, active_p, n, chunks, C(0));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    newton_update_kernel<C, false><<<per_matrix_grid, 128, 0, stream>>>(partial_p, nullptr, err_p, prev_p, iters_p,
-                                                                        active_p, counts_d + it + 1, batch, chunks,
-                                                                        static_cast<C>(tol));
+    newton_update_kernel<C, false><<<per_matrix_grid, 128, 0, stream>>>(
+        partial_p, nullptr, err_p, prev_p, iters_p, active_p, counts_d + it + 1, scaling, nullptr, eps, p, batch,
+        chunks, static_cast<C>(tol));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     C10_CUDA_CHECK(cudaMemcpyAsync(host_p + it + 1, counts_d + it + 1, sizeof(int), cudaMemcpyDeviceToHost, stream));
     C10_CUDA_CHECK(cudaEventRecord(ev.e[(it + 1) % 2], stream));

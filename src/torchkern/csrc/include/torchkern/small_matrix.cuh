@@ -1,6 +1,7 @@
 // Small dense matrices held in one thread block's shared memory: a register-tiled fp32/fp64
-// GEMM (in place: C = A * B may overwrite A or B), block reductions, and the coupled Newton
-// iteration for the matrix inverse p-th root of one matrix per block (DESIGN.md).
+// GEMM (in place: C = A * B may overwrite A or B), block reductions, and the scaled coupled
+// Newton iteration for the matrix inverse p-th root of one matrix per block (the math, and why
+// it is scaled, in ref/linalg.py; newton_scaling below is shared with the large path).
 //
 // Layout: an NMAX x NMAX matrix, row-major with leading dimension LD = NMAX + 4 (16-byte rows,
 // rows 4 banks apart). Matrices of size n < NMAX are zero-padded, and every product keeps the
@@ -22,9 +23,35 @@
 
 namespace torchkern {
 
-// Stall rule of the Newton iteration; keep equal to STALL_BELOW / STALL_RATIO in ref/linalg.py.
+// Stall rule and scaling floor of the Newton iteration; keep equal to STALL_BELOW, STALL_RATIO
+// and SCALE_FLOOR in ref/linalg.py.
 constexpr double kStallBelow = 1e-3;
 constexpr double kStallRatio = 0.5;
+constexpr double kScaleFloor = 1e-6;
+
+// One step of the scaled iteration for a spectrum in [low, 1]: P = a I + b M, and the lower bound
+// after the step (ref/linalg.py: newton_scaling, same formulas, in double on every path).
+struct NewtonScaling {
+  double a, b, next_low;
+};
+
+__host__ __device__ inline NewtonScaling newton_scaling(double low, int p) {
+  double c = 1.0;
+  if (low < 1.0) {
+    const double lg = log(low);
+    c = (p + 1) * expm1(lg / p) / expm1(lg * (p + 1) / p);
+    c = c >= 1.0 ? fmin(c, 1.0 + 0.5 * p) : 1.0;  // also NaN -> 1
+  }
+  const double s = pow(c, 1.0 / p);
+  const double x = c * low;
+  const double hx = x * pow((p + 1 - x) / p, p), hc = c * pow((p + 1 - c) / p, p);
+  return {s * (p + 1) / p, -s * c / p, fmin(hx, hc)};
+}
+
+// The first lower bound: max(eps / u, 1 - ||M0 - I||_inf, floor), at most 1.
+__host__ __device__ inline double newton_first_low(double eps, double u, double err) {
+  return fmin(1.0, fmax(fmax(eps / u, 1.0 - err), kScaleFloor));
+}
 
 namespace small_matrix {
 
@@ -227,14 +254,14 @@ __device__ __forceinline__ void store_tile_and_mirror(C* dst, const C (&v)[R][T]
   }
 }
 
-// ||M - I_n||_inf from shared memory: one warp per row.
-template <typename Cfg, typename C>
+// ||M - I_n||_inf (kMinusIdentity) or ||M||_inf from shared memory: one warp per row.
+template <typename Cfg, typename C, bool kMinusIdentity = true>
 __device__ __forceinline__ C residual_by_rows(const C* M, int n, C* scratch) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   C err = C(0);
   for (int r = warp; r < n; r += Cfg::THREADS / 32) {
     C s = C(0);
-    for (int c = lane; c < n; c += 32) s += fabs(M[r * Cfg::LD + c] - (r == c ? C(1) : C(0)));
+    for (int c = lane; c < n; c += 32) s += fabs(M[r * Cfg::LD + c] - ((kMinusIdentity && r == c) ? C(1) : C(0)));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     err = (s > err || s != s) ? s : err;
@@ -292,23 +319,12 @@ __device__ __forceinline__ C product(C* dst, const C* A, const C* B, int kmax, i
   else return gemm_inplace<Cfg, C, kErr>(dst, A, B, kmax, n, scratch);
 }
 
-// ||M - I_n||_inf straight from shared memory (the initial error).
-template <typename Cfg, typename C>
-__device__ __forceinline__ C inf_norm_residual(const C* M, int n, C* scratch) {
-  C err = C(0);
-  for (int r = threadIdx.x; r < n; r += Cfg::THREADS) {
-    C s = C(0);
-    for (int c = 0; c < n; ++c) s += fabs(M[r * Cfg::LD + c] - (r == c ? C(1) : C(0)));
-    err = (s > err || s != s) ? s : err;
-  }
-  return block_reduce<Cfg::THREADS, C, true>(err, scratch);
-}
-
-
-// One matrix per block: the whole coupled Newton iteration in shared memory.
-// A = G + eps I, alpha = -1/p, z = (p+1) / (2 ||A||_F), X = z^(1/p) I, M = z A;
-// repeat P = (1 - alpha) I + alpha M; X <- X P; M <- P^p M (P^p by squaring, in place)
-// until err = ||M - I||_inf <= tol, the stall rule, a non-finite err, or max_iters.
+// One matrix per block: the whole scaled Newton iteration in shared memory (ref/linalg.py).
+// A = G + eps I, u = min(||A||_F, ||A||_inf), X = u^(-1/p) I, M = A / u, low from newton_first_low;
+// repeat P = a I + b M (newton_scaling(low)); X <- X P; M <- P^p M (P^p by squaring, in place);
+// low <- min(1, max(next_low, 1 - err)) until err = ||M - I||_inf <= tol, the stall rule, a
+// non-finite err, or max_iters. The scalar recurrence runs in double, redundantly in every
+// thread (uniform, so no broadcast is needed).
 // Buffers: X, M, P (3 NMAX x LD). A matrix with a non-finite entry: root NaN, err NaN, iters 0.
 template <typename Cfg, typename T, typename C>
 __global__ void __launch_bounds__(Cfg::THREADS)
@@ -352,23 +368,26 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
     if (tid == 0) err_out[b] = C(NAN), iters_out[b] = 0;
     return;
   }
-  const C alpha = C(-1) / C(p);
-  const C z = C(p + 1) / (C(2) * sqrt(sq));
-  const C xz = pow(z, C(1) / C(p));
+  __syncthreads();  // M complete before the row sums
+  const C u = fmin(sqrt(sq), residual_by_rows<Cfg, C, false>(M, n, scratch));  // both >= the top eigenvalue
+  const C inv_u = C(1) / u, xz = pow(u, C(-1) / C(p));
   for (int i = tid; i < NMAX * NMAX; i += THREADS) {
     const int r = i / NMAX, c = i - r * NMAX;
-    M[r * LD + c] *= z;
+    M[r * LD + c] *= inv_u;
     if (r == c && r < n) X[r * LD + c] = xz;
   }
   __syncthreads();
-  C err = inf_norm_residual<Cfg, C>(M, n, scratch);
+  C err = residual_by_rows<Cfg, C>(M, n, scratch);
+  double low = newton_first_low(static_cast<double>(eps), static_cast<double>(u), static_cast<double>(err));
   const int kmax = (n + 3) & ~3;
   int it = 0;
   bool active = err > tol && isfinite(err);
   while (active && it < max_iters) {
+    const NewtonScaling step = newton_scaling(low, p);
+    const C diag = static_cast<C>(step.a), slope = static_cast<C>(step.b);
     for (int i = tid; i < NMAX * NMAX; i += THREADS) {
       const int r = i / NMAX, c = i - r * NMAX;
-      P[r * LD + c] = alpha * M[r * LD + c] + ((r == c && r < n) ? C(1) - alpha : C(0));
+      P[r * LD + c] = slope * M[r * LD + c] + ((r == c && r < n) ? diag : C(0));
     }
     __syncthreads();
     product<Cfg, C, false>(X, X, P, kmax, n, scratch);  // X <- X P
@@ -385,6 +404,7 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
     ++it;
     const C prev = err;
     err = new_err;
+    low = fmin(1.0, fmax(step.next_low, 1.0 - static_cast<double>(err)));
     const bool stalled = prev <= C(kStallBelow) && err > C(kStallRatio) * prev;
     active = err > tol && isfinite(err) && !stalled;
   }
