@@ -23,6 +23,7 @@ param groups.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from typing import Callable, Iterable
 
@@ -119,6 +120,8 @@ class Shampoo(torch.optim.Optimizer):
                         max_preconditioner_dim=max_preconditioner_dim, grafting=grafting, weight_decay=weight_decay,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps, root_method=root_method)
         super().__init__(params, defaults)
+        self._root_stacks: dict = {}  # see _stacked_roots
+
 
     # ------------------------------------------------------------------ state
 
@@ -154,8 +157,13 @@ class Shampoo(torch.optim.Optimizer):
             return [matrix]
         return [blk for row in matrix.split(rows, 0) for blk in row.split(cols, 1)]
 
+    def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the cache is not part of the state
+        super().__setstate__(state)
+        self._root_stacks = {}
+
     def load_state_dict(self, state_dict: dict) -> None:
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
+        self._root_stacks.clear()
 
     # ------------------------------------------------------------------ step
 
@@ -231,6 +239,8 @@ class Shampoo(torch.optim.Optimizer):
             self._update_statistics(entries, beta2)
         for (n, dtype, device, method, eps), pairs in roots_due.items():
             self._update_roots(pairs, eps, method)
+        if roots_due:
+            self._root_stacks.clear()
 
         directions = self._directions(work)
         for group in self.param_groups:
@@ -280,10 +290,18 @@ class Shampoo(torch.optim.Optimizer):
         for i, (_, old) in enumerate(pairs):
             old.copy_(torch.where(finite[i], roots[i], old))
 
+    def _stacked_roots(self, key: tuple, entries: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's L and R roots stacked, kept between steps (one more copy of the roots in memory, two
+        fewer stacking kernels per step): roots change only at root updates and state loads, which clear
+        the cache, and a cached stack is used only for the very same root tensors."""
+        roots = [t for e in entries for t in e[2:]]
+        hit = self._root_stacks.get(key)
+        if hit is None or len(hit[0]) != len(roots) or not all(map(operator.is_, hit[0], roots)):
+            hit = self._root_stacks[key] = (roots, torch.stack(roots[0::2]), torch.stack(roots[1::2]))
+        return hit[1], hit[2]
+
     def _directions(self, work: list) -> dict:
         """The update direction of every parameter; preconditioned blocks of one shape in one batch."""
-        from .. import linalg
-
         out = {}
         buckets: dict[tuple, list] = defaultdict(list)  # (block shape, dtype, device, graft) -> blocks
         assembled = []  # (param, rows, cols, first bucket entries)
@@ -304,7 +322,8 @@ class Shampoo(torch.optim.Optimizer):
         results = {}
         for key, entries in buckets.items():
             M = torch.stack([e[0] for e in entries])
-            P = linalg.kron_precondition(M, torch.stack([e[2] for e in entries]), torch.stack([e[3] for e in entries]))
+            left, right = self._stacked_roots(key, entries)
+            P = torch.matmul(torch.matmul(left, M), right)  # kron_precondition's inverse form, shapes known
             if key[3]:  # layer-wise (per block) grafting: Shampoo's direction at the grafting direction's norm
                 pn = torch.linalg.vector_norm(P, dim=(-2, -1))
                 dn = torch.stack(torch._foreach_norm([e[1] for e in entries]))
