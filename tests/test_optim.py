@@ -70,11 +70,12 @@ class ShampooReference:
     """Independent Shampoo: explicit blocks, eigh roots, and the preconditioned block computed as
     (L_root kron R_root) vec(M) with an explicit Kronecker product."""
 
-    def __init__(self, params, lr, betas, eps, freq, start, max_dim, weight_decay, graft_b2=0.999, graft_eps=1e-8):
+    def __init__(self, params, lr, betas, eps, freq, start, max_dim, weight_decay, graft_b2=0.999, graft_eps=1e-8,
+                 grafting="adam"):
         self.params = list(params)
         self.lr, (self.b1, self.b2), self.eps = lr, betas, eps
         self.freq, self.start, self.max_dim, self.wd = freq, start, max_dim, weight_decay
-        self.graft_b2, self.graft_eps = graft_b2, graft_eps
+        self.graft_b2, self.graft_eps, self.grafting = graft_b2, graft_eps, grafting
         self.t = 0
         self.m = [torch.zeros_like(p) for p in self.params]
         self.v = [torch.zeros_like(p) for p in self.params]
@@ -93,9 +94,15 @@ class ShampooReference:
         for i, p in enumerate(self.params):
             g = p.grad.clone()
             self.m[i] = self.b1 * self.m[i] + (1 - self.b1) * g
-            self.v[i] = self.graft_b2 * self.v[i] + (1 - self.graft_b2) * g * g
             m_hat = self.m[i] / (1 - self.b1 ** t)
-            adam = m_hat / ((self.v[i] / (1 - self.graft_b2 ** t)).sqrt() + self.graft_eps)
+            if self.grafting == "adam":
+                self.v[i] = self.graft_b2 * self.v[i] + (1 - self.graft_b2) * g * g
+                adam = m_hat / ((self.v[i] / (1 - self.graft_b2 ** t)).sqrt() + self.graft_eps)
+            elif self.grafting == "adagrad":
+                self.v[i] = self.v[i] + g * g
+                adam = m_hat / (self.v[i].sqrt() + self.graft_eps)
+            else:
+                adam = m_hat  # no grafting: the filtered gradient, and the Shampoo direction as it is
             direction = adam
             if i in self.blocks:
                 g2, m2, a2 = g.reshape(p.shape[0], -1), m_hat.reshape(p.shape[0], -1), adam.reshape(p.shape[0], -1)
@@ -110,7 +117,7 @@ class ShampooReference:
                         mb = m2[b["r"], b["c"]]
                         pb = (torch.kron(b["Lr"], b["Rr"]) @ mb.double().reshape(-1)).reshape(mb.shape).to(p.dtype)
                         ab = a2[b["r"], b["c"]]
-                        direction[b["r"], b["c"]] = pb * (ab.norm() / pb.norm())
+                        direction[b["r"], b["c"]] = pb * (ab.norm() / pb.norm()) if self.grafting else pb
                     else:
                         direction[b["r"], b["c"]] = a2[b["r"], b["c"]]
                 direction = direction.reshape(p.shape)
@@ -125,17 +132,16 @@ def _shampoo_model(dtype):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 2e-5)])
-def test_shampoo_matches_reference(dtype, tol):
+@pytest.mark.parametrize("grafting,beta1", [("adam", 0.9), ("adagrad", 0.9), (None, 0.9), ("adam", 0.0)])
+def test_shampoo_matches_reference(dtype, tol, grafting, beta1):
     model = _shampoo_model(dtype)
     ref_model = copy.deepcopy(model)
     x = torch.randn(7, 2, 3, 3, dtype=dtype, generator=torch.Generator().manual_seed(3))
     y = torch.randint(0, 3, (7,), generator=torch.Generator().manual_seed(4))
-    kw = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-4, weight_decay=0.01)
+    kw = dict(lr=0.05, betas=(beta1, 0.95), eps=1e-4, weight_decay=0.01)
     opt = Shampoo(model.parameters(), precondition_frequency=2, start_preconditioning_step=2,
-                  max_preconditioner_dim=4, root_method="eigh", **kw)  # blocks: 12 -> 3 x 4, 5 -> 3 + 2
-    ref = ShampooReference(ref_model.parameters(), freq=2, start=2, max_dim=4, **{k: v for k, v in kw.items()
-                                                                                    if k != "weight_decay"},
-                           weight_decay=kw["weight_decay"])
+                  max_preconditioner_dim=4, root_method="eigh", grafting=grafting, **kw)  # blocks: 12 -> 3x4, 5 -> 3+2
+    ref = ShampooReference(ref_model.parameters(), freq=2, start=2, max_dim=4, grafting=grafting, **kw)
     for step in range(5):  # step 1: grafting only; roots at 2 and 4; steps 3 and 5 reuse cached roots
         xs = x + 0.1 * step
         for mdl, o in ((model, opt), (ref_model, ref)):

@@ -23,6 +23,7 @@ param groups.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import defaultdict
 from typing import Callable, Iterable
@@ -196,15 +197,14 @@ class Shampoo(torch.optim.Optimizer):
                 dtype = stats_dtype(p)
                 grads.append(p.grad if p.grad.dtype == dtype else p.grad.to(dtype))
 
-            # Filtered gradient M (bias-corrected EMA), one foreach call per group.
+            # Filtered gradient M (EMA of the gradient) and grafting direction D, one foreach call each.
+            steps = [self.state[p]["step"] for p in params]
             if beta1 > 0:
-                exp_avgs = [self.state[p]["exp_avg"] for p in params]
-                torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-                filtered = torch._foreach_div(exp_avgs, [1.0 - beta1 ** self.state[p]["step"] for p in params])
+                moments = [self.state[p]["exp_avg"] for p in params]
+                torch._foreach_lerp_(moments, grads, 1.0 - beta1)
+                bias1 = [1.0 - beta1 ** t for t in steps]
             else:
-                filtered = grads
-
-            # Grafting direction D.
+                moments, bias1 = grads, [1.0] * len(params)
             grafted = [None] * len(params)
             if group["grafting"] is not None:
                 sqs = [self.state[p]["graft_sq"] for p in params]
@@ -212,13 +212,19 @@ class Shampoo(torch.optim.Optimizer):
                     b2 = group["grafting_beta2"]
                     torch._foreach_mul_(sqs, b2)
                     torch._foreach_addcmul_(sqs, grads, grads, 1.0 - b2)
-                    denoms = torch._foreach_div(sqs, [1.0 - b2 ** self.state[p]["step"] for p in params])
-                    torch._foreach_sqrt_(denoms)
+                    bias2 = [1.0 - b2 ** t for t in steps]
                 else:
                     torch._foreach_addcmul_(sqs, grads, grads, 1.0)
-                    denoms = torch._foreach_sqrt(sqs)
-                torch._foreach_add_(denoms, group["grafting_eps"])
-                grafted = torch._foreach_div(filtered, denoms)
+                    bias2 = [1.0] * len(params)
+                # D = (M / bias1) / (sqrt(v / bias2) + eps) = (M / (sqrt(v) + eps sqrt(bias2))) sqrt(bias2) / bias1:
+                # the bias corrections as scalar lists, no bias-corrected copies of M or v
+                denoms = torch._foreach_sqrt(sqs)
+                torch._foreach_add_(denoms, [group["grafting_eps"] * math.sqrt(b) for b in bias2])
+                grafted = torch._foreach_div(moments, denoms)
+                torch._foreach_mul_(grafted, [math.sqrt(b) / a for a, b in zip(bias1, bias2)])
+                filtered = moments  # the Shampoo direction is rescaled to D's norm: M's bias correction cancels
+            else:
+                filtered = torch._foreach_div(moments, bias1) if beta1 > 0 else grads
 
             # Kronecker factors (every step) and the roots due at this step.
             for p, g, m, d in zip(params, grads, filtered, grafted):
