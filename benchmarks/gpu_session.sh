@@ -17,15 +17,7 @@ export TORCHKERN_CACHE=${TORCHKERN_CACHE:-/tmp/torchkern-cache} MAX_JOBS=${MAX_J
 echo "== cold build"; rm -rf "$TORCHKERN_CACHE"
 python -c "import torchkern; print(torchkern.backend_info())" 2>&1 | tee "$OUT/build.txt"
 cat "$TORCHKERN_CACHE"/torchkern_kernels-*/.ninja_log 2>/dev/null | awk 'NR>1 {printf "%.1f s %s\n", ($2-$1)/1000, $4}' | sort -rn | head -5 | tee -a "$OUT/build.txt"
-python - <<'PY' 2>&1 | tee -a "$OUT/build.txt"
-import statistics, subprocess, sys
-def t(code):
-    out = subprocess.run([sys.executable, "-c", "import time; t=time.perf_counter(); " + code + "; print(time.perf_counter()-t)"], capture_output=True, text=True)
-    return float(out.stdout.split()[-1])
-torch_only = statistics.median(t("import torch") for _ in range(5))
-both = statistics.median(t("import torch, torchkern") for _ in range(5))
-print(f"warm import: torch {torch_only:.3f} s; torch + torchkern {both:.3f} s; torchkern adds {both - torch_only:.3f} s")
-PY
+python benchmarks/import_time.py 2>&1 | tee -a "$OUT/build.txt"
 
 python benchmarks/import_profile.py > "$OUT/import_profile.txt" 2>&1; head -3 "$OUT/import_profile.txt"
 
