@@ -63,9 +63,11 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
         eps: added to the diagonal; with ``"eigh"`` eigenvalues are also clamped at ``eps``
             (DESIGN.md), which makes rank-deficient G well defined.
         method: ``"eigh"`` (torch.linalg.eigh: root = Q diag(max(l, eps)^(-1/p)) Q^T),
-            ``"newton"`` (coupled Newton iteration, DESIGN.md; each matrix of a batch stops at its
-            own iteration: at ``||M - I||_inf <= tol``, at ``max_iters``, or once it has stalled at
-            the rounding floor, see ``torchkern.ref.linalg``), or ``"auto"`` (:func:`auto_method`).
+            ``"newton"`` (DESIGN.md's coupled Newton iteration with each step scaled from a lower
+            bound on the spectrum, which bounds the step count, see ``torchkern.ref.linalg``; each
+            matrix of a batch stops at its own iteration: at ``||M - I||_inf <= tol``, at
+            ``max_iters``, or once it has stalled at the rounding floor), or ``"auto"``
+            (:func:`auto_method`).
         max_iters, tol: Newton's stopping rule (ignored by ``"eigh"``).
         return_error: also return the per-matrix error, shape G.shape[:-2]: for ``"newton"`` the
             final ``||M - I||_inf``; for ``"eigh"`` the residual ``||X^p (G + eps I) - I||_inf``, the
