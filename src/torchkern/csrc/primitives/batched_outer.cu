@@ -1,8 +1,8 @@
 // batched_outer(a, b)[k, i, j] = a[k, i] * b[k, j].
 //
 // Floor: writing the [B, n, m] output (the inputs are n + m per batch, tiny next
-// to n * m), so this should run at write bandwidth. Each thread writes 16-byte
-// vectors with streaming stores; a[k, i] is one load per vector and b's row is
+// to n * m), so this should run at write bandwidth. Each thread writes one 16-byte
+// vector with a streaming store; a[k, i] is one load per vector and b's row is
 // read from L1/L2. 32-bit index math whenever the output allows it.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,57 +20,46 @@ namespace torchkern {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
 
+// One 16-byte output vector per thread, no grid-stride loop: the layout that also serves the elementwise
+// kernels best (many short blocks balance the last wave).
 template <typename T, int V, typename index_t>
 __global__ void __launch_bounds__(kThreads)
 batched_outer_kernel(T* __restrict__ out,        // [B, n, m]
                      const T* __restrict__ a,    // [B, n]
                      const T* __restrict__ b,    // [B, m]
-                     index_t rows,               // B * n
+                     index_t total,              // B * n * m / V
                      index_t n,
                      index_t m_vec) {            // m / V
   using C = at::opmath_type<T>;
-  const index_t total = rows * m_vec;
-  const index_t stride = static_cast<index_t>(gridDim.x) * kThreads * kUnroll;
-  for (index_t base = static_cast<index_t>(blockIdx.x) * kThreads * kUnroll + threadIdx.x; base < total;
-       base += stride) {
+  const index_t idx = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (idx >= total) return;
+  const index_t row = idx / m_vec;  // = k * n + i, which is also a's flat index
+  const index_t j = idx - row * m_vec;
+  const index_t k = row / n;
+  const C s = static_cast<C>(a[row]);
+  const Vec<T, V> bv = load_vec<T, V>(b + static_cast<int64_t>(k) * m_vec * V, j);
+  Vec<T, V> r;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const index_t idx = base + u * kThreads;
-      if (idx >= total) break;
-      const index_t row = idx / m_vec;  // = k * n + i, which is also a's flat index
-      const index_t j = idx - row * m_vec;
-      const index_t k = row / n;
-      const C s = static_cast<C>(a[row]);
-      const Vec<T, V> bv = load_vec<T, V>(b + static_cast<int64_t>(k) * m_vec * V, j);
-      Vec<T, V> r;
-#pragma unroll
-      for (int e = 0; e < V; ++e) r.v[e] = static_cast<T>(s * static_cast<C>(bv.v[e]));
-      if constexpr (sizeof(Vec<T, V>) == 16) {
-        store_vec_streaming<T, V>(out, idx, r);
-      } else {
-        store_vec<T, V>(out, idx, r);
-      }
-    }
+  for (int e = 0; e < V; ++e) r.v[e] = static_cast<T>(s * static_cast<C>(bv.v[e]));
+  if constexpr (sizeof(Vec<T, V>) == 16) {
+    store_vec_streaming<T, V>(out, idx, r);
+  } else {
+    store_vec<T, V>(out, idx, r);
   }
 }
 
 template <typename T, int V>
 void launch_batched_outer(T* out, const T* a, const T* b, int64_t batch, int64_t n, int64_t m) {
-  const int64_t rows = batch * n, m_vec = m / V, total = rows * m_vec;
+  const int64_t m_vec = m / V, total = batch * n * m_vec;
   const cudaStream_t stream = current_stream();
-  // 32-bit index math when every index the grid-stride loop forms fits.
-  const int64_t max_index = total + static_cast<int64_t>(sm_count()) * 32 * kThreads * kUnroll;
-  if (max_index < std::numeric_limits<int32_t>::max()) {
-    const auto kernel = batched_outer_kernel<T, V, int32_t>;
-    const unsigned grid = grid_for(kernel, kThreads, total, kThreads * kUnroll);
-    kernel<<<grid, kThreads, 0, stream>>>(out, a, b, static_cast<int32_t>(rows), static_cast<int32_t>(n),
-                                          static_cast<int32_t>(m_vec));
+  const auto blocks = static_cast<unsigned>((total + kThreads - 1) / kThreads);
+  // 32-bit index math when every index the grid forms fits.
+  if (static_cast<int64_t>(blocks) * kThreads < std::numeric_limits<int32_t>::max()) {
+    batched_outer_kernel<T, V, int32_t><<<blocks, kThreads, 0, stream>>>(
+        out, a, b, static_cast<int32_t>(total), static_cast<int32_t>(n), static_cast<int32_t>(m_vec));
   } else {
-    const auto kernel = batched_outer_kernel<T, V, int64_t>;
-    const unsigned grid = grid_for(kernel, kThreads, total, kThreads * kUnroll);
-    kernel<<<grid, kThreads, 0, stream>>>(out, a, b, rows, n, m_vec);
+    batched_outer_kernel<T, V, int64_t><<<blocks, kThreads, 0, stream>>>(out, a, b, total, n, m_vec);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
