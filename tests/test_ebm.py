@@ -361,6 +361,22 @@ def test_chain_seed_reproduces_and_matches_stepping(name, device):
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("name", ["double_well", "harmonic", "rastrigin"])
+def test_chain_plain_call_matches_general_call(name, device):
+    # The common call (Philox noise, no clamp, no trajectory) has its own kernel instantiation. A clamp
+    # that never binds plus a trajectory selects the general one: with the same seed, the same chain.
+    energy, step = _analytic(name), STABLE_STEP[name]
+    x = randn(33, 10, device=device)  # 330 elements: the last group of 4 is partial
+    torch.manual_seed(5)
+    plain = ebm.LangevinDynamics(energy, step, 1.0).sample(x, n_steps=25)
+    torch.manual_seed(5)
+    general, traj = ebm.LangevinDynamics(energy, step, 1.0, clamp=(-1e30, 1e30)).sample(
+        x, n_steps=25, thin=5, return_trajectory=True)
+    assert_close(plain, general, scale=4.0)
+    assert torch.equal(traj[:, -1], general)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
 def test_sampler_autograd_path_matches_analytic_path(device):
     # A plain nn.Module double well (gradient by autograd) against the analytic one, same seed.
     class TorchDoubleWell(torch.nn.Module):
