@@ -123,7 +123,6 @@ class Shampoo(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._root_stacks: dict = {}  # see _stacked_roots
 
-
     # ------------------------------------------------------------------ state
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
