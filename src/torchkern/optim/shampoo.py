@@ -83,8 +83,9 @@ class Shampoo(torch.optim.Optimizer):
         grafting_beta2, grafting_eps: Adam/AdaGrad grafting's second-moment decay and epsilon.
         root_method: ``method`` of :func:`torchkern.linalg.matrix_inverse_root`.
 
-    Memory per 2-D block of m x n: the statistics L, R and their roots (2 m^2 + 2 n^2 values), plus the
-    roots once more, stacked per block shape, for the batched preconditioning products.
+    Memory: the gradient EMA and the grafting second moment (each the parameter's size, when enabled);
+    per 2-D block of m x n, the statistics L, R and their roots (2 m^2 + 2 n^2 values), plus the roots
+    once more, stacked per block shape, for the batched preconditioning products.
 
     Raises ValueError naming the argument for invalid hyperparameters, RuntimeError for sparse
     gradients. Under ``torch.autocast`` with ``GradScaler``, ``scaler.step(opt)`` unscales the
