@@ -120,7 +120,7 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     eye = torch.eye(n, dtype=cdt, device=G.device)
     bad = ~torch.isfinite(A).flatten(1).all(1)
     A = torch.where(bad[:, None, None], torch.zeros((), dtype=cdt, device=G.device), A) + eps * eye
-    u = torch.minimum(torch.linalg.matrix_norm(A), A.abs().sum(-1).amax(-1))  # [B], >= the top eigenvalue
+    u = torch.minimum(torch.linalg.matrix_norm(A), torch.linalg.matrix_norm(A, ord=torch.inf))  # >= top eigenvalue
     X = u.pow(-1.0 / p)[:, None, None] * eye
     M = A / u[:, None, None]
     err = inf_norm_residual(M)
