@@ -99,7 +99,7 @@ def test_root_rank_deficient(device, method, p, dtype):
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
-@pytest.mark.parametrize("n", [8, 64, 160])
+@pytest.mark.parametrize("n", [8, 64, 128, 160])
 def test_root_mixed_batch_each_matrix_stops_on_its_own(device, n):
     # easy (identity-like), hard (cond 1e6), medium, rank-deficient: one batch
     G = torch.stack([torch.eye(n, dtype=torch.float64) * 0.5 + 1e-3 * spd(n, 2.0), spd(n, 1e6), spd(n, 100.0),
@@ -286,11 +286,19 @@ def test_newton_kernel_matches_twin(n, dtype):
 
 @requires_cuda
 @pytest.mark.parametrize("device", cuda_devices())
-def test_newton_kernel_large_batch_and_device(device):
-    G = spd(64, 1e3, batch=(300,)).float().to(device)
-    X = linalg.matrix_inverse_root(G, 4, method="newton")
+@pytest.mark.parametrize("n", [64, 100, 128])
+def test_newton_kernel_large_batch_and_device(device, n):
+    # More matrices than the GPU holds pairs of blocks: n in (64, 128] then runs one block per matrix,
+    # while its first three alone run as pairs (small_matrix.cuh); both agree with the reference and
+    # with each other.
+    batch = 2 * torch.cuda.get_device_properties(device).multi_processor_count + 1
+    G = spd(n, 1e3, batch=(batch,)).float().to(device)
+    X, _, iters = torch.ops.torchkern.matrix_inverse_root_newton(G, 4, 1e-6, 100, 1e-6)
     assert X.device == torch.device(device)
     assert rel_err(X, root_ref(G, 4, 1e-6)) <= 1e-4
+    X3, _, iters3 = torch.ops.torchkern.matrix_inverse_root_newton(G[:3], 4, 1e-6, 100, 1e-6)
+    assert rel_err(X3, X[:3].double().cpu()) <= 1e-5
+    assert (iters3 - iters[:3]).abs().max().item() <= 1
 
 
 def test_newton_has_cuda_kernel_when_built():

@@ -6,12 +6,14 @@ Kronecker product: K-FAC / Shampoo). The math is in DESIGN.md; the twins are in 
 
 Kernels behind them (``csrc/linalg/``): the coupled Newton iteration runs, for n <= 128 (float32,
 half types computed in float32; n <= 64 in float64), the whole iteration of one matrix inside
-one thread block with the matrices in shared memory; larger matrices use cuBLAS batched products
+one thread block with the matrices in shared memory (or, for 64 < n <= 128 on sm_90 when the batch
+leaves SMs idle, a cluster of two blocks per matrix); larger matrices use cuBLAS batched products
 with fused elementwise steps and a per-matrix "done" mask. ``kron`` is one write-bound kernel.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence, Union
 
 import torch
@@ -82,8 +84,8 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
             method, or NaN/Inf in G (the message lists the batch indices of those matrices).
 
     The NaN/Inf check costs one host sync and no extra pass over G on the Newton path: the
-    kernel flags a non-finite matrix by a NaN error, and the Python layer reads back one bool
-    (``error.isnan().any()``); only when that is set does it look at G to name the matrices.
+    kernel flags a non-finite matrix by a NaN error, and the Python layer reads back one number,
+    ``error.max()`` (which propagates NaN); only when it is NaN does it look at G to name the matrices.
     The eigh path checks ``isfinite(G)`` first (one reduction and one sync; eigh syncs anyway).
 
     Differentiable only with ``method="eigh"`` (through torch.linalg.eigh); the Newton op has no
@@ -107,8 +109,7 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
         return (out, ref.linalg.eigh_residual(root, A, p)) if return_error else out
     H = G.double() if float64 and G.dtype != torch.float64 else G
     root, err, _ = torch.ops.torchkern.matrix_inverse_root_newton(H, int(p), float(eps), int(max_iters), float(tol))
-    nan = torch.isnan(err)
-    if bool(nan.any()):  # the one sync; only on this (rare) path is G itself looked at
+    if math.isnan(err.max().item()):  # the one sync (max propagates NaN); only on this rare path is G looked at
         bad = ~torch.isfinite(G).flatten(-2).all(-1)
         if bool(bad.any()):
             _raise_nonfinite(G, bad)

@@ -5,7 +5,8 @@
 // iteration (tol, the stall rule in small_matrix.cuh, a non-finite error, or max_iters).
 //
 // Small matrices (n <= 128 for float32/float16/bfloat16, n <= 64 for float64): one block per
-// matrix runs the whole iteration in shared memory (small_matrix.cuh).
+// matrix runs the whole iteration in shared memory (small_matrix.cuh); for 64 < n <= 128 on sm_90,
+// a batch with no more matrices than the GPU holds block pairs runs each on a cluster of two.
 //
 // Large matrices: per iteration, one fused elementwise kernel builds P = a I + b M with the
 // matrix's own coefficients (P = I for a matrix that is done, so the products below leave its X

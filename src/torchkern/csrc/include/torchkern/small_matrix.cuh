@@ -12,11 +12,18 @@
 // (rows of A, one 16-byte load each; the warp's two ty values make them broadcasts) and 4*TN4
 // 4-wide B fragments (a row of B, contiguous across tx), then does TM*4*TN4*4 FMAs: for
 // NMAX = 128 (8 x 8 tile, 256 threads) that is 256 FMAs per 16 loads.
+//
+// Pairs (CLUSTER = 2, sm_90): a batch too small to fill the GPU with one block per matrix (64
+// matrices of 128^2 left half of an H200's SMs idle) runs each matrix on a cluster of two blocks.
+// Both keep full copies of X, M and P; each computes half of every product's tiles and writes
+// them to its own and its peer's copy (distributed shared memory), so the copies stay bitwise
+// equal and both blocks take the same scalar decisions (err, scaling, stopping) in lockstep.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -55,9 +62,9 @@ __host__ __device__ inline double newton_first_low(double eps, double u, double 
 
 namespace small_matrix {
 
-template <int NMAX_, int TM_, int TN4_>
+template <int NMAX_, int TM_, int TN4_, int CLUSTER_ = 1>
 struct Config {
-  static constexpr int NMAX = NMAX_, TM = TM_, TN4 = TN4_;
+  static constexpr int NMAX = NMAX_, TM = TM_, TN4 = TN4_, CLUSTER = CLUSTER_;
   static constexpr int TX = NMAX / (4 * TN4);  // threads along columns
   static constexpr int TY = NMAX / TM;         // threads along rows
   static constexpr int THREADS = TX * TY;
@@ -68,6 +75,7 @@ struct Config {
   static constexpr bool kSym = NMAX >= 64;
   static constexpr int T = NMAX / 16;
   static_assert(!kSym || (THREADS == 256 && T % 4 == 0), "the symmetric path wants 8 warps and 4 | T");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && kSym), "pairs split the symmetric path's tiles");
   template <typename C>
   static constexpr size_t smem_bytes() { return 3 * size_t(NMAX) * LD * sizeof(C); }
 };
@@ -232,26 +240,69 @@ __device__ __forceinline__ void halve_rows(const C (&in)[R][T], C (&out)[R / 2][
     }
 }
 
-// Write rows [rb, rb + R) of tile (r0, c0), r0 != c0, and their mirror image.
+// Rows [rb, rb + R) of tile (r0, c0) as they are ...
 template <int R, int T, int LD, typename C>
-__device__ __forceinline__ void store_tile_and_mirror(C* dst, const C (&v)[R][T], int r0, int c0, int rb) {
+__device__ __forceinline__ void store_tile_rows(C* dst, const C (&v)[R][T], int r0, int c0, int rb) {
 #pragma unroll
   for (int i = 0; i < R; ++i)
 #pragma unroll
     for (int s = 0; s < T / 4; ++s) store4(dst + (r0 + rb + i) * LD + c0 + 4 * s, &v[i][4 * s]);
+}
+
+// ... and mirrored into tile (c0, r0): column j of the rows becomes a piece of row c0 + j, stored
+// 4 or 2 values at a time where R allows (rb is a multiple of R). The lanes that store together
+// hold tiles of one tile row, so column j of all of them lies in rows 8 (T) apart, which share
+// banks (a row is 4 banks): each lane writes its columns in the order j = jj ^ x, x = lane % T,
+// after permuting its registers with compile-time-indexed selects (a butterfly on the bits of x).
+// That turns an 8-way bank conflict into none, for 3 R T selects.
+template <int R, int T, int LD, typename C>
+__device__ __forceinline__ void store_tile_mirror(C* dst, const C (&v)[R][T], int r0, int c0, int rb) {
+  const int x = threadIdx.x % T;
+  C w[R][T];
 #pragma unroll
-  for (int j = 0; j < T; ++j) {
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int j = 0; j < T; ++j) w[i][j] = v[i][j];
+#pragma unroll
+  for (int b = 1; b < T; b <<= 1) {  // afterwards w[i][jj] = v[i][jj ^ x]
+    const bool flip = x & b;
+#pragma unroll
+    for (int i = 0; i < R; ++i)
+#pragma unroll
+      for (int j = 0; j < T; ++j) {
+        if (j & b) continue;
+        const C lo = w[i][j], hi = w[i][j | b];
+        w[i][j] = flip ? hi : lo;
+        w[i][j | b] = flip ? lo : hi;
+      }
+  }
+#pragma unroll
+  for (int jj = 0; jj < T; ++jj) {
+    C* row = dst + (c0 + (jj ^ x)) * LD + r0 + rb;
     if constexpr (R % 4 == 0) {
 #pragma unroll
       for (int s = 0; s < R / 4; ++s) {
-        const C w[4] = {v[4 * s][j], v[4 * s + 1][j], v[4 * s + 2][j], v[4 * s + 3][j]};
-        store4(dst + (c0 + j) * LD + r0 + rb + 4 * s, w);
+        const C q[4] = {w[4 * s][jj], w[4 * s + 1][jj], w[4 * s + 2][jj], w[4 * s + 3][jj]};
+        store4(row + 4 * s, q);
+      }
+    } else if constexpr (R % 2 == 0) {
+#pragma unroll
+      for (int s = 0; s < R / 2; ++s) {
+        if constexpr (sizeof(C) == 4) *reinterpret_cast<float2*>(row + 2 * s) = make_float2(w[2 * s][jj], w[2 * s + 1][jj]);
+        else *reinterpret_cast<double2*>(row + 2 * s) = make_double2(w[2 * s][jj], w[2 * s + 1][jj]);
       }
     } else {
 #pragma unroll
-      for (int i = 0; i < R; ++i) dst[(c0 + j) * LD + r0 + rb + i] = v[i][j];
+      for (int i = 0; i < R; ++i) row[i] = w[i][jj];
     }
   }
+}
+
+// Both: rows [rb, rb + R) of tile (r0, c0), r0 != c0, and their mirror image.
+template <int R, int T, int LD, typename C>
+__device__ __forceinline__ void store_tile_and_mirror(C* dst, const C (&v)[R][T], int r0, int c0, int rb) {
+  store_tile_rows<R, T, LD>(dst, v, r0, c0, rb);
+  store_tile_mirror<R, T, LD>(dst, v, r0, c0, rb);
 }
 
 // ||M - I_n||_inf (kMinusIdentity) or ||M||_inf from shared memory: one warp per row.
@@ -267,6 +318,19 @@ __device__ __forceinline__ C residual_by_rows(const C* M, int n, C* scratch) {
     err = (s > err || s != s) ? s : err;
   }
   return block_reduce<Cfg::THREADS, C, true>(err, scratch);
+}
+
+// Write rows [rb, rb + H) of diagonal tile (r0, r0): the upper triangle as is and mirrored.
+template <int H, int T, int LD, typename C>
+__device__ __forceinline__ void store_diagonal_tile(C* dst, const C (&v)[H][T], int r0, int rb) {
+#pragma unroll
+  for (int i = 0; i < H; ++i)
+#pragma unroll
+    for (int j = 0; j < T; ++j) {
+      const int r = r0 + rb + i, c = r0 + j;
+      if (c >= r) dst[r * LD + c] = v[i][j];
+      if (c > r) dst[c * LD + r] = v[i][j];
+    }
 }
 
 // dst = A * B for symmetric, commuting A and B (see above); dst may be A or B. Returns
@@ -296,15 +360,7 @@ __device__ __forceinline__ C sym_gemm_inplace(C* dst, const C* A, const C* B, in
   if (warp < 7) {
     store_tile_and_mirror<H, T, LD>(dst, res, I * T, J * T, h * H);
   } else {
-    const int r0 = I * T, rb = h * H;
-#pragma unroll
-    for (int i = 0; i < H; ++i)
-#pragma unroll
-      for (int j = 0; j < T; ++j) {
-        const int r = r0 + rb + i, c = r0 + j;
-        if (c >= r) dst[r * LD + c] = res[i][j];
-        if (c > r) dst[c * LD + r] = res[i][j];
-      }
+    store_diagonal_tile<H, T, LD>(dst, res, I * T, h * H);
     store_tile_and_mirror<Q, T, LD>(dst, quarter, 7 * T, (8 + t8) * T, hi * H + lo * Q);
   }
   __syncthreads();
@@ -312,10 +368,130 @@ __device__ __forceinline__ C sym_gemm_inplace(C* dst, const C* A, const C* B, in
   return C(0);
 }
 
-// The product used by the kernel: symmetric path for NMAX >= 64, the full GEMM below that.
+// Cluster helpers (pairs only; sm_90). A cluster barrier in two halves: arrive (release: this
+// thread's shared-memory reads and writes so far, local or to the peer, are ordered before it) and
+// wait (acquire: returns once every thread of both blocks has arrived, with their writes visible),
+// so that independent work can run in between.
+__device__ __forceinline__ void cluster_arrive() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ int cluster_rank() {
+#if __CUDA_ARCH__ >= 900
+  return static_cast<int>(cooperative_groups::this_cluster().block_rank());
+#else
+  return 0;
+#endif
+}
+
+// The other block's copy of a shared buffer.
+template <typename C>
+__device__ __forceinline__ C* peer_copy(C* p) {
+#if __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(p, cluster_rank() ^ 1);
+#else
+  __trap();
+  return p;
+#endif
+}
+
+// sym_gemm_inplace split over a pair: 16 warps (g = 8 * rank + warp) for 120 off-diagonal tiles
+// and 16 half-cost diagonal ones. Warps g = 2w, 2w + 1 (w < 7) take the 16 tiles of tile rows w
+// and 14 - w, 8 each; warp 14 the 8 of tile row 7; each with k split in 4 (lane = t8 + 8 q, rows
+// hi H + lo Q of the tile after the reduction). Warp 15 takes the diagonal tiles (lane = t + 16 h,
+// k split in 2), the same work per lane.
+template <int T>
+__device__ __forceinline__ void pair_tile(int g, int t8, int& I, int& J) {
+  I = 7, J = 8 + t8;
+  if (g < 14) {
+    const int w = g / 2, e = (g % 2) * 8 + t8;
+    const bool first = e < 15 - w;
+    I = first ? w : 14 - w;
+    J = first ? w + 1 + e : e;
+  }
+}
+
+// Stores: remote stores are slow per request, so only whole 16-byte rows of the upper tiles go to
+// the peer, and each block mirrors the peer's tiles into its own lower triangle afterwards (with
+// the same lane roles as the peer's warp g ^ 8). Two cluster barriers, split so that the shuffle
+// reductions and the local stores overlap them: one before the stores (both blocks have read A and
+// B), one after the remote stores (the peer's tiles have arrived); a block barrier after the mirror.
+template <typename Cfg, typename C, bool kErr>
+__device__ __forceinline__ C sym_gemm_pair(C* dst, const C* A, const C* B, int kmax, int n, C* scratch) {
+  constexpr int T = Cfg::T, LD = Cfg::LD, H = T / 2, Q = T / 4;
+  const int g = 8 * cluster_rank() + threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = lane % 16, h = lane / 16, t8 = lane % 8, q = lane / 8, hi = q >> 1, lo = q & 1, rq = hi * H + lo * Q;
+  int I, J;
+  pair_tile<T>(g, t8, I, J);
+  C acc[T][T], res[H][T], quarter[Q][T];
+  if (g == 15) {
+    tile_product<T, LD, true>(acc, A, B, t * T, t * T, h, 2, kmax);
+    cluster_arrive();  // done reading A and B
+    halve_rows<T, T>(acc, res, h == 1, 16);
+  } else {
+    tile_product<T, LD, false>(acc, A, B, I * T, J * T, q, 4, kmax);
+    cluster_arrive();
+    C half[H][T];
+    halve_rows<T, T>(acc, half, hi == 1, 16);
+    halve_rows<H, T>(half, quarter, lo == 1, 8);
+  }
+  cluster_wait();  // both blocks are done reading: dst may be overwritten in both copies
+  C* const peer = peer_copy(dst);
+  if (g == 15) {
+    store_tile_rows<H, T, LD>(peer, res, t * T, t * T, h * H);  // below the diagonal: zeros, mirrored over there
+    cluster_arrive();
+    store_diagonal_tile<H, T, LD>(dst, res, t * T, h * H);
+  } else {
+    store_tile_rows<Q, T, LD>(peer, quarter, I * T, J * T, rq);
+    cluster_arrive();
+    store_tile_rows<Q, T, LD>(dst, quarter, I * T, J * T, rq);
+    store_tile_mirror<Q, T, LD>(dst, quarter, I * T, J * T, rq);
+  }
+  cluster_wait();  // the peer's tiles have arrived
+  const int gp = g ^ 8;  // the peer's warp with this warp's lane roles
+  if (gp == 15) {
+#pragma unroll
+    for (int i = 0; i < H; ++i)
+#pragma unroll
+      for (int j = 0; j < T; ++j) {
+        const int r = t * T + h * H + i, c = t * T + j;
+        if (c < r) dst[r * LD + c] = dst[c * LD + r];
+      }
+  } else {
+    pair_tile<T>(gp, t8, I, J);
+#pragma unroll
+    for (int i = 0; i < Q; ++i)
+#pragma unroll
+      for (int s = 0; s < T / 4; ++s) {
+        const Four<C> v = load4(dst + (I * T + rq + i) * LD + J * T + 4 * s);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) quarter[i][4 * s + e] = v.v[e];
+      }
+    store_tile_mirror<Q, T, LD>(dst, quarter, I * T, J * T, rq);
+  }
+  __syncthreads();
+  if constexpr (kErr) return residual_by_rows<Cfg, C>(dst, n, scratch);
+  return C(0);
+}
+
+// The product used by the kernel: symmetric path for NMAX >= 64 (split over the pair when
+// CLUSTER = 2), the full GEMM below that.
 template <typename Cfg, typename C, bool kErr>
 __device__ __forceinline__ C product(C* dst, const C* A, const C* B, int kmax, int n, C* scratch) {
-  if constexpr (Cfg::kSym) return sym_gemm_inplace<Cfg, C, kErr>(dst, A, B, kmax, n, scratch);
+  if constexpr (Cfg::CLUSTER == 2) return sym_gemm_pair<Cfg, C, kErr>(dst, A, B, kmax, n, scratch);
+  else if constexpr (Cfg::kSym) return sym_gemm_inplace<Cfg, C, kErr>(dst, A, B, kmax, n, scratch);
   else return gemm_inplace<Cfg, C, kErr>(dst, A, B, kmax, n, scratch);
 }
 
@@ -326,6 +502,8 @@ __device__ __forceinline__ C product(C* dst, const C* A, const C* B, int kmax, i
 // non-finite err, or max_iters. The scalar recurrence runs in double, redundantly in every
 // thread (uniform, so no broadcast is needed).
 // Buffers: X, M, P (3 NMAX x LD). A matrix with a non-finite entry: root NaN, err NaN, iters 0.
+// Pairs: block 2b + r works on matrix b; all of the above runs redundantly in both blocks except
+// the products, which split their tiles (sym_gemm_pair), and the output, which splits its rows.
 template <typename Cfg, typename T, typename C>
 __global__ void __launch_bounds__(Cfg::THREADS)
 newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
@@ -339,7 +517,7 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   C* M = X + NMAX * LD;
   C* P = M + NMAX * LD;
   __shared__ C scratch[THREADS / 32];
-  const int64_t b = blockIdx.x;
+  const int64_t b = blockIdx.x / Cfg::CLUSTER;
   const T* g = G + b * n * n;
   const int tid = threadIdx.x;
 
@@ -363,9 +541,10 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   const C nonfinite = block_reduce<THREADS, C, false>(finite ? C(0) : C(1), scratch);
   sq = block_reduce<THREADS, C, false>(sq, scratch);
   T* o = out + b * n * n;
-  if (nonfinite > C(0)) {
-    for (int i = tid; i < n * n; i += THREADS) o[i] = static_cast<T>(C(NAN));
-    if (tid == 0) err_out[b] = C(NAN), iters_out[b] = 0;
+  const int rank = Cfg::CLUSTER == 1 ? 0 : cluster_rank();  // this block's share of the output
+  if (nonfinite > C(0)) {  // both blocks of a pair return here, before any barrier
+    for (int i = tid + rank * THREADS; i < n * n; i += Cfg::CLUSTER * THREADS) o[i] = static_cast<T>(C(NAN));
+    if (tid == 0 && rank == 0) err_out[b] = C(NAN), iters_out[b] = 0;
     return;
   }
   __syncthreads();  // M complete before the row sums
@@ -408,11 +587,11 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
     const bool stalled = prev <= C(kStallBelow) && err > C(kStallRatio) * prev;
     active = err > tol && isfinite(err) && !stalled;
   }
-  for (int i = tid; i < n * n; i += THREADS) {
+  for (int i = tid + rank * THREADS; i < n * n; i += Cfg::CLUSTER * THREADS) {
     const int r = i / n, c = i - r * n;
     o[i] = static_cast<T>(X[r * LD + c]);
   }
-  if (tid == 0) err_out[b] = err, iters_out[b] = it;
+  if (tid == 0 && rank == 0) err_out[b] = err, iters_out[b] = it;
 }
 
 template <typename Cfg, typename T, typename C>
@@ -422,17 +601,64 @@ bool newton_small_run(const T* G, T* out, void* err, int* iters, int64_t batch, 
   if (smem + sizeof(C) * 32 > smem_optin) return false;
   auto kernel = newton_small_kernel<Cfg, T, C>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  kernel<<<static_cast<unsigned>(batch), Cfg::THREADS, smem, stream>>>(
-      G, out, static_cast<C*>(err), iters, n, p, static_cast<C>(eps), max_iters, static_cast<C>(tol));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(batch * Cfg::CLUSTER));
+  config.blockDim = dim3(Cfg::THREADS);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = Cfg::CLUSTER, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = Cfg::CLUSTER > 1 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, G, out, static_cast<C*>(err), iters, n, p, static_cast<C>(eps),
+                                    max_iters, static_cast<C>(tol)));
   return true;
 }
 
-// Tile configurations by size: 16 (2x4 tiles, 32 threads), 32 (4x4, 64), 64 (4x4, 256), 128 (8x8, 256).
+// Whether a batch of `batch` matrices should run as pairs: the device and the kernel's build are
+// sm_90 or newer (a build from older PTX would trap), and every pair fits on the GPU at once
+// (with more matrices than that, one block per matrix already fills it). Cached per device.
+template <typename Cfg, typename T, typename C>
+bool pairs_fit(int64_t batch) {
+  static int cached[64] = {};  // max co-resident pairs + 1; 1 = pairs unavailable
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  int pairs = device < 64 ? cached[device] - 1 : -1;
+  if (pairs < 0) {
+    auto kernel = newton_small_kernel<Cfg, T, C>;
+    cudaFuncAttributes attributes;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    int major = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    pairs = 0;
+    if (major >= 9 && attributes.ptxVersion >= 90) {
+      constexpr size_t smem = Cfg::template smem_bytes<C>();
+      C10_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(2 * 1024);
+      config.blockDim = dim3(Cfg::THREADS);
+      config.dynamicSmemBytes = smem;
+      cudaLaunchAttribute cluster;
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+      config.attrs = &cluster;
+      config.numAttrs = 1;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&pairs, kernel, &config));
+    }
+    if (device < 64) cached[device] = pairs + 1;
+  }
+  return batch <= pairs;
+}
+
+// Tile configurations by size: 16 (2x4 tiles, 32 threads), 32 (4x4, 64), 64 (4x4, 256), 128 (8x8, 256),
+// and 128 on a pair of blocks.
 using Cfg16 = Config<16, 2, 1>;
 using Cfg32 = Config<32, 4, 1>;
 using Cfg64 = Config<64, 4, 1>;
 using Cfg128 = Config<128, 8, 2>;
+using Cfg128Pair = Config<128, 8, 2, 2>;
 
 inline size_t smem_optin_bytes() {
   int device = 0, bytes = 0;
@@ -450,6 +676,8 @@ bool newton_small_dispatch(const T* G, T* out, void* err, int* iters, int64_t ba
   if (n <= 32) return newton_small_run<Cfg32, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
   if (n <= 64) return newton_small_run<Cfg64, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
   if constexpr (sizeof(C) == 4) {
+    if (n <= 128 && pairs_fit<Cfg128Pair, T, C>(batch))
+      return newton_small_run<Cfg128Pair, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
     if (n <= 128)
       return newton_small_run<Cfg128, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
   }
