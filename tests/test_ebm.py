@@ -269,6 +269,24 @@ def test_langevin_step_seed_reproduces_and_noise_is_standard_normal(device):
         _assert_standard_normal(eps.double())
 
 
+@requires_cuda
+def test_langevin_step_noise_distribution_and_tails():
+    # The in-kernel Box-Muller (approximate log2 / sqrt, a 23-bit angle) against the exact normal CDF on
+    # 2^24 draws: the fraction below each point, and beyond 3 and 4 sigma, within 6 binomial sigma.
+    n = 1 << 24
+    x = torch.zeros(n, device="cuda")
+    torch.manual_seed(11)
+    eps = ebm.langevin_step(x, torch.zeros_like(x), 0.5).double()
+    assert torch.isfinite(eps).all() and eps.abs().max().item() < 6.8  # the smallest uniform is 2^-33
+    for z in (-3.0, -2.0, -1.0, -0.5, -0.1, 0.0, 0.1, 0.5, 1.0, 2.0, 3.0):
+        cdf = 0.5 * math.erfc(-z / math.sqrt(2))
+        assert abs((eps < z).double().mean().item() - cdf) < 6 * math.sqrt(cdf * (1 - cdf) / n), z
+    for z in (3.0, 4.0):
+        tail = math.erfc(z / math.sqrt(2))
+        count = (eps.abs() > z).sum().item()
+        assert abs(count - n * tail) < 6 * math.sqrt(n * tail), (z, count, n * tail)
+
+
 def _assert_standard_normal(eps: torch.Tensor) -> None:
     n = eps.numel()
     # mean ~ N(0, 1/n), variance ~ N(1, 2/n), fourth moment ~ N(3, 96/n); 6 sigma each.
