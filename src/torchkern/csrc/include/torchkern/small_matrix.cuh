@@ -521,17 +521,26 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   const T* g = G + b * n * n;
   const int tid = threadIdx.x;
 
-  // zero all three buffers (the padding must stay zero), then load A = G + eps I into M
+  // zero all three buffers (the padding must stay zero), then load A = G + eps I into M; the
+  // symmetric path needs M exactly symmetric, so it takes (G + G^T) / 2, with G staged in P (read
+  // transposed from shared memory rather than uncoalesced from global memory)
   for (int i = tid; i < 3 * NMAX * LD; i += THREADS) X[i] = C(0);
   __syncthreads();
-  C sq = C(0);
   bool finite = true;
+  C* const staged = Cfg::kSym ? P : M;
   for (int i = tid; i < n * n; i += THREADS) {
     const int r = i / n, c = i - r * n;
-    C v = static_cast<C>(g[i]);
+    const C v = static_cast<C>(g[i]);
     finite &= isfinite(v);
-    if constexpr (Cfg::kSym) {  // the symmetric path needs M exactly symmetric: use (G + G^T) / 2
-      const C w = static_cast<C>(g[c * n + r]);
+    staged[r * LD + c] = v;
+  }
+  if constexpr (Cfg::kSym) __syncthreads();
+  C sq = C(0);
+  for (int i = tid; i < n * n; i += THREADS) {
+    const int r = i / n, c = i - r * n;
+    C v = staged[r * LD + c];
+    if constexpr (Cfg::kSym) {
+      const C w = staged[c * LD + r];
       if (w != v) v = (v + w) * C(0.5);
     }
     if (r == c) v += eps;
@@ -600,7 +609,13 @@ bool newton_small_run(const T* G, T* out, void* err, int* iters, int64_t batch, 
   constexpr size_t smem = Cfg::template smem_bytes<C>();
   if (smem + sizeof(C) * 32 > smem_optin) return false;
   auto kernel = newton_small_kernel<Cfg, T, C>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  static bool opted_in[64] = {};  // the shared-memory opt-in, once per device
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device >= 64 || !opted_in[device]) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    if (device < 64) opted_in[device] = true;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(batch * Cfg::CLUSTER));
   config.blockDim = dim3(Cfg::THREADS);
@@ -660,10 +675,13 @@ using Cfg64 = Config<64, 4, 1>;
 using Cfg128 = Config<128, 8, 2>;
 using Cfg128Pair = Config<128, 8, 2, 2>;
 
-inline size_t smem_optin_bytes() {
+inline size_t smem_optin_bytes() {  // cached per device, like sm_count
+  static int cached[64] = {};
   int device = 0, bytes = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 64 && cached[device]) return static_cast<size_t>(cached[device]);
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (device < 64) cached[device] = bytes;
   return static_cast<size_t>(bytes);
 }
 
