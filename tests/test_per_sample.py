@@ -118,6 +118,12 @@ def test_mean_reduction_and_cross_entropy(device):
     fused = per_sample_gradients(model, ce, x, y, method="fused", loss_reduction="mean")
     for name in func:
         torch.testing.assert_close(fused[name], func[name], rtol=1e-5, atol=1e-6)
+    # the backward seed (= the batch size for "mean") is cached: a second batch size gets its own
+    x2, y2 = randn(7, 10, device=device), torch.randint(0, 3, (7,), device=device)
+    func2 = per_sample_gradients(model, ce, x2, y2, method="func")
+    fused2 = per_sample_gradients(model, ce, x2, y2, method="fused", loss_reduction="mean")
+    for name in func2:
+        torch.testing.assert_close(fused2[name], func2[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

@@ -139,6 +139,26 @@ def _per_sample_losses(loss_fn: LossFn, outputs: torch.Tensor, targets: torch.Te
     return torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
 
 
+_SEEDS: dict[tuple, torch.Tensor] = {}
+
+
+def _seed(total: torch.Tensor, scale: int) -> torch.Tensor | None:
+    """The backward seed (d total = scale) for a 0-dim ``total``, cached per device, dtype, scale and stream
+    (the stream: a seed filled on one stream is only read, in order, on that stream): autograd would
+    otherwise launch a fill kernel on every call, about 20 us of host time on the GPU hosts. None (autograd's
+    own seed and error) when ``total`` is not a scalar."""
+    if total.dim() != 0:
+        return None if scale == 1 else torch.full_like(total, scale)
+    stream = torch.cuda.current_stream(total.device) if total.is_cuda else None
+    key = (total.device, total.dtype, scale, stream)
+    seed = _SEEDS.get(key)
+    if seed is None:
+        if len(_SEEDS) >= 64:  # bounded: a caller cycling through fresh streams or batch sizes
+            _SEEDS.clear()
+        seed = _SEEDS[key] = torch.full((), scale, dtype=total.dtype, device=total.device)
+    return seed
+
+
 def _activations(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
                  layers: tuple[_Layer, ...], loss_reduction: str | None
                  ) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -159,7 +179,7 @@ def _activations(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, target
         else:  # the caller vouches that the batch loss is the sum (or the mean) of the per-sample losses
             total = loss_fn(outputs, targets)
     # "mean": differentiate B * loss by seeding the backward with B (d(B L) = B dL, exactly as scaling would)
-    seed = torch.full_like(total, inputs.shape[0]) if loss_reduction == "mean" else None
+    seed = _seed(total, inputs.shape[0] if loss_reduction == "mean" else 1)
     grads = torch.autograd.grad(total, [c[0][1] for c in calls], seed, allow_unused=True)
     result = []
     for c, g in zip(calls, grads):
