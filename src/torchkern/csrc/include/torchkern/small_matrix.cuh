@@ -202,11 +202,15 @@ __device__ __forceinline__ C gemm_inplace(C* dst, const C* A, const C* B, int km
 // 0.52 of the full product. Interleaving k (rather than splitting it in two ranges) puts the lanes
 // of the two halves on rows k and k + 1, i.e. on different banks.
 
-// acc[i][j] = sum over k = k0, k0 + kstep, ... < kmax of A[k][r0 + i] * B[k][c0 + j]
-// (= (A B)[r0 + i][c0 + j] for symmetric A); kDiag: only j >= i.
+// acc[i][j] = sum over k = k0, k0 + kstep, ... < kmax of A[k][r0 + i] * B[k][c0 + (j ^ 4 swap)]
+// (= (A B)[r0 + i][c0 + (j ^ 4 swap)] for symmetric A); kDiag: only j >= i (and swap = 0).
+// swap (0 or 1, T = 8) exchanges the two 16-byte halves of each B row: the 8 lanes that load
+// together (a quarter warp) hold 8 consecutive tiles of one tile row, whose halves fall on only 4
+// of the 8 bank groups (a row is 33 groups of 16 bytes); swapping the halves for lanes 4..7 of each
+// 8 spreads them over all 8. Callers store the accumulators with the same column mask (cx = 4 swap).
 template <int T, int LD, bool kDiag, typename C>
 __device__ __forceinline__ void tile_product(C (&acc)[T][T], const C* A, const C* B, int r0, int c0, int k0, int kstep,
-                                             int kmax) {
+                                             int kmax, int swap = 0) {
 #pragma unroll
   for (int i = 0; i < T; ++i)
 #pragma unroll
@@ -218,7 +222,7 @@ __device__ __forceinline__ void tile_product(C (&acc)[T][T], const C* A, const C
   for (int k = k0; k < kmax; k += kstep, a += step, b += step) {
     Four<C> av[T / 4], bv[T / 4];
 #pragma unroll
-    for (int s = 0; s < T / 4; ++s) av[s] = load4(a + 4 * s), bv[s] = load4(b + 4 * s);
+    for (int s = 0; s < T / 4; ++s) av[s] = load4(a + 4 * s), bv[s] = load4(b + 4 * (T / 4 > 1 ? s ^ swap : s));
 #pragma unroll
     for (int i = 0; i < T; ++i)
 #pragma unroll
@@ -240,24 +244,25 @@ __device__ __forceinline__ void halve_rows(const C (&in)[R][T], C (&out)[R / 2][
     }
 }
 
-// Rows [rb, rb + R) of tile (r0, c0) as they are ...
+// Rows [rb, rb + R) of tile (r0, c0) as they are (register column j is tile column j ^ cx, cx = 4 *
+// tile_product's swap) ...
 template <int R, int T, int LD, typename C>
-__device__ __forceinline__ void store_tile_rows(C* dst, const C (&v)[R][T], int r0, int c0, int rb) {
+__device__ __forceinline__ void store_tile_rows(C* dst, const C (&v)[R][T], int r0, int c0, int rb, int cx = 0) {
 #pragma unroll
   for (int i = 0; i < R; ++i)
 #pragma unroll
-    for (int s = 0; s < T / 4; ++s) store4(dst + (r0 + rb + i) * LD + c0 + 4 * s, &v[i][4 * s]);
+    for (int s = 0; s < T / 4; ++s) store4(dst + (r0 + rb + i) * LD + c0 + ((4 * s) ^ cx), &v[i][4 * s]);
 }
 
 // ... and mirrored into tile (c0, r0): column j of the rows becomes a piece of row c0 + j, stored
 // 4 or 2 values at a time where R allows (rb is a multiple of R). The lanes that store together
 // hold tiles of one tile row, so column j of all of them lies in rows 8 (T) apart, which share
-// banks (a row is 4 banks): each lane writes its columns in the order j = jj ^ x, x = lane % T,
-// after permuting its registers with compile-time-indexed selects (a butterfly on the bits of x).
-// That turns an 8-way bank conflict into none, for 3 R T selects.
+// banks (a row is 4 banks): each lane writes its columns in the order j = jj ^ x, x = lane % T (with
+// cx: x ^ cx), after permuting its registers with compile-time-indexed selects (a butterfly on x).
+// That turns an 8-way bank conflict into none, for 3 R T selects. cx as in store_tile_rows.
 template <int R, int T, int LD, typename C>
-__device__ __forceinline__ void store_tile_mirror(C* dst, const C (&v)[R][T], int r0, int c0, int rb) {
-  const int x = threadIdx.x % T;
+__device__ __forceinline__ void store_tile_mirror(C* dst, const C (&v)[R][T], int r0, int c0, int rb, int cx = 0) {
+  const int x = (threadIdx.x % T) ^ cx;  // the rows written, jj ^ x ^ cx = jj ^ (lane % T), differ across lanes
   C w[R][T];
 #pragma unroll
   for (int i = 0; i < R; ++i)
@@ -278,7 +283,7 @@ __device__ __forceinline__ void store_tile_mirror(C* dst, const C (&v)[R][T], in
   }
 #pragma unroll
   for (int jj = 0; jj < T; ++jj) {
-    C* row = dst + (c0 + (jj ^ x)) * LD + r0 + rb;
+    C* row = dst + (c0 + (jj ^ x ^ cx)) * LD + r0 + rb;
     if constexpr (R % 4 == 0) {
 #pragma unroll
       for (int s = 0; s < R / 4; ++s) {
@@ -300,9 +305,9 @@ __device__ __forceinline__ void store_tile_mirror(C* dst, const C (&v)[R][T], in
 
 // Both: rows [rb, rb + R) of tile (r0, c0), r0 != c0, and their mirror image.
 template <int R, int T, int LD, typename C>
-__device__ __forceinline__ void store_tile_and_mirror(C* dst, const C (&v)[R][T], int r0, int c0, int rb) {
-  store_tile_rows<R, T, LD>(dst, v, r0, c0, rb);
-  store_tile_mirror<R, T, LD>(dst, v, r0, c0, rb);
+__device__ __forceinline__ void store_tile_and_mirror(C* dst, const C (&v)[R][T], int r0, int c0, int rb, int cx = 0) {
+  store_tile_rows<R, T, LD>(dst, v, r0, c0, rb, cx);
+  store_tile_mirror<R, T, LD>(dst, v, r0, c0, rb, cx);
 }
 
 // ||M - I_n||_inf (kMinusIdentity) or ||M||_inf from shared memory: one warp per row.
@@ -344,24 +349,25 @@ __device__ __forceinline__ C sym_gemm_inplace(C* dst, const C* A, const C* B, in
   const int t = lane % 16, h = lane / 16, t8 = lane % 8, q = lane / 8, hi = q >> 1, lo = q & 1;
   const bool first = t < 15 - warp;
   const int I = warp < 7 ? (first ? warp : 14 - warp) : t, J = warp < 7 ? (first ? warp + 1 + t : t) : t;
+  const int swap = T == 8 ? (lane >> 2) & 1 : 0;  // tile_product: lanes 4..7 of each 8 (partners share it)
   C acc[T][T], res[H][T], quarter[Q][T];
   if (warp < 7) {
-    tile_product<T, LD, false>(acc, A, B, I * T, J * T, h, 2, kmax);
+    tile_product<T, LD, false>(acc, A, B, I * T, J * T, h, 2, kmax, swap);
     halve_rows<T, T>(acc, res, h == 1, 16);
   } else {
     tile_product<T, LD, true>(acc, A, B, I * T, I * T, h, 2, kmax);
     halve_rows<T, T>(acc, res, h == 1, 16);
-    tile_product<T, LD, false>(acc, A, B, 7 * T, (8 + t8) * T, q, 4, kmax);
+    tile_product<T, LD, false>(acc, A, B, 7 * T, (8 + t8) * T, q, 4, kmax, swap);
     C half[H][T];
     halve_rows<T, T>(acc, half, hi == 1, 16);
     halve_rows<H, T>(half, quarter, lo == 1, 8);
   }
   __syncthreads();  // everyone has read A and B: now dst may be overwritten
   if (warp < 7) {
-    store_tile_and_mirror<H, T, LD>(dst, res, I * T, J * T, h * H);
+    store_tile_and_mirror<H, T, LD>(dst, res, I * T, J * T, h * H, 4 * swap);
   } else {
     store_diagonal_tile<H, T, LD>(dst, res, I * T, h * H);
-    store_tile_and_mirror<Q, T, LD>(dst, quarter, 7 * T, (8 + t8) * T, hi * H + lo * Q);
+    store_tile_and_mirror<Q, T, LD>(dst, quarter, 7 * T, (8 + t8) * T, hi * H + lo * Q, 4 * swap);
   }
   __syncthreads();
   if constexpr (kErr) return residual_by_rows<Cfg, C>(dst, n, scratch);
@@ -435,13 +441,14 @@ __device__ __forceinline__ C sym_gemm_pair(C* dst, const C* A, const C* B, int k
   const int t = lane % 16, h = lane / 16, t8 = lane % 8, q = lane / 8, hi = q >> 1, lo = q & 1, rq = hi * H + lo * Q;
   int I, J;
   pair_tile<T>(g, t8, I, J);
+  const int swap = T == 8 ? (lane >> 2) & 1 : 0, cx = 4 * swap;  // as in sym_gemm_inplace
   C acc[T][T], res[H][T], quarter[Q][T];
   if (g == 15) {
     tile_product<T, LD, true>(acc, A, B, t * T, t * T, h, 2, kmax);
     cluster_arrive();  // done reading A and B
     halve_rows<T, T>(acc, res, h == 1, 16);
   } else {
-    tile_product<T, LD, false>(acc, A, B, I * T, J * T, q, 4, kmax);
+    tile_product<T, LD, false>(acc, A, B, I * T, J * T, q, 4, kmax, swap);
     cluster_arrive();
     C half[H][T];
     halve_rows<T, T>(acc, half, hi == 1, 16);
@@ -454,10 +461,10 @@ __device__ __forceinline__ C sym_gemm_pair(C* dst, const C* A, const C* B, int k
     cluster_arrive();
     store_diagonal_tile<H, T, LD>(dst, res, t * T, h * H);
   } else {
-    store_tile_rows<Q, T, LD>(peer, quarter, I * T, J * T, rq);
+    store_tile_rows<Q, T, LD>(peer, quarter, I * T, J * T, rq, cx);
     cluster_arrive();
-    store_tile_rows<Q, T, LD>(dst, quarter, I * T, J * T, rq);
-    store_tile_mirror<Q, T, LD>(dst, quarter, I * T, J * T, rq);
+    store_tile_rows<Q, T, LD>(dst, quarter, I * T, J * T, rq, cx);
+    store_tile_mirror<Q, T, LD>(dst, quarter, I * T, J * T, rq, cx);
   }
   cluster_wait();  // the peer's tiles have arrived
   const int gp = g ^ 8;  // the peer's warp with this warp's lane roles
