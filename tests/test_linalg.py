@@ -149,6 +149,51 @@ def plain_newton_steps(G: torch.Tensor, p: int, eps: float, tol: float = 1e-6) -
     return steps
 
 
+def test_smallest_ritz_value_brackets_the_bottom():
+    # Lanczos (the first scaling's estimate): exact once the steps span the space (n <= LANCZOS_STEPS),
+    # above the smallest eigenvalue and below the smallest diagonal entry otherwise
+    G = spd(8, 1e3, batch=(3,))
+    lam = torch.linalg.eigvalsh(G)[:, 0]
+    torch.testing.assert_close(ref.linalg.smallest_ritz_value(G), lam, rtol=1e-8, atol=0)
+    G = spd(160, 1e3, batch=(3,))
+    lam, theta = torch.linalg.eigvalsh(G)[:, 0], ref.linalg.smallest_ritz_value(G)
+    assert (theta >= lam * (1 - 1e-9)).all() and (theta <= G.diagonal(dim1=-2, dim2=-1).amin(-1)).all()
+    # an invariant start (the identity) stops after one step
+    torch.testing.assert_close(ref.linalg.smallest_ritz_value(2 * torch.eye(50, dtype=torch.float64)[None]),
+                               torch.tensor([2.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("n", [24, 64, 128, 200])
+def test_root_newton_lanczos_start_saves_steps(device, n):
+    # moderately conditioned matrices, eps far below the spectrum: the bounds eps / u and 1 - err say
+    # little, and 10 steps were the rule; the hedged Lanczos estimate starts close to the bottom
+    G = torch.stack([spd(n, 10.0), spd(n, 100.0), spd(n, 1e3)])
+    X, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(G.float().to(device), 4, 1e-6, 100, 1e-6)
+    assert all(i <= most for i, most in zip(iters.tolist(), [6, 7, 8])), iters.tolist()
+    assert (err.cpu() <= 1e-6).all()
+    assert rel_err(X, root_ref(G.float(), 4, 1e-6)) <= 2e-5
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_root_newton_when_lanczos_misses_the_bottom(device):
+    # the bottom eigenvector orthogonal to the Lanczos start vector: the Krylov space never sees
+    # it (but for rounding), the estimate lands far above it, and that costs steps, not accuracy
+    n = 96
+    v0 = ref.linalg.lanczos_start(n, torch.float64, "cpu")
+    B = torch.randn(n, n, generator=_GEN, dtype=torch.float64)
+    B[:, 0] -= v0 * (v0 @ B[:, 0])
+    Q, _ = torch.linalg.qr(B)
+    lam = torch.logspace(0, -2, n, dtype=torch.float64).flip(0)
+    lam[0] = 1e-5  # on Q[:, 0], orthogonal to v0; the rest of the spectrum in [1e-2, 1]
+    G = (Q * lam) @ Q.mT
+    G = 0.5 * (G + G.mT)
+    assert ref.linalg.smallest_ritz_value(G[None]).item() > 1e-3
+    X, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(G[None].float().to(device), 4, 1e-6, 100, 1e-6)
+    assert err.item() <= 1e-6 and iters.item() <= 16, (err.item(), iters.item())
+    assert rel_err(X[0], root_ref(G.float(), 4, 1e-6)) <= 3e-4  # float32 at condition 1e5: about 1e-4
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 def test_root_newton_scaled_steps_on_eps_floored_statistics(device):
     # Shampoo-like statistics: rank-deficient, normalized, eps relative to the norm, so the

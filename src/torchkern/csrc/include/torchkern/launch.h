@@ -10,16 +10,48 @@
 
 namespace torchkern {
 
-// Multiprocessors of the current device (cached per device; the query is not free).
-inline int sm_count() {
-  static int cached[64] = {};
+// query(device) for the current device, computed once per device: device and function attributes
+// are not free, and ops ask for them on every launch. `cache` is the caller's static table (stored as
+// value + 1, so 0 means "not asked yet"); a device past its end is asked every time.
+constexpr int kCachedDevices = 64;
+
+template <typename Query>
+inline int per_device(int (&cache)[kCachedDevices], Query query) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 64 && cached[device]) return cached[device];
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  if (device < 64) cached[device] = count;
-  return count;
+  if (device >= kCachedDevices) return query(device);
+  if (!cache[device]) cache[device] = query(device) + 1;
+  return cache[device] - 1;
+}
+
+inline int device_attribute(cudaDeviceAttr attribute, int device) {
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  return value;
+}
+
+// Multiprocessors of the current device.
+inline int sm_count() {
+  static int cache[kCachedDevices] = {};
+  return per_device(cache, [](int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); });
+}
+
+// Shared memory a block may opt in to on the current device.
+inline size_t smem_optin_bytes() {
+  static int cache[kCachedDevices] = {};
+  return static_cast<size_t>(
+      per_device(cache, [](int device) { return device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device); }));
+}
+
+// Lets `kernel` use `bytes` of dynamic shared memory (above 48 KiB needs the opt-in), once per
+// device. `opted_in` is a static table of the caller's own, one per kernel: kernels of the same
+// signature share an instantiation of this function, so it cannot own the table.
+template <typename Kernel>
+inline void opt_in_smem(int (&opted_in)[kCachedDevices], Kernel kernel, size_t bytes) {
+  per_device(opted_in, [&](int) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+    return 0;
+  });
 }
 
 // Blocks for a grid-stride loop over `work` items, `per_block` items per block per

@@ -28,6 +28,8 @@
 
 #include <cstdint>
 
+#include "torchkern/launch.h"
+
 namespace torchkern {
 
 // Stall rule and scaling floor of the Newton iteration; keep equal to STALL_BELOW, STALL_RATIO
@@ -55,9 +57,17 @@ __host__ __device__ inline NewtonScaling newton_scaling(double low, int p) {
   return {s * (p + 1) / p, -s * c / p, fmin(hx, hc)};
 }
 
-// The first lower bound: max(eps / u, 1 - ||M0 - I||_inf, floor), at most 1.
-__host__ __device__ inline double newton_first_low(double eps, double u, double err) {
-  return fmin(1.0, fmax(fmax(eps / u, 1.0 - err), kScaleFloor));
+// The first bound on the bottom of M0's spectrum (ref/linalg.py): the largest of eps / u,
+// 1 - ||M0 - I||_inf, the floor, and the Lanczos estimate `ritz` of A's smallest eigenvalue
+// (lanczos_kernel in newton.cu; NaN: none) divided by kRitzHedge u; at most 1. Keep kRitzHedge,
+// kLanczosSteps and kLanczosMaxN equal to RITZ_HEDGE, LANCZOS_STEPS and LANCZOS_MAX_N in ref/linalg.py.
+constexpr double kRitzHedge = 8.0;
+constexpr int kLanczosSteps = 32;
+constexpr int kLanczosMaxN = 4096;
+
+__host__ __device__ inline double newton_first_low(double eps, double u, double err, double ritz) {
+  const double bound = fmax(fmax(eps / u, 1.0 - err), kScaleFloor);
+  return fmin(1.0, fmax(bound, ritz / (kRitzHedge * u)));  // fmax drops a NaN estimate
 }
 
 namespace small_matrix {
@@ -106,6 +116,12 @@ __device__ __forceinline__ void store4(C* p, const C* v) {
     reinterpret_cast<double2*>(p)[0] = make_double2(v[0], v[1]);
     reinterpret_cast<double2*>(p)[1] = make_double2(v[2], v[3]);
   }
+}
+
+template <typename C>
+__device__ __forceinline__ void store2(C* p, C a, C b) {
+  if constexpr (sizeof(C) == 4) *reinterpret_cast<float2*>(p) = make_float2(a, b);
+  else *reinterpret_cast<double2*>(p) = make_double2(a, b);
 }
 
 // Block-wide sum / max through `scratch` (at least THREADS / 32 entries); every thread gets the result.
@@ -292,10 +308,7 @@ __device__ __forceinline__ void store_tile_mirror(C* dst, const C (&v)[R][T], in
       }
     } else if constexpr (R % 2 == 0) {
 #pragma unroll
-      for (int s = 0; s < R / 2; ++s) {
-        if constexpr (sizeof(C) == 4) *reinterpret_cast<float2*>(row + 2 * s) = make_float2(w[2 * s][jj], w[2 * s + 1][jj]);
-        else *reinterpret_cast<double2*>(row + 2 * s) = make_double2(w[2 * s][jj], w[2 * s + 1][jj]);
-      }
+      for (int s = 0; s < R / 2; ++s) store2(row + 2 * s, w[2 * s][jj], w[2 * s + 1][jj]);
     } else {
 #pragma unroll
       for (int i = 0; i < R; ++i) row[i] = w[i][jj];
@@ -517,6 +530,7 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
                     T* __restrict__ out,      // [B, n, n]
                     C* __restrict__ err_out,  // [B]
                     int* __restrict__ iters_out,  // [B]
+                    const C* __restrict__ ritz,   // [B] or null (lanczos_kernel)
                     int n, int p, C eps, int max_iters, C tol) {
   constexpr int NMAX = Cfg::NMAX, LD = Cfg::LD, THREADS = Cfg::THREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -573,7 +587,8 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   }
   __syncthreads();
   C err = residual_by_rows<Cfg, C>(M, n, scratch);
-  double low = newton_first_low(static_cast<double>(eps), static_cast<double>(u), static_cast<double>(err));
+  double low = newton_first_low(static_cast<double>(eps), static_cast<double>(u), static_cast<double>(err),
+                                ritz ? static_cast<double>(ritz[b]) : NAN);
   const int kmax = (n + 3) & ~3;
   int it = 0;
   bool active = err > tol && isfinite(err);
@@ -610,67 +625,57 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   if (tid == 0 && rank == 0) err_out[b] = err, iters_out[b] = it;
 }
 
+// The kernel for Cfg, with its shared memory opted in (once per device), and its launch config.
 template <typename Cfg, typename T, typename C>
-bool newton_small_run(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
-                      int max_iters, double tol, cudaStream_t stream, size_t smem_optin) {
-  constexpr size_t smem = Cfg::template smem_bytes<C>();
-  if (smem + sizeof(C) * 32 > smem_optin) return false;
-  auto kernel = newton_small_kernel<Cfg, T, C>;
-  static bool opted_in[64] = {};  // the shared-memory opt-in, once per device
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device >= 64 || !opted_in[device]) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    if (device < 64) opted_in[device] = true;
+struct SmallLaunch {
+  static constexpr size_t smem = Cfg::template smem_bytes<C>();
+  static constexpr auto kernel = newton_small_kernel<Cfg, T, C>;
+  cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config{};
+
+  SmallLaunch(int64_t batch, cudaStream_t stream) {
+    static int opted_in[kCachedDevices] = {};
+    opt_in_smem(opted_in, kernel, smem);
+    config.gridDim = dim3(static_cast<unsigned>(batch * Cfg::CLUSTER));
+    config.blockDim = dim3(Cfg::THREADS);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = Cfg::CLUSTER, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = Cfg::CLUSTER > 1 ? 1 : 0;
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(batch * Cfg::CLUSTER));
-  config.blockDim = dim3(Cfg::THREADS);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = Cfg::CLUSTER, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = Cfg::CLUSTER > 1 ? 1 : 0;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, G, out, static_cast<C*>(err), iters, n, p, static_cast<C>(eps),
-                                    max_iters, static_cast<C>(tol)));
+  SmallLaunch(const SmallLaunch&) = delete;  // config points at cluster
+};
+
+template <typename Cfg, typename T, typename C>
+bool newton_small_run(const T* G, T* out, void* err, int* iters, const void* ritz, int64_t batch, int n, int p,
+                      double eps, int max_iters, double tol, cudaStream_t stream) {
+  using Launch = SmallLaunch<Cfg, T, C>;
+  if (Launch::smem + sizeof(C) * 32 > smem_optin_bytes()) return false;
+  const Launch launch(batch, stream);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, Launch::kernel, G, out, static_cast<C*>(err), iters,
+                                    static_cast<const C*>(ritz), n, p, static_cast<C>(eps), max_iters,
+                                    static_cast<C>(tol)));
   return true;
 }
 
 // Whether a batch of `batch` matrices should run as pairs: the device and the kernel's build are
 // sm_90 or newer (a build from older PTX would trap), and every pair fits on the GPU at once
-// (with more matrices than that, one block per matrix already fills it). Cached per device.
+// (with more matrices than that, one block per matrix already fills it).
 template <typename Cfg, typename T, typename C>
 bool pairs_fit(int64_t batch) {
-  static int cached[64] = {};  // max co-resident pairs + 1; 1 = pairs unavailable
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  int pairs = device < 64 ? cached[device] - 1 : -1;
-  if (pairs < 0) {
-    auto kernel = newton_small_kernel<Cfg, T, C>;
+  using Launch = SmallLaunch<Cfg, T, C>;
+  static int cache[kCachedDevices] = {};
+  const int pairs = per_device(cache, [](int device) {
     cudaFuncAttributes attributes;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-    int major = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    pairs = 0;
-    if (major >= 9 && attributes.ptxVersion >= 90) {
-      constexpr size_t smem = Cfg::template smem_bytes<C>();
-      C10_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(2 * 1024);
-      config.blockDim = dim3(Cfg::THREADS);
-      config.dynamicSmemBytes = smem;
-      cudaLaunchAttribute cluster;
-      cluster.id = cudaLaunchAttributeClusterDimension;
-      cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-      config.attrs = &cluster;
-      config.numAttrs = 1;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&pairs, kernel, &config));
-    }
-    if (device < 64) cached[device] = pairs + 1;
-  }
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, Launch::kernel));
+    if (device_attribute(cudaDevAttrComputeCapabilityMajor, device) < 9 || attributes.ptxVersion < 90) return 0;
+    int count = 0;
+    const Launch launch(2 * 1024, nullptr);  // the grid is not part of the answer
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&count, Launch::kernel, &launch.config));
+    return count;
+  });
   return batch <= pairs;
 }
 
@@ -682,51 +687,40 @@ using Cfg64 = Config<64, 4, 1>;
 using Cfg128 = Config<128, 8, 2>;
 using Cfg128Pair = Config<128, 8, 2, 2>;
 
-inline size_t smem_optin_bytes() {  // cached per device, like sm_count
-  static int cached[64] = {};
-  int device = 0, bytes = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 64 && cached[device]) return static_cast<size_t>(cached[device]);
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  if (device < 64) cached[device] = bytes;
-  return static_cast<size_t>(bytes);
-}
-
 // The launcher for storage type T computing in C (float for float/half/bf16, double for double).
 template <typename T, typename C>
-bool newton_small_dispatch(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
-                           int max_iters, double tol, cudaStream_t stream) {
-  const size_t optin = smem_optin_bytes();
-  if (n <= 16) return newton_small_run<Cfg16, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
-  if (n <= 32) return newton_small_run<Cfg32, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
-  if (n <= 64) return newton_small_run<Cfg64, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
+bool newton_small_dispatch(const T* G, T* out, void* err, int* iters, const void* ritz, int64_t batch, int n, int p,
+                           double eps, int max_iters, double tol, cudaStream_t stream) {
+  const auto run = [&](auto config) {
+    using Cfg = decltype(config);
+    return newton_small_run<Cfg, T, C>(G, out, err, iters, ritz, batch, n, p, eps, max_iters, tol, stream);
+  };
+  if (n <= 16) return run(Cfg16{});
+  if (n <= 32) return run(Cfg32{});
+  if (n <= 64) return run(Cfg64{});
   if constexpr (sizeof(C) == 4) {
-    if (n <= 128 && pairs_fit<Cfg128Pair, T, C>(batch))
-      return newton_small_run<Cfg128Pair, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
-    if (n <= 128)
-      return newton_small_run<Cfg128, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream, optin);
+    if (n <= 128) return pairs_fit<Cfg128Pair, T, C>(batch) ? run(Cfg128Pair{}) : run(Cfg128{});
   }
   return false;  // float64 above 64 (3 x 128^2 doubles do not fit) and everything above 128: the large path
 }
-
-
 
 }  // namespace small_matrix
 
 // Explicit instantiations live in csrc/linalg/newton_small_{f32,half,f64}.cu (one compile each).
 template <typename T>
-bool newton_small_launch(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
-                         int max_iters, double tol, cudaStream_t stream);
+bool newton_small_launch(const T* G, T* out, void* err, int* iters, const void* ritz, int64_t batch, int n, int p,
+                         double eps, int max_iters, double tol, cudaStream_t stream);
 template <>
-bool newton_small_launch<float>(const float*, float*, void*, int*, int64_t, int, int, double, int, double, cudaStream_t);
+bool newton_small_launch<float>(const float*, float*, void*, int*, const void*, int64_t, int, int, double, int, double,
+                                cudaStream_t);
 template <>
-bool newton_small_launch<double>(const double*, double*, void*, int*, int64_t, int, int, double, int, double,
-                                 cudaStream_t);
+bool newton_small_launch<double>(const double*, double*, void*, int*, const void*, int64_t, int, int, double, int,
+                                 double, cudaStream_t);
 template <>
-bool newton_small_launch<c10::Half>(const c10::Half*, c10::Half*, void*, int*, int64_t, int, int, double, int, double,
-                                    cudaStream_t);
+bool newton_small_launch<c10::Half>(const c10::Half*, c10::Half*, void*, int*, const void*, int64_t, int, int, double,
+                                    int, double, cudaStream_t);
 template <>
-bool newton_small_launch<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, void*, int*, int64_t, int, int, double,
-                                        int, double, cudaStream_t);
+bool newton_small_launch<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, void*, int*, const void*, int64_t, int,
+                                        int, double, int, double, cudaStream_t);
 
 }  // namespace torchkern
