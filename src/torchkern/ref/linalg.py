@@ -14,7 +14,7 @@ the largest eigenvalue land on the same value, and the interval's bottom grows b
 r = l^(1/p), c = (p + 1) (1 - r) / (1 - r l), capped at 1 + p / 2 (see :func:`newton_scaling`).
 
     u = min(||A||_F, ||A||_inf) (>= the largest eigenvalue), M0 = A / u, X0 = u^(-1/p) I,
-    l = max(eps / u, 1 - ||M - I||_inf, SCALE_FLOOR, theta / (RITZ_HEDGE u)), capped at 1; then repeat
+    l = max(eps / u, 1 - ||M - I||_inf, SCALE_FLOOR, theta / RITZ_HEDGE), capped at 1; then repeat
     c from l; P = c^(1/p) ((p + 1) I - c M) / p; X <- X P; M <- P^p M;
     err = ||M - I||_inf; l <- min(1, max(h(c l), 1 - err))
 
@@ -31,10 +31,10 @@ say little (eps = 0, or eps far below ||G||): eigenvalues below it still grow at
 with c = 1 (h rises on [0, 1] and c >= 1), so a bound that is too high costs steps, never
 convergence. With those alone, p = 4 took 10 steps on every moderately conditioned matrix whose eps
 is far below its spectrum (condition 10 to 1e4), against 19 for the unscaled iteration on Shampoo's
-statistics (eigenvalues down to the eps floor). theta is the smallest Ritz value of LANCZOS_STEPS
-Lanczos steps on A (:func:`smallest_ritz_value`), an estimate of A's smallest eigenvalue from
-above, close to it for those matrices; the hedge (theta / RITZ_HEDGE) keeps most of the gain when it
-is not. Float32, n = 128, p = 4, log-spaced spectra, eps = 1e-6, steps with theta (without): 6 at
+statistics (eigenvalues down to the eps floor). theta (for n <= LANCZOS_MAX_N) is the smallest Ritz
+value of LANCZOS_STEPS Lanczos steps on M0 (:func:`smallest_ritz_value`), an estimate of its
+smallest eigenvalue from above, close to it for those matrices, for about the cost of one product;
+the hedge (theta / RITZ_HEDGE) keeps most of the gain when it is not. Float32, n = 128, p = 4, log-spaced spectra, eps = 1e-6, steps with theta (without): 6 at
 condition 10 (10), 7 at 1e2 (10), 8 at 1e3 (10), 9 at 1e4 (10), 12 at 1e6 (11: the one loss, where
 theta / 8 is still above the bottom); p = 2: 7, 8, 10, 11, 14 (12, 12, 12, 12, 13).
 """
@@ -55,7 +55,7 @@ SCALE_FLOOR = 1e-6
 # kLanczosMaxN in csrc/include/torchkern/small_matrix.cuh).
 LANCZOS_STEPS = 32
 RITZ_HEDGE = 8.0
-LANCZOS_MAX_N = 4096
+LANCZOS_MAX_N = 128  # one warp of the kernel: 32 lanes x 4 columns
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -179,7 +179,7 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     u64, err64 = u.double(), err.double()  # the scalar recurrence runs in float64, as in the kernels
     low = torch.clamp(torch.maximum(torch.maximum(eps / u64, 1 - err64), torch.full_like(u64, SCALE_FLOOR)), max=1.0)
     if max_iters > 0 and n <= LANCZOS_MAX_N:  # a hedged estimate of the bottom, where it says more
-        low = torch.clamp(torch.fmax(low, smallest_ritz_value(A) / (RITZ_HEDGE * u64)), max=1.0)
+        low = torch.clamp(torch.fmax(low, smallest_ritz_value(M) / RITZ_HEDGE), max=1.0)
     prev = torch.full_like(err, float("inf"))
     iters = torch.zeros(B, dtype=torch.int32, device=G.device)
     active = ~bad & (err > tol) & torch.isfinite(err)

@@ -21,9 +21,9 @@
 // one extra, frozen, no-op iteration at the end); for n >= 512 an iteration costs milliseconds,
 // so the host waits for each iteration's own count instead (microseconds of idle GPU per
 // iteration rather than a wasted iteration). Not CUDA-graph capturable for that reason.
-// Both paths start from a Lanczos estimate of each matrix's smallest eigenvalue (lanczos_kernel
-// below; the first scaling in ref/linalg.py), which saves 2 to 5 of about 10 steps on matrices
-// with a condition number up to 1e4.
+// For n <= 128 both paths start from a Lanczos estimate of each matrix's smallest eigenvalue
+// (small_matrix::smallest_ritz_value; the first scaling in ref/linalg.py), which saves 1 to 4 of
+// about 10 steps on matrices with a condition number up to 1e4.
 // The products run in the compute dtype through at::bmm, so they follow torch's TF32 setting
 // (off by default): leave TF32 off for float32 roots at 1e-4 accuracy.
 #include <ATen/core/Tensor.h>
@@ -35,9 +35,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <limits>
 #include <tuple>
 #include <utility>
@@ -51,13 +49,6 @@ namespace torchkern {
 namespace {
 
 constexpr int kRowThreads = 256;  // init / check kernels: one block per matrix, one warp per row
-
-template <typename C>
-__device__ __forceinline__ C warp_sum(C v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 
 constexpr int kRowsPerBlock = kRowThreads / 32;
 constexpr int kSyncCheckFromN = 512;  // from this n on the convergence check waits for its own iteration
@@ -96,9 +87,9 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
       }
     }
   }
-  s = warp_sum(s);
+  s = small_matrix::warp_sum(s);
   if constexpr (kInit) {
-    t = warp_sum(t);
+    t = small_matrix::warp_sum(t);
     finite = __all_sync(0xffffffffu, finite);
   }
   if (threadIdx.x % 32 == 0) {
@@ -122,186 +113,38 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Lanczos estimate of each matrix's smallest eigenvalue (twin: smallest_ritz_value in
-// ref/linalg.py; same start vector, steps and early stop). One block per matrix:
-// min(kLanczosSteps, n) steps on A = G + eps I, without reorthogonalization (the smallest Ritz
-// value stays above the smallest eigenvalue, which is all the estimate needs). A v is computed as
-// A^T v: threads own groups of VEC adjacent columns and a slice of the rows (rows r = s mod
-// slices), so a warp reads contiguous row segments; the slices' partial sums meet in shared memory.
-// G is staged in shared memory (as C) when it fits. Then one warp finds the smallest eigenvalue of
-// the tridiagonal matrix by multisection on Sturm counts, in float on the matrix scaled to norm ~1
-// (an estimate only feeds a hedged bound: float resolution is plenty).
-constexpr int kLanczosThreads = 512;
+// The Lanczos estimate of each matrix's smallest eigenvalue for this path (the small kernel makes
+// its own): A = G + eps I staged in shared memory (rows padded to a multiple of 4 with zeros), then
+// warp 0 runs small_matrix::smallest_ritz_value. n <= kLanczosMaxN.
+constexpr int kLanczosThreads = 128;
 
-// Start vector entry i (before normalization): a 32-bit integer hash of i, mapped to [-1/2, 1/2).
-__device__ __forceinline__ double lanczos_start(uint32_t i) {
-  uint32_t x = (i + 1u) * 2654435761u;
-  x ^= x >> 15;
-  x *= 2246822519u;
-  x ^= x >> 13;
-  return static_cast<double>(x) * 0x1p-32 - 0.5;
-}
-
-// VEC consecutive entries of a row, converted to C.
-template <int VEC, typename S, typename C>
-__device__ __forceinline__ void load_row_piece(const S* p, C (&out)[VEC]) {
-  struct alignas(VEC * sizeof(S)) Pack {
-    S v[VEC];
-  };
-  const Pack piece = *reinterpret_cast<const Pack*>(p);
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) out[e] = static_cast<C>(piece.v[e]);
-}
-
-// partial[s][c] = sum over rows r = s, s + slices, ... of A[r][c] v[r].
-template <int VEC, typename S, typename C>
-__device__ __forceinline__ void lanczos_matvec(const S* __restrict__ A, const C* v, C* partial, int n, int groups,
-                                               int slices) {
-  for (int item = threadIdx.x; item < groups * slices; item += kLanczosThreads) {
-    const int s = item / groups, c0 = (item - s * groups) * VEC;
-    C acc[VEC] = {};
-#pragma unroll 4
-    for (int r = s; r < n; r += slices) {
-      C a[VEC];
-      load_row_piece<VEC>(A + int64_t(r) * n + c0, a);
-      const C vr = v[r];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] = fma(a[e], vr, acc[e]);
-    }
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) partial[s * n + c0 + e] = acc[e];
-  }
-}
-
-// Eigenvalues of the k x k tridiagonal matrix (diagonal a, squared off-diagonal b2) below x.
-__device__ __forceinline__ int sturm_count(const float* a, const float* b2, int k, float x) {
-  int count = 0;
-  float q = 1.0f;
-  for (int i = 0; i < k; ++i) {
-    q = a[i] - x - (i ? __fdividef(b2[i - 1], q) : 0.0f);
-    if (fabsf(q) < 1e-30f) q = -1e-30f;  // a zero pivot: x is (nearly) an eigenvalue, count it
-    count += q < 0.0f;
-  }
-  return count;
-}
-
-template <typename T, typename C, int VEC, bool kStaged>
+template <typename T, typename C>
 __global__ void __launch_bounds__(kLanczosThreads)
-lanczos_kernel(const T* __restrict__ G, C* __restrict__ ritz, int n, C eps, int groups, int slices) {
+lanczos_kernel(const T* __restrict__ G, C* __restrict__ ritz, int n, C eps) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  C* scratch = reinterpret_cast<C*>(smem_raw);     // [32] block reductions
-  C* alpha = scratch + 32;                         // [kLanczosSteps] diagonal of T
-  C* beta = alpha + kLanczosSteps;                 // [kLanczosSteps] off-diagonal of T
-  C* v = beta + kLanczosSteps;                     // [n]
-  C* v_prev = v + n;                               // [n]
-  C* partial = v_prev + n;                         // [slices, n]
-  C* staged = partial + int64_t(slices) * n;       // [n, n] (kStaged)
-  const int tid = threadIdx.x, steps = min(kLanczosSteps, n);
+  const int ld = (n + 3) & ~3;
+  C* A = reinterpret_cast<C*>(smem_raw);  // [n, ld]
+  C* work = A + n * ld;                   // [128 C + 2 kLanczosSteps floats]
   const T* g = G + int64_t(blockIdx.x) * n * n;
-  C sq = C(0);
-  for (int i = tid; i < n; i += kLanczosThreads) {
-    const C x = static_cast<C>(lanczos_start(i));
-    v[i] = x;
-    v_prev[i] = C(0);
-    sq += x * x;
+  for (int i = threadIdx.x; i < n * ld; i += kLanczosThreads) {
+    const int r = i / ld, c = i - r * ld;
+    A[i] = c < n ? static_cast<C>(g[r * n + c]) + (r == c ? eps : C(0)) : C(0);
   }
-  if constexpr (kStaged) {
-    for (int64_t i = tid; i < int64_t(n) * n; i += kLanczosThreads) staged[i] = static_cast<C>(g[i]);
-  }
-  const C norm = sqrt(small_matrix::block_reduce<kLanczosThreads, C, false>(sq, scratch));
-  for (int i = tid; i < n; i += kLanczosThreads) v[i] /= norm;
   __syncthreads();
-
-  const double tiny = sqrt(static_cast<double>(std::numeric_limits<C>::epsilon()));
-  double scale = 0.0;  // the largest row sum of |T| so far
-  C b = C(0);
-  int k = 0;
-  for (int j = 0; j < steps; ++j) {
-    if constexpr (kStaged) lanczos_matvec<VEC>(staged, v, partial, n, groups, slices);
-    else lanczos_matvec<VEC>(g, v, partial, n, groups, slices);
-    __syncthreads();
-    C dot = C(0);
-    for (int c = tid; c < n; c += kLanczosThreads) {
-      C w = eps * v[c];
-      for (int s = 0; s < slices; ++s) w += partial[s * n + c];
-      partial[c] = w;
-      dot += w * v[c];
-    }
-    const C a = small_matrix::block_reduce<kLanczosThreads, C, false>(dot, scratch);
-    C sq_w = C(0);
-    for (int c = tid; c < n; c += kLanczosThreads) {
-      const C w = partial[c] - a * v[c] - b * v_prev[c];
-      partial[c] = w;
-      sq_w += w * w;
-    }
-    const C b_next = sqrt(small_matrix::block_reduce<kLanczosThreads, C, false>(sq_w, scratch));
-    scale = fmax(scale, fabs(static_cast<double>(a)) + static_cast<double>(b) + static_cast<double>(b_next));
-    if (tid == 0) alpha[j] = a, beta[j] = b_next;
-    k = j + 1;
-    if (!(static_cast<double>(b_next) > tiny * scale)) break;  // an invariant subspace (or NaN)
-    for (int c = tid; c < n; c += kLanczosThreads) {
-      v_prev[c] = v[c];
-      v[c] = partial[c] / b_next;
-    }
-    b = b_next;
-    __syncthreads();
-  }
-  __syncthreads();  // alpha, beta
-  if (tid >= 32) return;
-  // T / scale in float, in the registers' stead the (now free) row buffer
-  float* a = reinterpret_cast<float*>(partial);
-  float* b2 = a + kLanczosSteps;
-  const float inv = scale > 0.0 ? static_cast<float>(1.0 / scale) : 0.0f;
-  for (int i = tid; i < k; i += 32) {
-    a[i] = static_cast<float>(alpha[i]) * inv;
-    const float o = static_cast<float>(beta[i]) * inv;
-    b2[i] = o * o;
-  }
-  __syncwarp();
-  float lo = INFINITY, hi = INFINITY;  // Gershgorin's bottom, and the smallest diagonal entry (>= the answer)
-  for (int i = 0; i < k; ++i) {
-    const float radius = (i ? sqrtf(b2[i - 1]) : 0.0f) + (i + 1 < k ? sqrtf(b2[i]) : 0.0f);
-    lo = fminf(lo, a[i] - radius);
-    hi = fminf(hi, a[i]);
-  }
-  for (int round = 0; round < 6; ++round) {  // 33^6 > 2^24 pieces: float resolution
-    const float width = (hi - lo) * (1.0f / 33.0f);
-    const unsigned below = __ballot_sync(0xffffffffu, sturm_count(a, b2, k, lo + width * (tid + 1)) > 0);
-    if (below) {
-      const int first = __ffs(below) - 1;
-      hi = lo + width * (first + 1);
-      lo = lo + width * first;
-    } else {
-      lo = lo + width * 32;
-    }
-  }
-  if (tid == 0) {
-    const double estimate = 0.5 * (static_cast<double>(lo) + static_cast<double>(hi)) * scale;
-    ritz[blockIdx.x] = static_cast<C>(isfinite(estimate) ? estimate : NAN);
-  }
+  if (threadIdx.x >= 32) return;
+  const C theta = small_matrix::smallest_ritz_value<C>(A, ld, n, work);
+  if (threadIdx.x == 0) ritz[blockIdx.x] = theta;
 }
 
-// Fills ritz[batch] (compute type C) for G (storage type T).
 template <typename T, typename C>
 void lanczos_launch(const T* G, C* ritz, int64_t batch, int n, double eps, cudaStream_t stream) {
-  const bool vec = n % 4 == 0;  // rows of 16-byte-aligned groups of 4 (the base is 256-byte aligned)
-  const int groups = vec ? n / 4 : n, slices = std::max(1, kLanczosThreads / groups);
-  const size_t base = (32 + 2 * kLanczosSteps + 2 * size_t(n) + size_t(slices) * n) * sizeof(C);
-  const size_t optin = smem_optin_bytes();
-  const bool staged = base + size_t(n) * n * sizeof(C) <= optin;
-  const size_t smem = staged ? base + size_t(n) * n * sizeof(C) : base;
-  const auto launch = [&](auto kernel, int (&opted_in)[kCachedDevices]) {
-    opt_in_smem(opted_in, kernel, optin);  // the most any launch asks for
-    kernel<<<static_cast<unsigned>(batch), kLanczosThreads, smem, stream>>>(G, ritz, n, static_cast<C>(eps), groups,
-                                                                             slices);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  static int opted_in[4][kCachedDevices] = {};
-  if (vec && staged) launch(lanczos_kernel<T, C, 4, true>, opted_in[0]);
-  else if (vec) launch(lanczos_kernel<T, C, 4, false>, opted_in[1]);
-  else if (staged) launch(lanczos_kernel<T, C, 1, true>, opted_in[2]);
-  else launch(lanczos_kernel<T, C, 1, false>, opted_in[3]);
+  const int ld = (n + 3) & ~3;
+  const size_t smem = (size_t(n) * ld + 128) * sizeof(C) + 2 * kLanczosSteps * sizeof(float);
+  static int opted_in[kCachedDevices] = {};
+  opt_in_smem(opted_in, lanczos_kernel<T, C>, smem_optin_bytes());  // 128^2 doubles need the opt-in
+  lanczos_kernel<T, C><<<static_cast<unsigned>(batch), kLanczosThreads, smem, stream>>>(G, ritz, n,
+                                                                                        static_cast<C>(eps));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // One thread per matrix: u = min(||A||_F, ||A||_inf) from the partial sums, z = 1 / u and
@@ -372,7 +215,7 @@ __global__ void newton_update_kernel(const C* __restrict__ partial, const int* _
       prev[b] = C(INFINITY);
       iters[b] = 0;
       low = newton_first_low(eps, 1.0 / static_cast<double>(z[b]), static_cast<double>(e),
-                             ritz ? static_cast<double>(ritz[b]) : NAN);
+                             ritz ? static_cast<double>(ritz[b]) * static_cast<double>(z[b]) : NAN);
     } else {
       const C before = err[b];
       const bool stalled = before <= C(kStallBelow) && e > C(kStallRatio) * before;
@@ -539,20 +382,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(c
   const at::Tensor Gc = G.contiguous();
   TORCHKERN_DISPATCH_FLOATING(G.scalar_type(), "matrix_inverse_root_newton", [&] {
     using C = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    at::Tensor ritz;  // the Lanczos estimates (none when no step runs, or n is past kLanczosMaxN)
-    if (max_iters > 0 && n <= kLanczosMaxN) {
-      ritz = at::empty({batch}, G.options().dtype(cdt));
-      lanczos_launch<scalar_t, C>(Gc.const_data_ptr<scalar_t>(), ritz.mutable_data_ptr<C>(), batch, n, eps,
-                                  current_stream());
-    }
-    const C* ritz_p = ritz.defined() ? ritz.const_data_ptr<C>() : nullptr;
     const bool small = newton_small_launch<scalar_t>(Gc.const_data_ptr<scalar_t>(), root.mutable_data_ptr<scalar_t>(),
-                                                     err.mutable_data_ptr(), iters.mutable_data_ptr<int>(), ritz_p,
-                                                     batch, n, static_cast<int>(p), eps, static_cast<int>(max_iters),
-                                                     tol, current_stream());
+                                                     err.mutable_data_ptr(), iters.mutable_data_ptr<int>(), batch, n,
+                                                     static_cast<int>(p), eps, static_cast<int>(max_iters), tol,
+                                                     current_stream());
     if (!small) {
-      newton_large<scalar_t, C>(Gc, root, err, iters, ritz_p, batch, n, static_cast<int>(p), eps,
-                                static_cast<int>(max_iters), tol);
+      at::Tensor ritz;  // the Lanczos estimates (none when no step runs, or past kLanczosMaxN)
+      if (max_iters > 0 && n <= kLanczosMaxN) {
+        ritz = at::empty({batch}, G.options().dtype(cdt));
+        lanczos_launch<scalar_t, C>(Gc.const_data_ptr<scalar_t>(), ritz.mutable_data_ptr<C>(), batch, n, eps,
+                                    current_stream());
+      }
+      newton_large<scalar_t, C>(Gc, root, err, iters, ritz.defined() ? ritz.const_data_ptr<C>() : nullptr, batch, n,
+                                static_cast<int>(p), eps, static_cast<int>(max_iters), tol);
     }
   });
   return {root, err, iters};

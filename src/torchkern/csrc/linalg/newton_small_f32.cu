@@ -5,10 +5,9 @@
 namespace torchkern {
 
 template <>
-bool newton_small_launch<float>(const float* G, float* out, void* err, int* iters, const void* ritz, int64_t batch, int n,
-                             int p, double eps, int max_iters, double tol, cudaStream_t stream) {
-  return small_matrix::newton_small_dispatch<float, float>(G, out, err, iters, ritz, batch, n, p, eps, max_iters, tol,
-                                                       stream);
+bool newton_small_launch<float>(const float* G, float* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
+                            int max_iters, double tol, cudaStream_t stream) {
+  return small_matrix::newton_small_dispatch<float, float>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream);
 }
 
 }  // namespace torchkern

@@ -7,19 +7,18 @@
 namespace torchkern {
 
 template <>
-bool newton_small_launch<c10::Half>(const c10::Half* G, c10::Half* out, void* err, int* iters, const void* ritz,
-                                    int64_t batch, int n, int p, double eps, int max_iters, double tol,
-                                    cudaStream_t stream) {
-  return small_matrix::newton_small_dispatch<c10::Half, float>(G, out, err, iters, ritz, batch, n, p, eps, max_iters,
-                                                               tol, stream);
+bool newton_small_launch<c10::Half>(const c10::Half* G, c10::Half* out, void* err, int* iters, int64_t batch, int n,
+                                    int p, double eps, int max_iters, double tol, cudaStream_t stream) {
+  return small_matrix::newton_small_dispatch<c10::Half, float>(G, out, err, iters, batch, n, p, eps, max_iters, tol,
+                                                               stream);
 }
 
 template <>
 bool newton_small_launch<c10::BFloat16>(const c10::BFloat16* G, c10::BFloat16* out, void* err, int* iters,
-                                        const void* ritz, int64_t batch, int n, int p, double eps, int max_iters,
-                                        double tol, cudaStream_t stream) {
-  return small_matrix::newton_small_dispatch<c10::BFloat16, float>(G, out, err, iters, ritz, batch, n, p, eps,
-                                                                   max_iters, tol, stream);
+                                        int64_t batch, int n, int p, double eps, int max_iters, double tol,
+                                        cudaStream_t stream) {
+  return small_matrix::newton_small_dispatch<c10::BFloat16, float>(G, out, err, iters, batch, n, p, eps, max_iters,
+                                                                   tol, stream);
 }
 
 }  // namespace torchkern

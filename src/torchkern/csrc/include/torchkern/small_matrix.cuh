@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 
 #include "torchkern/launch.h"
 
@@ -58,16 +59,16 @@ __host__ __device__ inline NewtonScaling newton_scaling(double low, int p) {
 }
 
 // The first bound on the bottom of M0's spectrum (ref/linalg.py): the largest of eps / u,
-// 1 - ||M0 - I||_inf, the floor, and the Lanczos estimate `ritz` of A's smallest eigenvalue
-// (lanczos_kernel in newton.cu; NaN: none) divided by kRitzHedge u; at most 1. Keep kRitzHedge,
+// 1 - ||M0 - I||_inf, the floor, and the Lanczos estimate `ritz` of M0's smallest eigenvalue
+// (smallest_ritz_value below; NaN: none) divided by kRitzHedge; at most 1. Keep kRitzHedge,
 // kLanczosSteps and kLanczosMaxN equal to RITZ_HEDGE, LANCZOS_STEPS and LANCZOS_MAX_N in ref/linalg.py.
 constexpr double kRitzHedge = 8.0;
 constexpr int kLanczosSteps = 32;
-constexpr int kLanczosMaxN = 4096;
+constexpr int kLanczosMaxN = 128;  // one warp's 32 lanes x 4 columns
 
 __host__ __device__ inline double newton_first_low(double eps, double u, double err, double ritz) {
   const double bound = fmax(fmax(eps / u, 1.0 - err), kScaleFloor);
-  return fmin(1.0, fmax(bound, ritz / (kRitzHedge * u)));  // fmax drops a NaN estimate
+  return fmin(1.0, fmax(bound, ritz / kRitzHedge));  // fmax drops a NaN estimate
 }
 
 namespace small_matrix {
@@ -143,6 +144,130 @@ __device__ __forceinline__ C block_reduce(C v, C* scratch) {
     v = kMax ? (x > v || x != x ? x : v) : v + x;
   }
   return v;
+}
+
+template <typename C>
+__device__ __forceinline__ C warp_sum(C v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lanczos estimate of the smallest eigenvalue of a symmetric n x n matrix in shared memory (twin:
+// smallest_ritz_value in ref/linalg.py: same start vector, steps and early stop), by one warp:
+// min(kLanczosSteps, n) steps without reorthogonalization (the smallest Ritz value stays above the
+// smallest eigenvalue, which is all the estimate needs), then the smallest eigenvalue of the
+// tridiagonal matrix by multisection on Sturm counts. Lane l owns columns 4l..4l+3 (A v is
+// computed as A^T v: rows are read as 16-byte pieces, the vector as broadcasts), so n <= 128.
+
+// Start vector entry i (before normalization): a 32-bit integer hash of i, mapped to [-1/2, 1/2).
+__device__ __forceinline__ double lanczos_start(uint32_t i) {
+  uint32_t x = (i + 1u) * 2654435761u;
+  x ^= x >> 15;
+  x *= 2246822519u;
+  x ^= x >> 13;
+  return static_cast<double>(x) * 0x1p-32 - 0.5;
+}
+
+// Eigenvalues of the k x k tridiagonal matrix (diagonal a, squared off-diagonal b2) below x.
+__device__ __forceinline__ int sturm_count(const float* a, const float* b2, int k, float x) {
+  int count = 0;
+  float q = 1.0f;
+  for (int i = 0; i < k; ++i) {
+    q = a[i] - x - (i ? __fdividef(b2[i - 1], q) : 0.0f);
+    if (fabsf(q) < 1e-30f) q = -1e-30f;  // a zero pivot: x is (nearly) an eigenvalue, count it
+    count += q < 0.0f;
+  }
+  return count;
+}
+
+// A: n <= 128 rows of `ld` entries (ld a multiple of 4, A 16-byte aligned, columns n up to the next
+// multiple of 4 zero). work: shared scratch of 128 C and 2 kLanczosSteps floats. Called by all 32
+// lanes of one warp; all get the result.
+template <typename C>
+__device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
+  C* v = work;                                          // [128] the current vector, for broadcasts
+  float* tri = reinterpret_cast<float*>(work + 128);    // [2 kLanczosSteps] T's diagonal, off-diagonal
+  const int lane = threadIdx.x % 32, c0 = 4 * lane;
+  const bool owner = c0 < n;
+  C own[4], prev[4] = {C(0), C(0), C(0), C(0)}, sq = C(0);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    own[e] = c0 + e < n ? static_cast<C>(lanczos_start(c0 + e)) : C(0);
+    sq += own[e] * own[e];
+  }
+  const C norm = sqrt(warp_sum(sq));
+#pragma unroll
+  for (int e = 0; e < 4; ++e) own[e] /= norm;
+  if (owner) store4(v + c0, own);
+  __syncwarp();
+
+  const double tiny = sqrt(static_cast<double>(std::numeric_limits<C>::epsilon()));
+  double scale = 0.0;  // the largest row sum of |T| so far
+  C beta = C(0);
+  int k = 0;
+  const int steps = min(kLanczosSteps, n);
+  for (int j = 0; j < steps; ++j) {
+    C w[4] = {C(0), C(0), C(0), C(0)};
+    if (owner) {
+#pragma unroll 8
+      for (int r = 0; r < n; ++r) {
+        const Four<C> a = load4(A + r * ld + c0);
+        const C vr = v[r];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[e] = fma(a.v[e], vr, w[e]);
+      }
+    }
+    const C alpha = warp_sum(w[0] * own[0] + w[1] * own[1] + w[2] * own[2] + w[3] * own[3]);
+    C sq_w = C(0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      w[e] = w[e] - alpha * own[e] - beta * prev[e];
+      sq_w += w[e] * w[e];
+    }
+    const C beta_next = sqrt(warp_sum(sq_w));
+    scale = fmax(scale, fabs(static_cast<double>(alpha)) + static_cast<double>(beta) + static_cast<double>(beta_next));
+    if (lane == 0) tri[j] = static_cast<float>(alpha), tri[kLanczosSteps + j] = static_cast<float>(beta_next);
+    k = j + 1;
+    if (!(static_cast<double>(beta_next) > tiny * scale)) break;  // an invariant subspace (or NaN)
+    __syncwarp();  // everyone has read v
+#pragma unroll
+    for (int e = 0; e < 4; ++e) prev[e] = own[e], own[e] = w[e] / beta_next;
+    if (owner) store4(v + c0, own);
+    beta = beta_next;
+    __syncwarp();
+  }
+  __syncwarp();
+  // T / scale in float (the estimate feeds a hedged bound: float resolution is plenty)
+  const float inv = scale > 0.0 ? static_cast<float>(1.0 / scale) : 0.0f;
+  for (int i = lane; i < k; i += 32) {
+    const float o = tri[kLanczosSteps + i] * inv;
+    tri[i] *= inv;
+    tri[kLanczosSteps + i] = o * o;
+  }
+  __syncwarp();
+  const float* diag = tri;
+  const float* off2 = tri + kLanczosSteps;
+  float lo = INFINITY, hi = INFINITY;  // Gershgorin's bottom; the smallest diagonal entry (>= the answer)
+  for (int i = 0; i < k; ++i) {
+    const float radius = (i ? sqrtf(off2[i - 1]) : 0.0f) + (i + 1 < k ? sqrtf(off2[i]) : 0.0f);
+    lo = fminf(lo, diag[i] - radius);
+    hi = fminf(hi, diag[i]);
+  }
+  for (int round = 0; round < 6; ++round) {  // 33^6 > 2^24 pieces: float resolution
+    const float width = (hi - lo) * (1.0f / 33.0f);
+    const unsigned below = __ballot_sync(0xffffffffu, sturm_count(diag, off2, k, lo + width * (lane + 1)) > 0);
+    if (below) {
+      const int first = __ffs(below) - 1;
+      hi = lo + width * (first + 1);
+      lo = lo + width * first;
+    } else {
+      lo = lo + width * 32;
+    }
+  }
+  const double estimate = 0.5 * (static_cast<double>(lo) + static_cast<double>(hi)) * scale;
+  return static_cast<C>(isfinite(estimate) ? estimate : NAN);
 }
 
 // dst = A * B over the padded NMAX x NMAX matrices (k up to kmax, a multiple of 4 >= n); dst may
@@ -530,14 +655,13 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
                     T* __restrict__ out,      // [B, n, n]
                     C* __restrict__ err_out,  // [B]
                     int* __restrict__ iters_out,  // [B]
-                    const C* __restrict__ ritz,   // [B] or null (lanczos_kernel)
                     int n, int p, C eps, int max_iters, C tol) {
   constexpr int NMAX = Cfg::NMAX, LD = Cfg::LD, THREADS = Cfg::THREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   C* X = reinterpret_cast<C*>(smem_raw);
   C* M = X + NMAX * LD;
   C* P = M + NMAX * LD;
-  __shared__ C scratch[THREADS / 32];
+  __shared__ C scratch[THREADS / 32], ritz;
   const int64_t b = blockIdx.x / Cfg::CLUSTER;
   const T* g = G + b * n * n;
   const int tid = threadIdx.x;
@@ -586,12 +710,19 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
     if (r == c && r < n) X[r * LD + c] = xz;
   }
   __syncthreads();
-  C err = residual_by_rows<Cfg, C>(M, n, scratch);
-  double low = newton_first_low(static_cast<double>(eps), static_cast<double>(u), static_cast<double>(err),
-                                ritz ? static_cast<double>(ritz[b]) : NAN);
+  C err = residual_by_rows<Cfg, C>(M, n, scratch);  // ends with a barrier: M is complete
   const int kmax = (n + 3) & ~3;
   int it = 0;
   bool active = err > tol && isfinite(err);
+  if (active && max_iters > 0) {  // the Lanczos estimate, by warp 0, in P's space (P is built later)
+    if (tid < 32) {
+      const C theta = smallest_ritz_value<C>(M, LD, n, P);
+      if (tid == 0) ritz = theta;
+    }
+    __syncthreads();
+  }
+  double low = newton_first_low(static_cast<double>(eps), static_cast<double>(u), static_cast<double>(err),
+                                active && max_iters > 0 ? static_cast<double>(ritz) : NAN);
   while (active && it < max_iters) {
     const NewtonScaling step = newton_scaling(low, p);
     const C diag = static_cast<C>(step.a), slope = static_cast<C>(step.b);
@@ -600,7 +731,11 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
       P[r * LD + c] = slope * M[r * LD + c] + ((r == c && r < n) ? diag : C(0));
     }
     __syncthreads();
-    product<Cfg, C, false>(X, X, P, kmax, n, scratch);  // X <- X P
+    if (it == 0) {  // X = xz I, so X P = xz P, bitwise what the product gives (one nonzero term)
+      for (int i = tid; i < NMAX * LD; i += THREADS) X[i] = xz * P[i];
+    } else {
+      product<Cfg, C, false>(X, X, P, kmax, n, scratch);  // X <- X P
+    }
     C new_err = C(0);
     for (int q = p;;) {  // M <- P^p M: multiply in P^(2^j) for each set bit j, squaring P in between
       if (q & 1) {
@@ -649,14 +784,13 @@ struct SmallLaunch {
 };
 
 template <typename Cfg, typename T, typename C>
-bool newton_small_run(const T* G, T* out, void* err, int* iters, const void* ritz, int64_t batch, int n, int p,
-                      double eps, int max_iters, double tol, cudaStream_t stream) {
+bool newton_small_run(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
+                      int max_iters, double tol, cudaStream_t stream) {
   using Launch = SmallLaunch<Cfg, T, C>;
   if (Launch::smem + sizeof(C) * 32 > smem_optin_bytes()) return false;
   const Launch launch(batch, stream);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, Launch::kernel, G, out, static_cast<C*>(err), iters,
-                                    static_cast<const C*>(ritz), n, p, static_cast<C>(eps), max_iters,
-                                    static_cast<C>(tol)));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, Launch::kernel, G, out, static_cast<C*>(err), iters, n, p,
+                                    static_cast<C>(eps), max_iters, static_cast<C>(tol)));
   return true;
 }
 
@@ -689,11 +823,11 @@ using Cfg128Pair = Config<128, 8, 2, 2>;
 
 // The launcher for storage type T computing in C (float for float/half/bf16, double for double).
 template <typename T, typename C>
-bool newton_small_dispatch(const T* G, T* out, void* err, int* iters, const void* ritz, int64_t batch, int n, int p,
-                           double eps, int max_iters, double tol, cudaStream_t stream) {
+bool newton_small_dispatch(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
+                           int max_iters, double tol, cudaStream_t stream) {
   const auto run = [&](auto config) {
     using Cfg = decltype(config);
-    return newton_small_run<Cfg, T, C>(G, out, err, iters, ritz, batch, n, p, eps, max_iters, tol, stream);
+    return newton_small_run<Cfg, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream);
   };
   if (n <= 16) return run(Cfg16{});
   if (n <= 32) return run(Cfg32{});
@@ -708,19 +842,19 @@ bool newton_small_dispatch(const T* G, T* out, void* err, int* iters, const void
 
 // Explicit instantiations live in csrc/linalg/newton_small_{f32,half,f64}.cu (one compile each).
 template <typename T>
-bool newton_small_launch(const T* G, T* out, void* err, int* iters, const void* ritz, int64_t batch, int n, int p,
-                         double eps, int max_iters, double tol, cudaStream_t stream);
+bool newton_small_launch(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
+                         int max_iters, double tol, cudaStream_t stream);
 template <>
-bool newton_small_launch<float>(const float*, float*, void*, int*, const void*, int64_t, int, int, double, int, double,
+bool newton_small_launch<float>(const float*, float*, void*, int*, int64_t, int, int, double, int, double,
                                 cudaStream_t);
 template <>
-bool newton_small_launch<double>(const double*, double*, void*, int*, const void*, int64_t, int, int, double, int,
+bool newton_small_launch<double>(const double*, double*, void*, int*, int64_t, int, int, double, int,
                                  double, cudaStream_t);
 template <>
-bool newton_small_launch<c10::Half>(const c10::Half*, c10::Half*, void*, int*, const void*, int64_t, int, int, double,
+bool newton_small_launch<c10::Half>(const c10::Half*, c10::Half*, void*, int*, int64_t, int, int, double,
                                     int, double, cudaStream_t);
 template <>
-bool newton_small_launch<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, void*, int*, const void*, int64_t, int,
+bool newton_small_launch<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, void*, int*, int64_t, int,
                                         int, double, int, double, cudaStream_t);
 
 }  // namespace torchkern
