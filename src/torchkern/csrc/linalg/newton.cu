@@ -115,7 +115,7 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
 
 // The Lanczos estimate of each matrix's smallest eigenvalue for this path (the small kernel makes
 // its own): A = G + eps I staged in shared memory (rows padded to a multiple of 4 with zeros), then
-// warp 0 runs small_matrix::smallest_ritz_value. n <= kLanczosMaxN.
+// small_matrix::smallest_ritz_value. n <= kLanczosMaxN.
 constexpr int kLanczosThreads = 128;
 
 template <typename T, typename C>
@@ -124,22 +124,21 @@ lanczos_kernel(const T* __restrict__ G, C* __restrict__ ritz, int n, C eps) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int ld = (n + 3) & ~3;
   C* A = reinterpret_cast<C*>(smem_raw);  // [n, ld]
-  C* work = A + n * ld;                   // [128 C + 2 kLanczosSteps floats]
+  C* work = A + n * ld;                   // smallest_ritz_value's
   const T* g = G + int64_t(blockIdx.x) * n * n;
   for (int i = threadIdx.x; i < n * ld; i += kLanczosThreads) {
     const int r = i / ld, c = i - r * ld;
     A[i] = c < n ? static_cast<C>(g[r * n + c]) + (r == c ? eps : C(0)) : C(0);
   }
   __syncthreads();
-  if (threadIdx.x >= 32) return;
-  const C theta = small_matrix::smallest_ritz_value<C>(A, ld, n, work);
+  const C theta = small_matrix::smallest_ritz_value<kLanczosThreads / 32, C>(A, ld, n, work);
   if (threadIdx.x == 0) ritz[blockIdx.x] = theta;
 }
 
 template <typename T, typename C>
 void lanczos_launch(const T* G, C* ritz, int64_t batch, int n, double eps, cudaStream_t stream) {
   const int ld = (n + 3) & ~3;
-  const size_t smem = (size_t(n) * ld + 128) * sizeof(C) + 2 * kLanczosSteps * sizeof(float);
+  const size_t smem = ((size_t(n) + kLanczosThreads / 32 + 1) * ld + 2 * kLanczosSteps + 4) * sizeof(C);
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, lanczos_kernel<T, C>, smem_optin_bytes());  // 128^2 doubles need the opt-in
   lanczos_kernel<T, C><<<static_cast<unsigned>(batch), kLanczosThreads, smem, stream>>>(G, ritz, n,

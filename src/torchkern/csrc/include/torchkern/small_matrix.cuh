@@ -155,11 +155,13 @@ __device__ __forceinline__ C warp_sum(C v) {
 
 // ---------------------------------------------------------------------------------------------
 // Lanczos estimate of the smallest eigenvalue of a symmetric n x n matrix in shared memory (twin:
-// smallest_ritz_value in ref/linalg.py: same start vector, steps and early stop), by one warp:
-// min(kLanczosSteps, n) steps without reorthogonalization (the smallest Ritz value stays above the
-// smallest eigenvalue, which is all the estimate needs), then the smallest eigenvalue of the
-// tridiagonal matrix by multisection on Sturm counts. Lane l owns columns 4l..4l+3 (A v is
-// computed as A^T v: rows are read as 16-byte pieces, the vector as broadcasts), so n <= 128.
+// smallest_ritz_value in ref/linalg.py: same start vector, steps and early stop) by a block of
+// WARPS warps: min(kLanczosSteps, n) steps without reorthogonalization (the smallest Ritz value
+// stays above the smallest eigenvalue, which is all the estimate needs), then the smallest
+// eigenvalue of the tridiagonal matrix T by multisection on Sturm counts. A v is computed as A^T v:
+// lane l owns columns 4l..4l+3 (so n <= 128) and warp w rows w, w + WARPS, ...; warp 0 sums the
+// warps' pieces and does the vector work (two shuffle reductions a step), the others wait at the
+// step's barriers. About 0.4 us a step: the steps' latency, not their arithmetic, is the cost.
 
 // Start vector entry i (before normalization): a 32-bit integer hash of i, mapped to [-1/2, 1/2).
 __device__ __forceinline__ double lanczos_start(uint32_t i) {
@@ -170,94 +172,35 @@ __device__ __forceinline__ double lanczos_start(uint32_t i) {
   return static_cast<double>(x) * 0x1p-32 - 0.5;
 }
 
-// Eigenvalues of the k x k tridiagonal matrix (diagonal a, squared off-diagonal b2) below x.
-__device__ __forceinline__ int sturm_count(const float* a, const float* b2, int k, float x) {
+// Eigenvalues below x of the tridiagonal matrix with diagonal d and squared off-diagonal o2
+// (entries past the steps taken are padded with d = 2, o2 = 0: above the scaled spectrum).
+__device__ __forceinline__ int sturm_count(const float (&d)[kLanczosSteps], const float (&o2)[kLanczosSteps], float x) {
   int count = 0;
   float q = 1.0f;
-  for (int i = 0; i < k; ++i) {
-    q = a[i] - x - (i ? __fdividef(b2[i - 1], q) : 0.0f);
+#pragma unroll
+  for (int i = 0; i < kLanczosSteps; ++i) {
+    q = d[i] - x - (i ? __fdividef(o2[i - 1], q) : 0.0f);
     if (fabsf(q) < 1e-30f) q = -1e-30f;  // a zero pivot: x is (nearly) an eigenvalue, count it
     count += q < 0.0f;
   }
   return count;
 }
 
-// A: n <= 128 rows of `ld` entries (ld a multiple of 4, A 16-byte aligned, columns n up to the next
-// multiple of 4 zero). work: shared scratch of 128 C and 2 kLanczosSteps floats. Called by all 32
-// lanes of one warp; all get the result.
-template <typename C>
-__device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
-  C* v = work;                                          // [128] the current vector, for broadcasts
-  float* tri = reinterpret_cast<float*>(work + 128);    // [2 kLanczosSteps] T's diagonal, off-diagonal
-  const int lane = threadIdx.x % 32, c0 = 4 * lane;
-  const bool owner = c0 < n;
-  C own[4], prev[4] = {C(0), C(0), C(0), C(0)}, sq = C(0);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    own[e] = c0 + e < n ? static_cast<C>(lanczos_start(c0 + e)) : C(0);
-    sq += own[e] * own[e];
-  }
-  const C norm = sqrt(warp_sum(sq));
-#pragma unroll
-  for (int e = 0; e < 4; ++e) own[e] /= norm;
-  if (owner) store4(v + c0, own);
-  __syncwarp();
-
-  const double tiny = sqrt(static_cast<double>(std::numeric_limits<C>::epsilon()));
-  double scale = 0.0;  // the largest row sum of |T| so far
-  C beta = C(0);
-  int k = 0;
-  const int steps = min(kLanczosSteps, n);
-  for (int j = 0; j < steps; ++j) {
-    C w[4] = {C(0), C(0), C(0), C(0)};
-    if (owner) {
-#pragma unroll 8
-      for (int r = 0; r < n; ++r) {
-        const Four<C> a = load4(A + r * ld + c0);
-        const C vr = v[r];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) w[e] = fma(a.v[e], vr, w[e]);
-      }
-    }
-    const C alpha = warp_sum(w[0] * own[0] + w[1] * own[1] + w[2] * own[2] + w[3] * own[3]);
-    C sq_w = C(0);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      w[e] = w[e] - alpha * own[e] - beta * prev[e];
-      sq_w += w[e] * w[e];
-    }
-    const C beta_next = sqrt(warp_sum(sq_w));
-    scale = fmax(scale, fabs(static_cast<double>(alpha)) + static_cast<double>(beta) + static_cast<double>(beta_next));
-    if (lane == 0) tri[j] = static_cast<float>(alpha), tri[kLanczosSteps + j] = static_cast<float>(beta_next);
-    k = j + 1;
-    if (!(static_cast<double>(beta_next) > tiny * scale)) break;  // an invariant subspace (or NaN)
-    __syncwarp();  // everyone has read v
-#pragma unroll
-    for (int e = 0; e < 4; ++e) prev[e] = own[e], own[e] = w[e] / beta_next;
-    if (owner) store4(v + c0, own);
-    beta = beta_next;
-    __syncwarp();
-  }
-  __syncwarp();
-  // T / scale in float (the estimate feeds a hedged bound: float resolution is plenty)
-  const float inv = scale > 0.0 ? static_cast<float>(1.0 / scale) : 0.0f;
-  for (int i = lane; i < k; i += 32) {
-    const float o = tri[kLanczosSteps + i] * inv;
-    tri[i] *= inv;
-    tri[kLanczosSteps + i] = o * o;
-  }
-  __syncwarp();
-  const float* diag = tri;
-  const float* off2 = tri + kLanczosSteps;
+// The smallest eigenvalue of T / scale (in d, o2) to float resolution: each round, lane l counts
+// at the (l + 1)-th of 33 points of [lo, hi], and the interval shrinks to the piece holding it.
+__device__ __forceinline__ float smallest_tridiagonal_eigenvalue(const float (&d)[kLanczosSteps],
+                                                                 const float (&o2)[kLanczosSteps]) {
   float lo = INFINITY, hi = INFINITY;  // Gershgorin's bottom; the smallest diagonal entry (>= the answer)
-  for (int i = 0; i < k; ++i) {
-    const float radius = (i ? sqrtf(off2[i - 1]) : 0.0f) + (i + 1 < k ? sqrtf(off2[i]) : 0.0f);
-    lo = fminf(lo, diag[i] - radius);
-    hi = fminf(hi, diag[i]);
+#pragma unroll
+  for (int i = 0; i < kLanczosSteps; ++i) {
+    const float radius = (i ? sqrtf(o2[i - 1]) : 0.0f) + (i + 1 < kLanczosSteps ? sqrtf(o2[i]) : 0.0f);
+    lo = fminf(lo, d[i] - radius);
+    hi = fminf(hi, d[i]);
   }
-  for (int round = 0; round < 6; ++round) {  // 33^6 > 2^24 pieces: float resolution
+  const int lane = threadIdx.x % 32;
+  for (int round = 0; round < 5; ++round) {  // 33^5 pieces of a width near 1: below float resolution of T
     const float width = (hi - lo) * (1.0f / 33.0f);
-    const unsigned below = __ballot_sync(0xffffffffu, sturm_count(diag, off2, k, lo + width * (lane + 1)) > 0);
+    const unsigned below = __ballot_sync(0xffffffffu, sturm_count(d, o2, lo + width * (lane + 1)) > 0);
     if (below) {
       const int first = __ffs(below) - 1;
       hi = lo + width * (first + 1);
@@ -266,8 +209,104 @@ __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
       lo = lo + width * 32;
     }
   }
-  const double estimate = 0.5 * (static_cast<double>(lo) + static_cast<double>(hi)) * scale;
-  return static_cast<C>(isfinite(estimate) ? estimate : NAN);
+  return 0.5f * (lo + hi);
+}
+
+// A: n <= 128 rows of `ld` entries (ld a multiple of 4, at least n; A 16-byte aligned; columns n
+// up to the next multiple of 4 zero). work: shared scratch of (WARPS + 1) ld + 2 kLanczosSteps + 3
+// C. Called by every thread of the block (32 WARPS threads); all get the result.
+template <int WARPS, typename C>
+__device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
+  C* partial = work;                            // [WARPS, ld] the warps' pieces of A^T v
+  C* v = partial + WARPS * ld;                  // [ld] the current vector, for broadcasts
+  C* alpha = v + ld;                            // [kLanczosSteps] T's diagonal
+  C* beta = alpha + kLanczosSteps;              // [kLanczosSteps] T's off-diagonal
+  C* shared = beta + kLanczosSteps;             // [0]: steps taken, [1]: the scale of T, [2]: the result
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c0 = 4 * lane;
+  const bool owner = c0 < n;
+  const int steps = min(kLanczosSteps, n);
+  // warp 0's state: its lanes' pieces of the current and the previous vector
+  C own[4], prev[4] = {C(0), C(0), C(0), C(0)}, beta_last = C(0);
+  double scale = 0.0;  // the largest row sum of |T| so far
+  if (warp == 0) {
+    C sq = C(0);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      own[e] = c0 + e < n ? static_cast<C>(lanczos_start(c0 + e)) : C(0);
+      sq += own[e] * own[e];
+    }
+    const C norm = sqrt(warp_sum(sq));
+#pragma unroll
+    for (int e = 0; e < 4; ++e) own[e] /= norm;
+    if (owner) store4(v + c0, own);
+    if (lane == 0) shared[0] = C(steps);
+  }
+  __syncthreads();
+  const double tiny = sqrt(static_cast<double>(std::numeric_limits<C>::epsilon()));
+  for (int j = 0; j < steps; ++j) {
+    if (owner) {
+      C w[4] = {C(0), C(0), C(0), C(0)};
+#pragma unroll 4
+      for (int r = warp; r < n; r += WARPS) {
+        const Four<C> a = load4(A + r * ld + c0);
+        const C vr = v[r];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[e] = fma(a.v[e], vr, w[e]);
+      }
+      store4(partial + warp * ld + c0, w);
+    }
+    __syncthreads();
+    bool stop = false;
+    if (warp == 0) {
+      C w[4] = {C(0), C(0), C(0), C(0)};
+      if (owner) {
+#pragma unroll
+        for (int q = 0; q < WARPS; ++q) {
+          const Four<C> piece = load4(partial + q * ld + c0);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) w[e] += piece.v[e];
+        }
+      }
+      const C a = warp_sum(w[0] * own[0] + w[1] * own[1] + w[2] * own[2] + w[3] * own[3]);
+      C sq = C(0);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        w[e] = w[e] - a * own[e] - beta_last * prev[e];
+        sq += w[e] * w[e];
+      }
+      const C b = sqrt(warp_sum(sq));
+      scale = fmax(scale, fabs(static_cast<double>(a)) + static_cast<double>(beta_last) + static_cast<double>(b));
+      if (lane == 0) alpha[j] = a, beta[j] = b;
+      stop = !(static_cast<double>(b) > tiny * scale);  // an invariant subspace (or NaN)
+      if (stop) {
+        if (lane == 0) shared[0] = C(j + 1);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) prev[e] = own[e], own[e] = w[e] / b;
+        if (owner) store4(v + c0, own);
+        beta_last = b;
+      }
+      if (lane == 0) shared[1] = static_cast<C>(scale);
+    }
+    __syncthreads();
+    if (static_cast<int>(shared[0]) <= j + 1) break;  // warp 0 stopped (uniform: read after the barrier)
+  }
+  if (warp == 0) {
+    const int k = static_cast<int>(shared[0]);
+    const double s = static_cast<double>(shared[1]);
+    const float inv = s > 0.0 ? static_cast<float>(1.0 / s) : 0.0f;
+    float d[kLanczosSteps], o2[kLanczosSteps];
+#pragma unroll
+    for (int i = 0; i < kLanczosSteps; ++i) {
+      const float o = i + 1 < k ? static_cast<float>(beta[i]) * inv : 0.0f;
+      d[i] = i < k ? static_cast<float>(alpha[i]) * inv : 2.0f;
+      o2[i] = o * o;
+    }
+    const double estimate = static_cast<double>(smallest_tridiagonal_eigenvalue(d, o2)) * s;
+    if (lane == 0) shared[2] = static_cast<C>(isfinite(estimate) ? estimate : NAN);
+  }
+  __syncthreads();
+  return shared[2];
 }
 
 // dst = A * B over the padded NMAX x NMAX matrices (k up to kmax, a multiple of 4 >= n); dst may
@@ -661,7 +700,7 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   C* X = reinterpret_cast<C*>(smem_raw);
   C* M = X + NMAX * LD;
   C* P = M + NMAX * LD;
-  __shared__ C scratch[THREADS / 32], ritz;
+  __shared__ C scratch[THREADS / 32];
   const int64_t b = blockIdx.x / Cfg::CLUSTER;
   const T* g = G + b * n * n;
   const int tid = threadIdx.x;
@@ -714,15 +753,10 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   const int kmax = (n + 3) & ~3;
   int it = 0;
   bool active = err > tol && isfinite(err);
-  if (active && max_iters > 0) {  // the Lanczos estimate, by warp 0, in P's space (P is built later)
-    if (tid < 32) {
-      const C theta = smallest_ritz_value<C>(M, LD, n, P);
-      if (tid == 0) ritz = theta;
-    }
-    __syncthreads();
-  }
+  const bool estimate = active && max_iters > 0;  // the Lanczos estimate, in P's space (P is built later)
+  const C ritz = estimate ? smallest_ritz_value<THREADS / 32, C>(M, LD, n, P) : C(NAN);
   double low = newton_first_low(static_cast<double>(eps), static_cast<double>(u), static_cast<double>(err),
-                                active && max_iters > 0 ? static_cast<double>(ritz) : NAN);
+                                static_cast<double>(ritz));
   while (active && it < max_iters) {
     const NewtonScaling step = newton_scaling(low, p);
     const C diag = static_cast<C>(step.a), slope = static_cast<C>(step.b);
