@@ -31,7 +31,8 @@ say little (eps = 0, or eps far below ||G||): eigenvalues below it still grow at
 with c = 1 (h rises on [0, 1] and c >= 1), so a bound that is too high costs steps, never
 convergence. With those alone, p = 4 took 10 steps on every moderately conditioned matrix whose eps
 is far below its spectrum (condition 10 to 1e4), against 19 for the unscaled iteration on Shampoo's
-statistics (eigenvalues down to the eps floor). theta (for n <= LANCZOS_MAX_N) is the smallest Ritz
+statistics (eigenvalues down to the eps floor). theta (for LANCZOS_MIN_N <= n <= LANCZOS_MAX_N: its
+steps' latency is about one product at n = 64, and the large path has no kernel for it) is the smallest Ritz
 value of LANCZOS_STEPS Lanczos steps on M0 (:func:`smallest_ritz_value`), an estimate of its
 smallest eigenvalue from above, close to it for those matrices, for about the cost of one product;
 the hedge (theta / RITZ_HEDGE) keeps most of the gain when it is not. Float32, n = 128, p = 4, log-spaced spectra, eps = 1e-6, steps with theta (without): 6 at
@@ -51,11 +52,12 @@ STALL_BELOW = 1e-3
 STALL_RATIO = 0.5
 # Floor of the scaled iteration's lower bound (keep equal to kScaleFloor in small_matrix.cuh).
 SCALE_FLOOR = 1e-6
-# The Lanczos estimate of the bottom of the spectrum (keep equal to kLanczosSteps, kRitzHedge and
-# kLanczosMaxN in csrc/include/torchkern/small_matrix.cuh).
+# The Lanczos estimate of the bottom of the spectrum (keep equal to kLanczosSteps, kRitzHedge,
+# kLanczosMinN and kLanczosMaxN in csrc/include/torchkern/small_matrix.cuh).
 LANCZOS_STEPS = 32
 RITZ_HEDGE = 8.0
-LANCZOS_MAX_N = 128  # one warp of the kernel: 32 lanes x 4 columns
+LANCZOS_MIN_N = 48  # below, the estimate costs the kernel more than the steps it saves
+LANCZOS_MAX_N = 128  # the kernel's warp: 32 lanes x 4 columns
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -178,7 +180,7 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     err = inf_norm_residual(M)
     u64, err64 = u.double(), err.double()  # the scalar recurrence runs in float64, as in the kernels
     low = torch.clamp(torch.maximum(torch.maximum(eps / u64, 1 - err64), torch.full_like(u64, SCALE_FLOOR)), max=1.0)
-    if max_iters > 0 and n <= LANCZOS_MAX_N:  # a hedged estimate of the bottom, where it says more
+    if max_iters > 0 and LANCZOS_MIN_N <= n <= LANCZOS_MAX_N:  # a hedged estimate of the bottom
         low = torch.clamp(torch.fmax(low, smallest_ritz_value(M) / RITZ_HEDGE), max=1.0)
     prev = torch.full_like(err, float("inf"))
     iters = torch.zeros(B, dtype=torch.int32, device=G.device)

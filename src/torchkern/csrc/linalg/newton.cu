@@ -123,22 +123,23 @@ __global__ void __launch_bounds__(kLanczosThreads)
 lanczos_kernel(const T* __restrict__ G, C* __restrict__ ritz, int n, C eps) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int ld = (n + 3) & ~3;
-  C* A = reinterpret_cast<C*>(smem_raw);  // [n, ld]
-  C* work = A + n * ld;                   // smallest_ritz_value's
+  C* A = reinterpret_cast<C*>(smem_raw);  // [kLanczosMaxN, ld], rows n.. zero
+  C* work = A + kLanczosMaxN * ld;        // smallest_ritz_value's
   const T* g = G + int64_t(blockIdx.x) * n * n;
-  for (int i = threadIdx.x; i < n * ld; i += kLanczosThreads) {
+  for (int i = threadIdx.x; i < kLanczosMaxN * ld; i += kLanczosThreads) {
     const int r = i / ld, c = i - r * ld;
-    A[i] = c < n ? static_cast<C>(g[r * n + c]) + (r == c ? eps : C(0)) : C(0);
+    A[i] = r < n && c < n ? static_cast<C>(g[r * n + c]) + (r == c ? eps : C(0)) : C(0);
   }
   __syncthreads();
-  const C theta = small_matrix::smallest_ritz_value<kLanczosThreads / 32, C>(A, ld, n, work);
+  const C theta = small_matrix::smallest_ritz_value<kLanczosMaxN, kLanczosThreads / 32, C>(A, ld, n, work);
   if (threadIdx.x == 0) ritz[blockIdx.x] = theta;
 }
 
 template <typename T, typename C>
 void lanczos_launch(const T* G, C* ritz, int64_t batch, int n, double eps, cudaStream_t stream) {
   const int ld = (n + 3) & ~3;
-  const size_t smem = ((size_t(n) + kLanczosThreads / 32 + 1) * ld + 2 * kLanczosSteps + 4) * sizeof(C);
+  const size_t smem = ((size_t(kLanczosMaxN) + kLanczosThreads / 32 + 1) * ld + 2 * kLanczosSteps + 2) * sizeof(C) +
+                      kLanczosThreads / 32 * sizeof(unsigned);
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, lanczos_kernel<T, C>, smem_optin_bytes());  // 128^2 doubles need the opt-in
   lanczos_kernel<T, C><<<static_cast<unsigned>(batch), kLanczosThreads, smem, stream>>>(G, ritz, n,
@@ -386,8 +387,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(c
                                                      static_cast<int>(p), eps, static_cast<int>(max_iters), tol,
                                                      current_stream());
     if (!small) {
-      at::Tensor ritz;  // the Lanczos estimates (none when no step runs, or past kLanczosMaxN)
-      if (max_iters > 0 && n <= kLanczosMaxN) {
+      at::Tensor ritz;  // the Lanczos estimates (none when no step runs, or n is out of their range)
+      if (max_iters > 0 && n >= kLanczosMinN && n <= kLanczosMaxN) {
         ritz = at::empty({batch}, G.options().dtype(cdt));
         lanczos_launch<scalar_t, C>(Gc.const_data_ptr<scalar_t>(), ritz.mutable_data_ptr<C>(), batch, n, eps,
                                     current_stream());

@@ -61,9 +61,11 @@ __host__ __device__ inline NewtonScaling newton_scaling(double low, int p) {
 // The first bound on the bottom of M0's spectrum (ref/linalg.py): the largest of eps / u,
 // 1 - ||M0 - I||_inf, the floor, and the Lanczos estimate `ritz` of M0's smallest eigenvalue
 // (smallest_ritz_value below; NaN: none) divided by kRitzHedge; at most 1. Keep kRitzHedge,
-// kLanczosSteps and kLanczosMaxN equal to RITZ_HEDGE, LANCZOS_STEPS and LANCZOS_MAX_N in ref/linalg.py.
+// kLanczosSteps, kLanczosMinN and kLanczosMaxN equal to RITZ_HEDGE, LANCZOS_STEPS, LANCZOS_MIN_N and
+// LANCZOS_MAX_N in ref/linalg.py.
 constexpr double kRitzHedge = 8.0;
 constexpr int kLanczosSteps = 32;
+constexpr int kLanczosMinN = 48;   // below, the estimate costs more than the steps it saves
 constexpr int kLanczosMaxN = 128;  // one warp's 32 lanes x 4 columns
 
 __host__ __device__ inline double newton_first_low(double eps, double u, double err, double ritz) {
@@ -159,9 +161,11 @@ __device__ __forceinline__ C warp_sum(C v) {
 // WARPS warps: min(kLanczosSteps, n) steps without reorthogonalization (the smallest Ritz value
 // stays above the smallest eigenvalue, which is all the estimate needs), then the smallest
 // eigenvalue of the tridiagonal matrix T by multisection on Sturm counts. A v is computed as A^T v:
-// lane l owns columns 4l..4l+3 (so n <= 128) and warp w rows w, w + WARPS, ...; warp 0 sums the
-// warps' pieces and does the vector work (two shuffle reductions a step), the others wait at the
-// step's barriers. About 0.4 us a step: the steps' latency, not their arithmetic, is the cost.
+// lane l owns columns 4l..4l+3 (so n <= 128) and warp w rows w, w + WARPS, ... < ROWS (unrolled;
+// rows n..ROWS-1 must be zero); warp 0 sums the warps' pieces and does the vector work, while the
+// others wait at the step's barrier. The steps' latency, not their arithmetic, is the cost (about
+// 0.3 us a step on an H200), which is why the kernels ask for the estimate only where it saves more
+// (kLanczosMinN).
 
 // Start vector entry i (before normalization): a 32-bit integer hash of i, mapped to [-1/2, 1/2).
 __device__ __forceinline__ double lanczos_start(uint32_t i) {
@@ -186,10 +190,16 @@ __device__ __forceinline__ int sturm_count(const float (&d)[kLanczosSteps], cons
   return count;
 }
 
-// The smallest eigenvalue of T / scale (in d, o2) to float resolution: each round, lane l counts
-// at the (l + 1)-th of 33 points of [lo, hi], and the interval shrinks to the piece holding it.
+// The smallest eigenvalue of T / scale (in d, o2) to float resolution, by the whole block: each
+// round, thread t counts at the (t + 1)-th of THREADS + 1 points of [lo, hi] and the interval
+// shrinks to the piece that holds it. ballots: shared scratch of THREADS / 32 words.
+template <int THREADS>
 __device__ __forceinline__ float smallest_tridiagonal_eigenvalue(const float (&d)[kLanczosSteps],
-                                                                 const float (&o2)[kLanczosSteps]) {
+                                                                 const float (&o2)[kLanczosSteps],
+                                                                 unsigned* ballots) {
+  constexpr int kWarps = THREADS / 32;
+  // rounds until (THREADS + 1)^rounds >= 2^24 (float resolution of T, whose norm is about 1)
+  constexpr int kRounds = THREADS >= 255 ? 3 : THREADS >= 63 ? 4 : 5;
   float lo = INFINITY, hi = INFINITY;  // Gershgorin's bottom; the smallest diagonal entry (>= the answer)
 #pragma unroll
   for (int i = 0; i < kLanczosSteps; ++i) {
@@ -197,37 +207,43 @@ __device__ __forceinline__ float smallest_tridiagonal_eigenvalue(const float (&d
     lo = fminf(lo, d[i] - radius);
     hi = fminf(hi, d[i]);
   }
-  const int lane = threadIdx.x % 32;
-  for (int round = 0; round < 5; ++round) {  // 33^5 pieces of a width near 1: below float resolution of T
-    const float width = (hi - lo) * (1.0f / 33.0f);
-    const unsigned below = __ballot_sync(0xffffffffu, sturm_count(d, o2, lo + width * (lane + 1)) > 0);
-    if (below) {
-      const int first = __ffs(below) - 1;
-      hi = lo + width * (first + 1);
-      lo = lo + width * first;
-    } else {
-      lo = lo + width * 32;
+  for (int round = 0; round < kRounds; ++round) {
+    const float width = (hi - lo) * (1.0f / (THREADS + 1));
+    const unsigned below = __ballot_sync(0xffffffffu, sturm_count(d, o2, lo + width * (threadIdx.x + 1)) > 0);
+    if (threadIdx.x % 32 == 0) ballots[threadIdx.x / 32] = below;
+    __syncthreads();
+    int first = THREADS;  // the first point with an eigenvalue below it (THREADS: none, the answer is above all)
+#pragma unroll
+    for (int w = kWarps - 1; w >= 0; --w) {
+      const unsigned bits = ballots[w];
+      if (bits) first = 32 * w + __ffs(bits) - 1;
     }
+    __syncthreads();  // ballots are rewritten next round
+    hi = first < THREADS ? lo + width * (first + 1) : hi;
+    lo = lo + width * first;
   }
   return 0.5f * (lo + hi);
 }
 
-// A: n <= 128 rows of `ld` entries (ld a multiple of 4, at least n; A 16-byte aligned; columns n
-// up to the next multiple of 4 zero). work: shared scratch of (WARPS + 1) ld + 2 kLanczosSteps + 3
-// C. Called by every thread of the block (32 WARPS threads); all get the result.
-template <int WARPS, typename C>
+// A: n <= 128 rows of `ld` entries (ld a multiple of 4, at least n; A 16-byte aligned; rows n..ROWS-1
+// and the columns from n to the next multiple of 4 zero). work: shared scratch of (WARPS + 1) ld +
+// 2 kLanczosSteps + 2 C and WARPS words. Called by every thread of the block; all get the result.
+template <int ROWS, int WARPS, typename C>
 __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
+  static_assert(ROWS % WARPS == 0, "whole rows per warp");
   C* partial = work;                            // [WARPS, ld] the warps' pieces of A^T v
   C* v = partial + WARPS * ld;                  // [ld] the current vector, for broadcasts
   C* alpha = v + ld;                            // [kLanczosSteps] T's diagonal
   C* beta = alpha + kLanczosSteps;              // [kLanczosSteps] T's off-diagonal
-  C* shared = beta + kLanczosSteps;             // [0]: steps taken, [1]: the scale of T, [2]: the result
+  C* shared = beta + kLanczosSteps;             // [0]: steps taken, [1]: the scale of T
+  unsigned* ballots = reinterpret_cast<unsigned*>(shared + 2);
+  // 2^-12 (float) or 2^-26 (double): sqrt of the machine epsilon, the twin's threshold for an invariant subspace
+  constexpr C kTiny = sizeof(C) == 4 ? C(3.4526698300124393e-4) : C(1.4901161193847656e-8);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c0 = 4 * lane;
   const bool owner = c0 < n;
   const int steps = min(kLanczosSteps, n);
   // warp 0's state: its lanes' pieces of the current and the previous vector
-  C own[4], prev[4] = {C(0), C(0), C(0), C(0)}, beta_last = C(0);
-  double scale = 0.0;  // the largest row sum of |T| so far
+  C own[4], prev[4] = {C(0), C(0), C(0), C(0)}, beta_last = C(0), scale = C(0);  // scale: largest row sum of |T|
   if (warp == 0) {
     C sq = C(0);
 #pragma unroll
@@ -235,19 +251,18 @@ __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
       own[e] = c0 + e < n ? static_cast<C>(lanczos_start(c0 + e)) : C(0);
       sq += own[e] * own[e];
     }
-    const C norm = sqrt(warp_sum(sq));
+    const C inv_norm = C(1) / sqrt(warp_sum(sq));
 #pragma unroll
-    for (int e = 0; e < 4; ++e) own[e] /= norm;
+    for (int e = 0; e < 4; ++e) own[e] *= inv_norm;
     if (owner) store4(v + c0, own);
     if (lane == 0) shared[0] = C(steps);
   }
   __syncthreads();
-  const double tiny = sqrt(static_cast<double>(std::numeric_limits<C>::epsilon()));
   for (int j = 0; j < steps; ++j) {
     if (owner) {
       C w[4] = {C(0), C(0), C(0), C(0)};
-#pragma unroll 4
-      for (int r = warp; r < n; r += WARPS) {
+#pragma unroll
+      for (int r = warp; r < ROWS; r += WARPS) {
         const Four<C> a = load4(A + r * ld + c0);
         const C vr = v[r];
 #pragma unroll
@@ -256,7 +271,6 @@ __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
       store4(partial + warp * ld + c0, w);
     }
     __syncthreads();
-    bool stop = false;
     if (warp == 0) {
       C w[4] = {C(0), C(0), C(0), C(0)};
       if (owner) {
@@ -275,38 +289,32 @@ __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
         sq += w[e] * w[e];
       }
       const C b = sqrt(warp_sum(sq));
-      scale = fmax(scale, fabs(static_cast<double>(a)) + static_cast<double>(beta_last) + static_cast<double>(b));
-      if (lane == 0) alpha[j] = a, beta[j] = b;
-      stop = !(static_cast<double>(b) > tiny * scale);  // an invariant subspace (or NaN)
-      if (stop) {
+      scale = fmax(scale, fabs(a) + beta_last + b);
+      if (lane == 0) alpha[j] = a, beta[j] = b, shared[1] = scale;
+      if (!(b > kTiny * scale)) {  // an invariant subspace (or NaN): stop
         if (lane == 0) shared[0] = C(j + 1);
       } else {
+        const C inv_b = C(1) / b;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) prev[e] = own[e], own[e] = w[e] / b;
+        for (int e = 0; e < 4; ++e) prev[e] = own[e], own[e] = w[e] * inv_b;
         if (owner) store4(v + c0, own);
         beta_last = b;
       }
-      if (lane == 0) shared[1] = static_cast<C>(scale);
     }
     __syncthreads();
     if (static_cast<int>(shared[0]) <= j + 1) break;  // warp 0 stopped (uniform: read after the barrier)
   }
-  if (warp == 0) {
-    const int k = static_cast<int>(shared[0]);
-    const double s = static_cast<double>(shared[1]);
-    const float inv = s > 0.0 ? static_cast<float>(1.0 / s) : 0.0f;
-    float d[kLanczosSteps], o2[kLanczosSteps];
+  const int k = static_cast<int>(shared[0]);
+  const float s = static_cast<float>(shared[1]), inv = s > 0.0f ? 1.0f / s : 0.0f;
+  float d[kLanczosSteps], o2[kLanczosSteps];
 #pragma unroll
-    for (int i = 0; i < kLanczosSteps; ++i) {
-      const float o = i + 1 < k ? static_cast<float>(beta[i]) * inv : 0.0f;
-      d[i] = i < k ? static_cast<float>(alpha[i]) * inv : 2.0f;
-      o2[i] = o * o;
-    }
-    const double estimate = static_cast<double>(smallest_tridiagonal_eigenvalue(d, o2)) * s;
-    if (lane == 0) shared[2] = static_cast<C>(isfinite(estimate) ? estimate : NAN);
+  for (int i = 0; i < kLanczosSteps; ++i) {
+    const float o = i + 1 < k ? static_cast<float>(beta[i]) * inv : 0.0f;
+    d[i] = i < k ? static_cast<float>(alpha[i]) * inv : 2.0f;
+    o2[i] = o * o;
   }
-  __syncthreads();
-  return shared[2];
+  const double estimate = static_cast<double>(smallest_tridiagonal_eigenvalue<32 * WARPS>(d, o2, ballots)) * s;
+  return static_cast<C>(isfinite(estimate) ? estimate : NAN);
 }
 
 // dst = A * B over the padded NMAX x NMAX matrices (k up to kmax, a multiple of 4 >= n); dst may
@@ -753,8 +761,9 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   const int kmax = (n + 3) & ~3;
   int it = 0;
   bool active = err > tol && isfinite(err);
-  const bool estimate = active && max_iters > 0;  // the Lanczos estimate, in P's space (P is built later)
-  const C ritz = estimate ? smallest_ritz_value<THREADS / 32, C>(M, LD, n, P) : C(NAN);
+  // the Lanczos estimate, in P's space (P is built later); rows n..NMAX-1 of M are zero
+  const bool estimate = active && max_iters > 0 && n >= kLanczosMinN;
+  const C ritz = estimate ? smallest_ritz_value<NMAX, THREADS / 32, C>(M, LD, n, P) : C(NAN);
   double low = newton_first_low(static_cast<double>(eps), static_cast<double>(u), static_cast<double>(err),
                                 static_cast<double>(ritz));
   while (active && it < max_iters) {
