@@ -116,7 +116,7 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
 // The Lanczos estimate of each matrix's smallest eigenvalue for this path (the small kernel makes
 // its own): A = G + eps I staged in shared memory (rows padded to a multiple of 4 with zeros), then
 // small_matrix::smallest_ritz_value. n <= kLanczosMaxN.
-constexpr int kLanczosThreads = 128;
+constexpr int kLanczosThreads = 256;  // 8 warps: 64 registers each of a 128^2 A
 
 template <typename T, typename C>
 __global__ void __launch_bounds__(kLanczosThreads)
@@ -138,8 +138,9 @@ lanczos_kernel(const T* __restrict__ G, C* __restrict__ ritz, int n, C eps) {
 template <typename T, typename C>
 void lanczos_launch(const T* G, C* ritz, int64_t batch, int n, double eps, cudaStream_t stream) {
   const int ld = (n + 3) & ~3;
-  const size_t smem = ((size_t(kLanczosMaxN) + kLanczosThreads / 32 + 1) * ld + 2 * kLanczosSteps + 2) * sizeof(C) +
-                      kLanczosThreads / 32 * sizeof(unsigned);
+  constexpr int kWarps = kLanczosThreads / 32;
+  const size_t smem = ((size_t(kLanczosMaxN) + kWarps + 1) * ld + 2 * kLanczosSteps + 2 + kWarps) * sizeof(C) +
+                      kWarps * sizeof(unsigned);
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, lanczos_kernel<T, C>, smem_optin_bytes());  // 128^2 doubles need the opt-in
   lanczos_kernel<T, C><<<static_cast<unsigned>(batch), kLanczosThreads, smem, stream>>>(G, ritz, n,

@@ -161,11 +161,10 @@ __device__ __forceinline__ C warp_sum(C v) {
 // WARPS warps: min(kLanczosSteps, n) steps without reorthogonalization (the smallest Ritz value
 // stays above the smallest eigenvalue, which is all the estimate needs), then the smallest
 // eigenvalue of the tridiagonal matrix T by multisection on Sturm counts. A v is computed as A^T v:
-// lane l owns columns 4l..4l+3 (so n <= 128) and warp w rows w, w + WARPS, ... < ROWS (unrolled;
-// rows n..ROWS-1 must be zero); warp 0 sums the warps' pieces and does the vector work, while the
-// others wait at the step's barrier. The steps' latency, not their arithmetic, is the cost (about
-// 0.3 us a step on an H200), which is why the kernels ask for the estimate only where it saves more
-// (kLanczosMinN).
+// lane l owns columns 4l..4l+3 (so n <= 128) and warp w rows w, w + WARPS, ... < ROWS (rows
+// n..ROWS-1 must be zero); warp 0 sums the warps' pieces and does the vector work, while the others
+// wait at the step's barrier. The steps' latency, not their arithmetic, is the cost, which is why
+// the kernels ask for the estimate only where it saves more than it costs (kLanczosMinN).
 
 // Start vector entry i (before normalization): a 32-bit integer hash of i, mapped to [-1/2, 1/2).
 __device__ __forceinline__ double lanczos_start(uint32_t i) {
@@ -227,22 +226,33 @@ __device__ __forceinline__ float smallest_tridiagonal_eigenvalue(const float (&d
 
 // A: n <= 128 rows of `ld` entries (ld a multiple of 4, at least n; A 16-byte aligned; rows n..ROWS-1
 // and the columns from n to the next multiple of 4 zero). work: shared scratch of (WARPS + 1) ld +
-// 2 kLanczosSteps + 2 C and WARPS words. Called by every thread of the block; all get the result.
+// 2 kLanczosSteps + 2 + WARPS C and WARPS words. Called by every thread of the block; all get the result.
+// Each thread keeps its ROWS / WARPS x 4 piece of A in registers for all the steps: reading A from
+// shared memory every step would take 512 cycles of its bandwidth at n = 128, more than the rest.
 template <int ROWS, int WARPS, typename C>
 __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
   static_assert(ROWS % WARPS == 0, "whole rows per warp");
+  constexpr int kRows = ROWS / WARPS;           // rows per warp: warp + i WARPS
   C* partial = work;                            // [WARPS, ld] the warps' pieces of A^T v
   C* v = partial + WARPS * ld;                  // [ld] the current vector, for broadcasts
   C* alpha = v + ld;                            // [kLanczosSteps] T's diagonal
   C* beta = alpha + kLanczosSteps;              // [kLanczosSteps] T's off-diagonal
-  C* shared = beta + kLanczosSteps;             // [0]: steps taken, [1]: the scale of T
+  C* dots = beta + kLanczosSteps;               // [WARPS] the warps' pieces of v . A^T v
+  C* shared = dots + WARPS;                     // [0]: steps taken, [1]: the scale of T
   unsigned* ballots = reinterpret_cast<unsigned*>(shared + 2);
-  // 2^-12 (float) or 2^-26 (double): sqrt of the machine epsilon, the twin's threshold for an invariant subspace
+  // sqrt of the machine epsilon: the twin's threshold for an invariant subspace
   constexpr C kTiny = sizeof(C) == 4 ? C(3.4526698300124393e-4) : C(1.4901161193847656e-8);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c0 = 4 * lane;
   const bool owner = c0 < n;
   const int steps = min(kLanczosSteps, n);
-  // warp 0's state: its lanes' pieces of the current and the previous vector
+  C piece[kRows][4];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    const Four<C> a = owner ? load4(A + (warp + i * WARPS) * ld + c0) : Four<C>{};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) piece[i][e] = a.v[e];
+  }
+  // warp 0's state: its lanes' parts of the current and the previous vector
   C own[4], prev[4] = {C(0), C(0), C(0), C(0)}, beta_last = C(0), scale = C(0);  // scale: largest row sum of |T|
   if (warp == 0) {
     C sq = C(0);
@@ -259,42 +269,45 @@ __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
   }
   __syncthreads();
   for (int j = 0; j < steps; ++j) {
-    if (owner) {
-      C w[4] = {C(0), C(0), C(0), C(0)};
+    // this warp's rows of A^T v, and their part of v . A^T v (reduced here, off warp 0's path)
+    C w[4] = {C(0), C(0), C(0), C(0)};
 #pragma unroll
-      for (int r = warp; r < ROWS; r += WARPS) {
-        const Four<C> a = load4(A + r * ld + c0);
-        const C vr = v[r];
+    for (int i = 0; i < kRows; ++i) {
+      const C vr = v[warp + i * WARPS];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) w[e] = fma(a.v[e], vr, w[e]);
-      }
-      store4(partial + warp * ld + c0, w);
+      for (int e = 0; e < 4; ++e) w[e] = fma(piece[i][e], vr, w[e]);
     }
+    const Four<C> mine = load4(v + (owner ? c0 : 0));
+    const C dot = warp_sum(owner ? w[0] * mine.v[0] + w[1] * mine.v[1] + w[2] * mine.v[2] + w[3] * mine.v[3] : C(0));
+    if (owner) store4(partial + warp * ld + c0, w);
+    if (lane == 0) dots[warp] = dot;
     __syncthreads();
     if (warp == 0) {
-      C w[4] = {C(0), C(0), C(0), C(0)};
+      C a = C(0);
+#pragma unroll
+      for (int q = 0; q < WARPS; ++q) a += dots[q];
+      C x[4] = {C(0), C(0), C(0), C(0)};
       if (owner) {
 #pragma unroll
         for (int q = 0; q < WARPS; ++q) {
-          const Four<C> piece = load4(partial + q * ld + c0);
+          const Four<C> part = load4(partial + q * ld + c0);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) w[e] += piece.v[e];
+          for (int e = 0; e < 4; ++e) x[e] += part.v[e];
         }
       }
-      const C a = warp_sum(w[0] * own[0] + w[1] * own[1] + w[2] * own[2] + w[3] * own[3]);
       C sq = C(0);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        w[e] = w[e] - a * own[e] - beta_last * prev[e];
+        w[e] = x[e] - a * own[e] - beta_last * prev[e];
         sq += w[e] * w[e];
       }
-      const C b = sqrt(warp_sum(sq));
+      sq = warp_sum(sq);
+      const C inv_b = sq > C(0) ? rsqrt(sq) : C(0), b = sq * inv_b;  // b = ||w||, and 1 / b without a division
       scale = fmax(scale, fabs(a) + beta_last + b);
       if (lane == 0) alpha[j] = a, beta[j] = b, shared[1] = scale;
       if (!(b > kTiny * scale)) {  // an invariant subspace (or NaN): stop
         if (lane == 0) shared[0] = C(j + 1);
       } else {
-        const C inv_b = C(1) / b;
 #pragma unroll
         for (int e = 0; e < 4; ++e) prev[e] = own[e], own[e] = w[e] * inv_b;
         if (owner) store4(v + c0, own);
