@@ -29,15 +29,19 @@ The bound l: eps / u and 1 - err are true lower bounds (for symmetric positive s
 The floor (1e-6, the float32 resolution of a spectrum normalized to 1) is a guess for when they
 say little (eps = 0, or eps far below ||G||): eigenvalues below it still grow at least as fast as
 with c = 1 (h rises on [0, 1] and c >= 1), so a bound that is too high costs steps, never
-convergence. With those alone, p = 4 took 10 steps on every moderately conditioned matrix whose eps
-is far below its spectrum (condition 10 to 1e4), against 19 for the unscaled iteration on Shampoo's
-statistics (eigenvalues down to the eps floor). theta (for LANCZOS_MIN_N <= n <= LANCZOS_MAX_N: its
-steps' latency is about one product at n = 64, and the large path has no kernel for it) is the smallest Ritz
-value of LANCZOS_STEPS Lanczos steps on M0 (:func:`smallest_ritz_value`), an estimate of its
-smallest eigenvalue from above, close to it for those matrices, for about the cost of one product;
-the hedge (theta / RITZ_HEDGE) keeps most of the gain when it is not. Float32, n = 128, p = 4, log-spaced spectra, eps = 1e-6, steps with theta (without): 6 at
+convergence. With those alone, p = 4 takes 10 steps on every moderately conditioned matrix whose
+eps is far below its spectrum (condition 10 to 1e4), against 19 for the unscaled iteration on
+Shampoo's statistics (eigenvalues down to the eps floor).
+
+theta, for LANCZOS_MIN_N <= n <= LANCZOS_MAX_N, is the smallest Ritz value of LANCZOS_STEPS Lanczos
+steps on M0 (:func:`smallest_ritz_value`): an estimate of M0's smallest eigenvalue from above,
+close to it for those matrices; the hedge (theta / RITZ_HEDGE) keeps most of the gain when it is
+not. Float32, n = 128, eps = 1e-6, log-spaced spectra, steps with theta (without): p = 4: 6 at
 condition 10 (10), 7 at 1e2 (10), 8 at 1e3 (10), 9 at 1e4 (10), 12 at 1e6 (11: the one loss, where
-theta / 8 is still above the bottom); p = 2: 7, 8, 10, 11, 14 (12, 12, 12, 12, 13).
+theta / 8 is still above the bottom); p = 2: 7, 8, 10, 11, 14 (12, 12, 12, 12, 13). The range: the
+kernels' Lanczos steps cost latency, not arithmetic (about 25 us on an H200, one step of the
+iteration at n = 128, two at n = 64, five at n = 32), and the large path (n > 128) has no kernel
+for them yet.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ SCALE_FLOOR = 1e-6
 # kLanczosMinN and kLanczosMaxN in csrc/include/torchkern/small_matrix.cuh).
 LANCZOS_STEPS = 32
 RITZ_HEDGE = 8.0
-LANCZOS_MIN_N = 48  # below, the estimate costs the kernel more than the steps it saves
+LANCZOS_MIN_N = 64  # below, the estimate costs the kernel about what the steps it saves cost
 LANCZOS_MAX_N = 128  # the kernel's warp: 32 lanes x 4 columns
 
 

@@ -21,7 +21,7 @@
 // one extra, frozen, no-op iteration at the end); for n >= 512 an iteration costs milliseconds,
 // so the host waits for each iteration's own count instead (microseconds of idle GPU per
 // iteration rather than a wasted iteration). Not CUDA-graph capturable for that reason.
-// For n <= 128 both paths start from a Lanczos estimate of each matrix's smallest eigenvalue
+// For 64 <= n <= 128 both paths start from a Lanczos estimate of each matrix's smallest eigenvalue
 // (small_matrix::smallest_ritz_value; the first scaling in ref/linalg.py), which saves 1 to 4 of
 // about 10 steps on matrices with a condition number up to 1e4.
 // The products run in the compute dtype through at::bmm, so they follow torch's TF32 setting

@@ -65,7 +65,7 @@ __host__ __device__ inline NewtonScaling newton_scaling(double low, int p) {
 // LANCZOS_MAX_N in ref/linalg.py.
 constexpr double kRitzHedge = 8.0;
 constexpr int kLanczosSteps = 32;
-constexpr int kLanczosMinN = 48;   // below, the estimate costs more than the steps it saves
+constexpr int kLanczosMinN = 64;   // below, the estimate costs about what the steps it saves cost
 constexpr int kLanczosMaxN = 128;  // one warp's 32 lanes x 4 columns
 
 __host__ __device__ inline double newton_first_low(double eps, double u, double err, double ritz) {
