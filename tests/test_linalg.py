@@ -164,7 +164,7 @@ def test_smallest_ritz_value_brackets_the_bottom():
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
-@pytest.mark.parametrize("n", [64, 100, 128])
+@pytest.mark.parametrize("n", [64, 100, 128, 200])
 def test_root_newton_lanczos_start_saves_steps(device, n):
     # moderately conditioned matrices, eps far below the spectrum: the bounds eps / u and 1 - err say
     # little, and 10 steps were the rule; the hedged Lanczos estimate starts close to the bottom

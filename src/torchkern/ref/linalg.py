@@ -33,15 +33,14 @@ convergence. With those alone, p = 4 takes 10 steps on every moderately conditio
 eps is far below its spectrum (condition 10 to 1e4), against 19 for the unscaled iteration on
 Shampoo's statistics (eigenvalues down to the eps floor).
 
-theta, for LANCZOS_MIN_N <= n <= LANCZOS_MAX_N, is the smallest Ritz value of LANCZOS_STEPS Lanczos
+theta, for n >= LANCZOS_MIN_N, is the smallest Ritz value of LANCZOS_STEPS Lanczos
 steps on M0 (:func:`smallest_ritz_value`): an estimate of M0's smallest eigenvalue from above,
 close to it for those matrices; the hedge (theta / RITZ_HEDGE) keeps most of the gain when it is
 not. Float32, n = 128, eps = 1e-6, log-spaced spectra, steps with theta (without): p = 4: 6 at
 condition 10 (10), 7 at 1e2 (10), 8 at 1e3 (10), 9 at 1e4 (10), 12 at 1e6 (11: the one loss, where
 theta / 8 is still above the bottom); p = 2: 7, 8, 10, 11, 14 (12, 12, 12, 12, 13). The range: the
-kernels' Lanczos steps cost latency, not arithmetic (about 25 us on an H200, one step of the
-iteration at n = 128, two at n = 64, five at n = 32), and the large path (n > 128) has no kernel
-for them yet.
+small kernel's Lanczos steps cost latency, not arithmetic (about 25 us on an H200: one step of the
+iteration at n = 128, two at n = 64, five at n = 32).
 """
 
 from __future__ import annotations
@@ -56,12 +55,11 @@ STALL_BELOW = 1e-3
 STALL_RATIO = 0.5
 # Floor of the scaled iteration's lower bound (keep equal to kScaleFloor in small_matrix.cuh).
 SCALE_FLOOR = 1e-6
-# The Lanczos estimate of the bottom of the spectrum (keep equal to kLanczosSteps, kRitzHedge,
-# kLanczosMinN and kLanczosMaxN in csrc/include/torchkern/small_matrix.cuh).
+# The Lanczos estimate of the bottom of the spectrum (keep equal to kLanczosSteps, kRitzHedge and
+# kLanczosMinN in csrc/include/torchkern/small_matrix.cuh).
 LANCZOS_STEPS = 32
 RITZ_HEDGE = 8.0
 LANCZOS_MIN_N = 64  # below, the estimate costs the kernel about what the steps it saves cost
-LANCZOS_MAX_N = 128  # the kernel's warp: 32 lanes x 4 columns
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -184,7 +182,7 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     err = inf_norm_residual(M)
     u64, err64 = u.double(), err.double()  # the scalar recurrence runs in float64, as in the kernels
     low = torch.clamp(torch.maximum(torch.maximum(eps / u64, 1 - err64), torch.full_like(u64, SCALE_FLOOR)), max=1.0)
-    if max_iters > 0 and LANCZOS_MIN_N <= n <= LANCZOS_MAX_N:  # a hedged estimate of the bottom
+    if max_iters > 0 and n >= LANCZOS_MIN_N:  # a hedged estimate of the bottom
         low = torch.clamp(torch.fmax(low, smallest_ritz_value(M) / RITZ_HEDGE), max=1.0)
     prev = torch.full_like(err, float("inf"))
     iters = torch.zeros(B, dtype=torch.int32, device=G.device)

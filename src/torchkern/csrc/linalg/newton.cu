@@ -21,9 +21,10 @@
 // one extra, frozen, no-op iteration at the end); for n >= 512 an iteration costs milliseconds,
 // so the host waits for each iteration's own count instead (microseconds of idle GPU per
 // iteration rather than a wasted iteration). Not CUDA-graph capturable for that reason.
-// For 64 <= n <= 128 both paths start from a Lanczos estimate of each matrix's smallest eigenvalue
-// (small_matrix::smallest_ritz_value; the first scaling in ref/linalg.py), which saves 1 to 4 of
-// about 10 steps on matrices with a condition number up to 1e4.
+// For n >= 64 both paths start from a Lanczos estimate of each matrix's smallest eigenvalue (the
+// first scaling in ref/linalg.py; small_matrix::smallest_ritz_value in the small kernel,
+// lanczos_large here), which saves 1 to 4 of about 10 steps on matrices with a condition number up
+// to 1e4.
 // The products run in the compute dtype through at::bmm, so they follow torch's TF32 setting
 // (off by default): leave TF32 off for float32 roots at 1e-4 accuracy.
 #include <ATen/core/Tensor.h>
@@ -113,38 +114,111 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
   }
 }
 
-// The Lanczos estimate of each matrix's smallest eigenvalue for this path (the small kernel makes
-// its own): A = G + eps I staged in shared memory (rows padded to a multiple of 4 with zeros), then
-// small_matrix::smallest_ritz_value. n <= kLanczosMaxN.
-constexpr int kLanczosThreads = 256;  // 8 warps: 64 registers each of a 128^2 A
+// The Lanczos estimate on this path (n >= kLanczosMinN; the small kernel makes its own): per step
+// one batched product W = M^T V (cuBLAS; M = A / u as filled below) and one kernel with a block per
+// matrix for the vector work (alpha, the new vector, beta, the early stop: small_matrix's
+// smallest_ritz_value step for step, state in global memory); then a block per matrix turns T into
+// the estimate. A matrix that stopped early skips the remaining steps' vector work.
+constexpr int kLanczosThreads = 256;
 
-template <typename T, typename C>
-__global__ void __launch_bounds__(kLanczosThreads)
-lanczos_kernel(const T* __restrict__ G, C* __restrict__ ritz, int n, C eps) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int ld = (n + 3) & ~3;
-  C* A = reinterpret_cast<C*>(smem_raw);  // [kLanczosMaxN, ld], rows n.. zero
-  C* work = A + kLanczosMaxN * ld;        // smallest_ritz_value's
-  const T* g = G + int64_t(blockIdx.x) * n * n;
-  for (int i = threadIdx.x; i < kLanczosMaxN * ld; i += kLanczosThreads) {
-    const int r = i / ld, c = i - r * ld;
-    A[i] = r < n && c < n ? static_cast<C>(g[r * n + c]) + (r == c ? eps : C(0)) : C(0);
-  }
-  __syncthreads();
-  const C theta = small_matrix::smallest_ritz_value<kLanczosMaxN, kLanczosThreads / 32, C>(A, ld, n, work);
-  if (threadIdx.x == 0) ritz[blockIdx.x] = theta;
+template <typename C>
+__device__ __forceinline__ C block_sum(C v, C* scratch) {
+  return small_matrix::block_reduce<kLanczosThreads, C, false>(v, scratch);
 }
 
-template <typename T, typename C>
-void lanczos_launch(const T* G, C* ritz, int64_t batch, int n, double eps, cudaStream_t stream) {
-  const int ld = (n + 3) & ~3;
-  constexpr int kWarps = kLanczosThreads / 32;
-  const size_t smem = ((size_t(kLanczosMaxN) + kWarps + 1) * ld + 2 * kLanczosSteps + 2 + kWarps) * sizeof(C) +
-                      kWarps * sizeof(unsigned);
-  static int opted_in[kCachedDevices] = {};
-  opt_in_smem(opted_in, lanczos_kernel<T, C>, smem_optin_bytes());  // 128^2 doubles need the opt-in
-  lanczos_kernel<T, C><<<static_cast<unsigned>(batch), kLanczosThreads, smem, stream>>>(G, ritz, n,
-                                                                                        static_cast<C>(eps));
+// V = the start vector (small_matrix::lanczos_start, normalized), V_prev = 0, per matrix.
+template <typename C>
+__global__ void __launch_bounds__(kLanczosThreads)
+lanczos_start_kernel(C* __restrict__ V, C* __restrict__ V_prev, int* __restrict__ taken, int n) {
+  __shared__ C scratch[kLanczosThreads / 32];
+  C* v = V + int64_t(blockIdx.x) * n;
+  C sq = C(0);
+  for (int i = threadIdx.x; i < n; i += kLanczosThreads) {
+    const C x = static_cast<C>(small_matrix::lanczos_start(i));
+    sq += x * x;
+  }
+  const C inv_norm = C(1) / sqrt(block_sum(sq, scratch));
+  for (int i = threadIdx.x; i < n; i += kLanczosThreads) {
+    v[i] = static_cast<C>(small_matrix::lanczos_start(i)) * inv_norm;
+    V_prev[int64_t(blockIdx.x) * n + i] = C(0);
+  }
+  if (threadIdx.x == 0) taken[blockIdx.x] = 0;
+}
+
+// Step j of every matrix still going (taken == j): W = M^T v is given; alpha, w = W - alpha v -
+// beta_{j-1} v_prev, beta = ||w||, T's entries and scale; then v_prev = v, v = w / beta, or a stop.
+template <typename C>
+__global__ void __launch_bounds__(kLanczosThreads)
+lanczos_step_kernel(const C* __restrict__ W, C* __restrict__ V, C* __restrict__ V_prev, C* __restrict__ tri,
+                    C* __restrict__ scale, int* __restrict__ taken, int n, int j) {
+  __shared__ C scratch[kLanczosThreads / 32];
+  const int64_t b = blockIdx.x;
+  if (taken[b] != j) return;  // stopped at an earlier step
+  const C* w = W + b * n;
+  C* v = V + b * n;
+  C* v_prev = V_prev + b * n;
+  C* alpha = tri + b * 2 * kLanczosSteps;
+  C* beta = alpha + kLanczosSteps;
+  C dot = C(0);
+  for (int i = threadIdx.x; i < n; i += kLanczosThreads) dot += w[i] * v[i];
+  const C a = block_sum(dot, scratch), beta_last = j ? beta[j - 1] : C(0);
+  C sq = C(0);
+  for (int i = threadIdx.x; i < n; i += kLanczosThreads) {
+    const C x = w[i] - a * v[i] - beta_last * v_prev[i];
+    sq += x * x;
+  }
+  const C bn = sqrt(block_sum(sq, scratch));
+  const C sc = fmax(j ? scale[b] : C(0), fabs(a) + beta_last + bn);
+  constexpr C kTiny = sizeof(C) == 4 ? C(3.4526698300124393e-4) : C(1.4901161193847656e-8);  // as the small kernel's
+  const bool go = bn > kTiny * sc;  // else an invariant subspace (or NaN): stop
+  if (go) {
+    const C inv_b = C(1) / bn;
+    for (int i = threadIdx.x; i < n; i += kLanczosThreads) {
+      const C x = w[i] - a * v[i] - beta_last * v_prev[i];
+      v_prev[i] = v[i];
+      v[i] = x * inv_b;
+    }
+  }
+  if (threadIdx.x == 0) {
+    alpha[j] = a, beta[j] = bn, scale[b] = sc;
+    taken[b] = go ? j + 1 : -(j + 1);  // negative: stopped after j + 1 steps
+  }
+}
+
+// ritz[b] = the smallest eigenvalue of matrix b's T (small_matrix::ritz_estimate), one warp each.
+template <typename C>
+__global__ void __launch_bounds__(32)
+lanczos_ritz_kernel(const C* __restrict__ tri, const C* __restrict__ scale, const int* __restrict__ taken,
+                    C* __restrict__ ritz) {
+  __shared__ unsigned ballots[1];
+  const int64_t b = blockIdx.x;
+  const C* alpha = tri + b * 2 * kLanczosSteps;
+  const int k = abs(taken[b]);
+  const C theta = small_matrix::ritz_estimate<32>(alpha, alpha + kLanczosSteps, k, scale[b], ballots);
+  if (threadIdx.x == 0) ritz[b] = theta;
+}
+
+// ritz (B) for M (B, n, n), compute type, contiguous.
+template <typename C>
+void lanczos_large(const at::Tensor& M, at::Tensor& ritz, int64_t batch, int n, cudaStream_t stream) {
+  const auto opt = M.options();
+  at::Tensor V = at::empty({batch, n, 1}, opt), V_prev = at::empty({batch, n}, opt), W = at::empty({batch, n, 1}, opt);
+  at::Tensor tri = at::empty({batch, 2, kLanczosSteps}, opt), scale = at::empty({batch}, opt);
+  at::Tensor taken = at::empty({batch}, opt.dtype(at::kInt));
+  const unsigned grid = static_cast<unsigned>(batch);
+  lanczos_start_kernel<C><<<grid, kLanczosThreads, 0, stream>>>(V.mutable_data_ptr<C>(), V_prev.mutable_data_ptr<C>(),
+                                                                taken.mutable_data_ptr<int>(), n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor Mt = M.transpose(1, 2);  // A v as A^T v, as the twin and the small kernel compute it
+  for (int j = 0; j < std::min(kLanczosSteps, n); ++j) {
+    at::bmm_out(W, Mt, V);
+    lanczos_step_kernel<C><<<grid, kLanczosThreads, 0, stream>>>(
+        W.const_data_ptr<C>(), V.mutable_data_ptr<C>(), V_prev.mutable_data_ptr<C>(), tri.mutable_data_ptr<C>(),
+        scale.mutable_data_ptr<C>(), taken.mutable_data_ptr<int>(), n, j);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  lanczos_ritz_kernel<C><<<grid, 32, 0, stream>>>(tri.const_data_ptr<C>(), scale.const_data_ptr<C>(),
+                                                 taken.const_data_ptr<int>(), ritz.mutable_data_ptr<C>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -216,7 +290,7 @@ __global__ void newton_update_kernel(const C* __restrict__ partial, const int* _
       prev[b] = C(INFINITY);
       iters[b] = 0;
       low = newton_first_low(eps, 1.0 / static_cast<double>(z[b]), static_cast<double>(e),
-                             ritz ? static_cast<double>(ritz[b]) * static_cast<double>(z[b]) : NAN);
+                             ritz ? static_cast<double>(ritz[b]) : NAN);
     } else {
       const C before = err[b];
       const bool stalled = before <= C(kStallBelow) && e > C(kStallRatio) * before;
@@ -250,8 +324,8 @@ __global__ void newton_step_kernel(const C* __restrict__ M, C* __restrict__ P, c
 }
 
 template <typename T, typename C>
-void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Tensor& iters, const C* ritz,
-                  int64_t batch, int n, int p, double eps, int max_iters, double tol) {
+void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Tensor& iters, int64_t batch, int n,
+                  int p, double eps, int max_iters, double tol) {
   const cudaStream_t stream = current_stream();
   const auto copt = G.options().dtype(c10::CppTypeToScalarType<C>::value);
   at::Tensor X = at::empty({batch, n, n}, copt), M = at::empty_like(X), P = at::empty_like(X);
@@ -299,9 +373,15 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
   newton_rows_kernel<C, C, false><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
       M.const_data_ptr<C>(), partial_p, nullptr, nullptr, all.const_data_ptr<int>(), n, chunks, C(0));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor ritz;  // the Lanczos estimates, of M (none when no step runs, or n is below their range)
+  if (max_iters > 0 && n >= kLanczosMinN) {
+    ritz = at::empty({batch}, copt);
+    lanczos_large<C>(M, ritz, batch, n, stream);
+  }
   newton_update_kernel<C, true><<<per_matrix_grid, 128, 0, stream>>>(
       partial_p, is_bad.const_data_ptr<int>(), err_p, prev_p, iters_p, active_p, counts_d, scaling,
-      z.const_data_ptr<C>(), ritz, eps, p, batch, chunks, static_cast<C>(tol));
+      z.const_data_ptr<C>(), ritz.defined() ? ritz.const_data_ptr<C>() : nullptr, eps, p, batch, chunks,
+      static_cast<C>(tol));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   struct Events {  // two timing-free events, destroyed on every way out
     cudaEvent_t e[2] = {nullptr, nullptr};
@@ -388,14 +468,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(c
                                                      static_cast<int>(p), eps, static_cast<int>(max_iters), tol,
                                                      current_stream());
     if (!small) {
-      at::Tensor ritz;  // the Lanczos estimates (none when no step runs, or n is out of their range)
-      if (max_iters > 0 && n >= kLanczosMinN && n <= kLanczosMaxN) {
-        ritz = at::empty({batch}, G.options().dtype(cdt));
-        lanczos_launch<scalar_t, C>(Gc.const_data_ptr<scalar_t>(), ritz.mutable_data_ptr<C>(), batch, n, eps,
-                                    current_stream());
-      }
-      newton_large<scalar_t, C>(Gc, root, err, iters, ritz.defined() ? ritz.const_data_ptr<C>() : nullptr, batch, n,
-                                static_cast<int>(p), eps, static_cast<int>(max_iters), tol);
+      newton_large<scalar_t, C>(Gc, root, err, iters, batch, n, static_cast<int>(p), eps, static_cast<int>(max_iters),
+                                tol);
     }
   });
   return {root, err, iters};

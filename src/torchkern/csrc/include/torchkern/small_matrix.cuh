@@ -61,12 +61,10 @@ __host__ __device__ inline NewtonScaling newton_scaling(double low, int p) {
 // The first bound on the bottom of M0's spectrum (ref/linalg.py): the largest of eps / u,
 // 1 - ||M0 - I||_inf, the floor, and the Lanczos estimate `ritz` of M0's smallest eigenvalue
 // (smallest_ritz_value below; NaN: none) divided by kRitzHedge; at most 1. Keep kRitzHedge,
-// kLanczosSteps, kLanczosMinN and kLanczosMaxN equal to RITZ_HEDGE, LANCZOS_STEPS, LANCZOS_MIN_N and
-// LANCZOS_MAX_N in ref/linalg.py.
+// kLanczosSteps and kLanczosMinN equal to RITZ_HEDGE, LANCZOS_STEPS and LANCZOS_MIN_N in ref/linalg.py.
 constexpr double kRitzHedge = 8.0;
 constexpr int kLanczosSteps = 32;
-constexpr int kLanczosMinN = 64;   // below, the estimate costs about what the steps it saves cost
-constexpr int kLanczosMaxN = 128;  // one warp's 32 lanes x 4 columns
+constexpr int kLanczosMinN = 64;  // below, the estimate costs about what the steps it saves cost
 
 __host__ __device__ inline double newton_first_low(double eps, double u, double err, double ritz) {
   const double bound = fmax(fmax(eps / u, 1.0 - err), kScaleFloor);
@@ -224,6 +222,23 @@ __device__ __forceinline__ float smallest_tridiagonal_eigenvalue(const float (&d
   return 0.5f * (lo + hi);
 }
 
+// The smallest eigenvalue of the k x k tridiagonal matrix T of k Lanczos steps (diagonal alpha,
+// off-diagonal beta[0..k-2]; scale: its largest row sum of |.|), by the whole block (THREADS), in float
+// on T / scale. NaN where it is not finite.
+template <int THREADS, typename C>
+__device__ C ritz_estimate(const C* alpha, const C* beta, int k, C scale, unsigned* ballots) {
+  const float s = static_cast<float>(scale), inv = s > 0.0f ? 1.0f / s : 0.0f;
+  float d[kLanczosSteps], o2[kLanczosSteps];
+#pragma unroll
+  for (int i = 0; i < kLanczosSteps; ++i) {
+    const float o = i + 1 < k ? static_cast<float>(beta[i]) * inv : 0.0f;
+    d[i] = i < k ? static_cast<float>(alpha[i]) * inv : 2.0f;
+    o2[i] = o * o;
+  }
+  const double estimate = static_cast<double>(smallest_tridiagonal_eigenvalue<THREADS>(d, o2, ballots)) * s;
+  return static_cast<C>(isfinite(estimate) ? estimate : NAN);
+}
+
 // A: n <= 128 rows of `ld` entries (ld a multiple of 4, at least n; A 16-byte aligned; rows n..ROWS-1
 // and the columns from n to the next multiple of 4 zero). work: shared scratch of (WARPS + 1) ld +
 // 2 kLanczosSteps + 2 + WARPS C and WARPS words. Called by every thread of the block; all get the result.
@@ -317,17 +332,7 @@ __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
     __syncthreads();
     if (static_cast<int>(shared[0]) <= j + 1) break;  // warp 0 stopped (uniform: read after the barrier)
   }
-  const int k = static_cast<int>(shared[0]);
-  const float s = static_cast<float>(shared[1]), inv = s > 0.0f ? 1.0f / s : 0.0f;
-  float d[kLanczosSteps], o2[kLanczosSteps];
-#pragma unroll
-  for (int i = 0; i < kLanczosSteps; ++i) {
-    const float o = i + 1 < k ? static_cast<float>(beta[i]) * inv : 0.0f;
-    d[i] = i < k ? static_cast<float>(alpha[i]) * inv : 2.0f;
-    o2[i] = o * o;
-  }
-  const double estimate = static_cast<double>(smallest_tridiagonal_eigenvalue<32 * WARPS>(d, o2, ballots)) * s;
-  return static_cast<C>(isfinite(estimate) ? estimate : NAN);
+  return ritz_estimate<32 * WARPS>(alpha, beta, static_cast<int>(shared[0]), shared[1], ballots);
 }
 
 // dst = A * B over the padded NMAX x NMAX matrices (k up to kmax, a multiple of 4 >= n); dst may
