@@ -8,7 +8,9 @@ Kernels behind them (``csrc/linalg/``): the coupled Newton iteration runs, for n
 half types computed in float32; n <= 64 in float64), the whole iteration of one matrix inside
 one thread block with the matrices in shared memory (or, for 64 < n <= 128 on sm_90 when the batch
 leaves SMs idle, a cluster of two blocks per matrix); larger matrices use cuBLAS batched products
-with fused elementwise steps and a per-matrix "done" mask. ``kron`` is one write-bound kernel.
+with fused elementwise steps and a per-matrix "done" mask. For n >= 64 both start the iteration's
+scaling from a Lanczos estimate of each matrix's smallest eigenvalue (``ref.linalg``: about 2 of 10
+steps saved on moderately conditioned matrices). ``kron`` is one write-bound kernel.
 """
 
 from __future__ import annotations
