@@ -145,13 +145,13 @@ def smallest_ritz_value(A: torch.Tensor) -> torch.Tensor:
         alpha = (w * v).sum(-1)
         w = w - alpha[:, None] * v - beta[:, None] * v_prev
         beta_next = w.norm(dim=-1)
-        alphas.append(torch.where(going, alpha.double(), torch.nan))
         scale = torch.where(going, torch.maximum(scale, alpha.double().abs() + beta.double() + beta_next.double()), scale)
+        # after a stop: diagonal entries at the (final) scale, decoupled, so above the estimate
+        alphas.append(torch.where(going, alpha.double(), scale))
         going = going & (beta_next.double() > tiny * scale)
         betas.append(torch.where(going, beta_next.double(), 0.0))
         v_prev, v, beta = v, w / torch.where(going, beta_next, 1.0)[:, None], beta_next
     a = torch.stack(alphas, -1)
-    a = torch.where(a.isnan(), scale[:, None], a)  # steps after a stop: eigenvalues above the estimate
     off = torch.stack(betas[:-1], -1) if steps > 1 else a.new_zeros(B, 0)
     T = torch.diag_embed(a) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
     return torch.linalg.eigvalsh(T)[:, 0]

@@ -135,26 +135,28 @@ lanczos_start_kernel(C* __restrict__ V, C* __restrict__ V_prev, int* __restrict_
   C sq = C(0);
   for (int i = threadIdx.x; i < n; i += kLanczosThreads) {
     const C x = static_cast<C>(small_matrix::lanczos_start(i));
+    v[i] = x;
     sq += x * x;
   }
   const C inv_norm = C(1) / sqrt(block_sum(sq, scratch));
-  for (int i = threadIdx.x; i < n; i += kLanczosThreads) {
-    v[i] = static_cast<C>(small_matrix::lanczos_start(i)) * inv_norm;
+  for (int i = threadIdx.x; i < n; i += kLanczosThreads) {  // each thread rescales the entries it wrote
+    v[i] *= inv_norm;
     V_prev[int64_t(blockIdx.x) * n + i] = C(0);
   }
   if (threadIdx.x == 0) taken[blockIdx.x] = 0;
 }
 
 // Step j of every matrix still going (taken == j): W = M^T v is given; alpha, w = W - alpha v -
-// beta_{j-1} v_prev, beta = ||w||, T's entries and scale; then v_prev = v, v = w / beta, or a stop.
+// beta_{j-1} v_prev (into W, which the next step's product overwrites), beta = ||w||, T's entries and
+// scale; then v_prev = v, v = w / beta, or a stop.
 template <typename C>
 __global__ void __launch_bounds__(kLanczosThreads)
-lanczos_step_kernel(const C* __restrict__ W, C* __restrict__ V, C* __restrict__ V_prev, C* __restrict__ tri,
+lanczos_step_kernel(C* __restrict__ W, C* __restrict__ V, C* __restrict__ V_prev, C* __restrict__ tri,
                     C* __restrict__ scale, int* __restrict__ taken, int n, int j) {
   __shared__ C scratch[kLanczosThreads / 32];
   const int64_t b = blockIdx.x;
   if (taken[b] != j) return;  // stopped at an earlier step
-  const C* w = W + b * n;
+  C* w = W + b * n;
   C* v = V + b * n;
   C* v_prev = V_prev + b * n;
   C* alpha = tri + b * 2 * kLanczosSteps;
@@ -165,18 +167,17 @@ lanczos_step_kernel(const C* __restrict__ W, C* __restrict__ V, C* __restrict__ 
   C sq = C(0);
   for (int i = threadIdx.x; i < n; i += kLanczosThreads) {
     const C x = w[i] - a * v[i] - beta_last * v_prev[i];
+    w[i] = x;
     sq += x * x;
   }
   const C bn = sqrt(block_sum(sq, scratch));
-  const C sc = fmax(j ? scale[b] : C(0), fabs(a) + beta_last + bn);
-  constexpr C kTiny = sizeof(C) == 4 ? C(3.4526698300124393e-4) : C(1.4901161193847656e-8);  // as the small kernel's
-  const bool go = bn > kTiny * sc;  // else an invariant subspace (or NaN): stop
+  C sc = j ? scale[b] : C(0);
+  const bool go = small_matrix::lanczos_goes_on(a, beta_last, bn, sc);
   if (go) {
     const C inv_b = C(1) / bn;
-    for (int i = threadIdx.x; i < n; i += kLanczosThreads) {
-      const C x = w[i] - a * v[i] - beta_last * v_prev[i];
+    for (int i = threadIdx.x; i < n; i += kLanczosThreads) {  // each thread reads back the entries it wrote
       v_prev[i] = v[i];
-      v[i] = x * inv_b;
+      v[i] = w[i] * inv_b;
     }
   }
   if (threadIdx.x == 0) {
@@ -213,7 +214,7 @@ void lanczos_large(const at::Tensor& M, at::Tensor& ritz, int64_t batch, int n, 
   for (int j = 0; j < std::min(kLanczosSteps, n); ++j) {
     at::bmm_out(W, Mt, V);
     lanczos_step_kernel<C><<<grid, kLanczosThreads, 0, stream>>>(
-        W.const_data_ptr<C>(), V.mutable_data_ptr<C>(), V_prev.mutable_data_ptr<C>(), tri.mutable_data_ptr<C>(),
+        W.mutable_data_ptr<C>(), V.mutable_data_ptr<C>(), V_prev.mutable_data_ptr<C>(), tri.mutable_data_ptr<C>(),
         scale.mutable_data_ptr<C>(), taken.mutable_data_ptr<int>(), n, j);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

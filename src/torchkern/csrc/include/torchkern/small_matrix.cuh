@@ -173,6 +173,16 @@ __device__ __forceinline__ double lanczos_start(uint32_t i) {
   return static_cast<double>(x) * 0x1p-32 - 0.5;
 }
 
+// The bookkeeping after Lanczos step j (diagonal a, previous off-diagonal beta_last, new one b), shared
+// by both paths and the twin: scale (T's largest row sum of |.| so far) grows, and the steps go on
+// while b is above sqrt(machine epsilon) times scale (else an invariant subspace, or NaN: stop).
+template <typename C>
+__device__ __forceinline__ bool lanczos_goes_on(C a, C beta_last, C b, C& scale) {
+  constexpr C kTiny = sizeof(C) == 4 ? C(3.4526698300124393e-4) : C(1.4901161193847656e-8);
+  scale = fmax(scale, fabs(a) + beta_last + b);
+  return b > kTiny * scale;
+}
+
 // Eigenvalues below x of the tridiagonal matrix with diagonal d and squared off-diagonal o2
 // (entries past the steps taken are padded with d = 2, o2 = 0: above the scaled spectrum).
 __device__ __forceinline__ int sturm_count(const float (&d)[kLanczosSteps], const float (&o2)[kLanczosSteps], float x) {
@@ -255,8 +265,6 @@ __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
   C* dots = beta + kLanczosSteps;               // [WARPS] the warps' pieces of v . A^T v
   C* shared = dots + WARPS;                     // [0]: steps taken, [1]: the scale of T
   unsigned* ballots = reinterpret_cast<unsigned*>(shared + 2);
-  // sqrt of the machine epsilon: the twin's threshold for an invariant subspace
-  constexpr C kTiny = sizeof(C) == 4 ? C(3.4526698300124393e-4) : C(1.4901161193847656e-8);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c0 = 4 * lane;
   const bool owner = c0 < n;
   const int steps = min(kLanczosSteps, n);
@@ -318,9 +326,9 @@ __device__ C smallest_ritz_value(const C* A, int ld, int n, C* work) {
       }
       sq = warp_sum(sq);
       const C inv_b = sq > C(0) ? rsqrt(sq) : C(0), b = sq * inv_b;  // b = ||w||, and 1 / b without a division
-      scale = fmax(scale, fabs(a) + beta_last + b);
+      const bool go = lanczos_goes_on(a, beta_last, b, scale);
       if (lane == 0) alpha[j] = a, beta[j] = b, shared[1] = scale;
-      if (!(b > kTiny * scale)) {  // an invariant subspace (or NaN): stop
+      if (!go) {
         if (lane == 0) shared[0] = C(j + 1);
       } else {
 #pragma unroll
