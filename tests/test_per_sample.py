@@ -277,3 +277,102 @@ def test_no_host_sync(device, seq):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_graph_needs_cuda_inputs():
+    model, x, y = mlp(), randn(4, 10), randn(4, 3)
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs CUDA inputs and targets, got cpu and cpu"):
+        per_sample_grad_norms(model, mse_sum, x, y, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="method must be 'auto', 'fused' or 'func', got 'fast'"):
+        per_sample_grad_norms(model, mse_sum, x, y, method="fast", use_cuda_graph=True)
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+@pytest.mark.parametrize("shape", INPUTS, ids=str)
+@pytest.mark.parametrize("method", ["auto", "func"])
+def test_cuda_graph_matches_plain(device, shape, method):
+    model = mlp().to(device)
+    results = []
+    for _ in range(3):  # fresh data every call: the replays must read the new inputs
+        x, y = randn(*shape, device=device), randn(*shape[:-1], 3, device=device)
+        out = per_sample_grad_norms(model, mse_sum, x, y, method=method, use_cuda_graph=True)
+        expected = func_norms(model, mse_sum, x, y)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        results.append((out, expected.clone()))
+    for out, expected in results:  # every call returned its own tensor, not the graph's output buffer
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+def test_cuda_graph_follows_the_model(device):
+    from torchkern import per_sample
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 3)).to(device).eval()
+    x, y = randn(6, 10, device=device), randn(6, 3, device=device)
+
+    def check():
+        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+        torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+        return next(iter(per_sample._CAPTURES[model].values()))
+
+    first = check()
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)  # in place, as an optimizer: the same graph sees it
+    assert check() is first
+    model[3].weight.data = model[3].weight.data.clone()  # new storage: captured anew
+    second = check()
+    assert second is not first
+    model[0].bias.requires_grad_(False)  # trainable set
+    assert check() is not second
+    model[2] = nn.ReLU()  # a replaced module
+    check()
+    model.train()  # dropout on: a new capture, random, so only its shape and finiteness are checked here
+    out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+    assert out.shape == (6,) and torch.isfinite(out).all()
+    model.eval()
+    check()
+    # another batch size and another loss: captures of their own, the earlier ones kept
+    labels = torch.randint(0, 3, (4,), device=device)
+    ce = nn.functional.cross_entropy
+    out = per_sample_grad_norms(model, ce, x[:4], labels, loss_reduction="mean", use_cuda_graph=True)
+    torch.testing.assert_close(out, func_norms(model, ce, x[:4], labels), rtol=1e-5, atol=1e-6)
+    assert len(per_sample._CAPTURES[model]) == 2
+    check()
+
+
+class _Syncing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(10, 3)
+
+    def forward(self, x):
+        if x.abs().max().item() > 1e30:  # waits for the device: not capturable
+            x = x.clamp(-1e30, 1e30)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+def test_cuda_graph_capture_failure_is_clear(device):
+    model = _Syncing().to(device)
+    x, y = randn(4, 10, device=device), randn(4, 3, device=device)
+    with pytest.raises(RuntimeError, match="use_cuda_graph=True could not capture the computation"):
+        per_sample_grad_norms(model, mse_sum, x, y, use_cuda_graph=True)
+    expected = func_norms(model, mse_sum, x, y)  # nothing left broken: the plain path and other captures work
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y), expected, rtol=1e-5, atol=1e-5)
+    other = mlp().to(device)
+    torch.testing.assert_close(per_sample_grad_norms(other, mse_sum, x, y, use_cuda_graph=True),
+                               func_norms(other, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+def test_cuda_graph_replay_does_not_sync(device):
+    model = mlp().to(device)
+    x, y = randn(6, 4, 10, device=device), randn(6, 4, 3, device=device)
+    per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)  # capture
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from . import ref
+from ._cuda_graph import capture
 from .primitives import batched_outer
 
 __all__ = ["linear_grad_sq_norms", "per_sample_grad_norms", "per_sample_gradients"]
@@ -149,6 +150,10 @@ def _seed(total: torch.Tensor, scale: int) -> torch.Tensor | None:
     own seed and error) when ``total`` is not a scalar."""
     if total.dim() != 0:
         return None if scale == 1 else torch.full_like(total, scale)
+    if total.is_cuda and torch.cuda.is_current_stream_capturing():
+        # under CUDA-graph capture: a seed of the graph's own (a cached one could be freed under the graph, and
+        # one made here lives in the graph's memory pool, which the cache must not hand out)
+        return torch.full((), scale, dtype=total.dtype, device=total.device)
     stream = torch.cuda.current_stream(total.device) if total.is_cuda else None
     key = (total.device, total.dtype, scale, stream)
     seed = _SEEDS.get(key)
@@ -283,7 +288,8 @@ def per_sample_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor
 
 
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
-                          method: str = "auto", loss_reduction: str | None = None) -> torch.Tensor:
+                          method: str = "auto", loss_reduction: str | None = None,
+                          use_cuda_graph: bool = False) -> torch.Tensor:
     """Per-sample total gradient norms (B,) over every parameter that requires grad.
 
     On the fused path (every trainable parameter belongs to an nn.Linear called once; see the module
@@ -291,7 +297,30 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     :func:`linear_grad_sq_norms` sums the layers' squared norms: no per-sample gradient is formed. Otherwise
     the norms of :func:`per_sample_gradients` via torch.func. float32 (float64 for float64 models).
     ``method`` and ``loss_reduction`` as in :func:`per_sample_gradients`.
+
+    ``use_cuda_graph=True`` (CUDA inputs; for training loops, where the call repeats with the same shapes):
+    the first call for a model, loss, shapes and dtypes captures the whole computation in a CUDA graph,
+    later calls copy the inputs in and replay it, a few launches of host time instead of the forward's and
+    autograd's (the fused path is host-bound at DP-SGD sizes). The graph reads the parameters and buffers
+    where they are, so in-place updates (optimizers, ``load_state_dict``) are seen; a new parameter or buffer
+    tensor, a replaced module, a changed ``requires_grad`` or ``train()``/``eval()`` flag, or a different
+    autocast state captures anew. Python-level changes the graph cannot see (a module attribute read in
+    ``forward``, data-dependent control flow) are replayed as captured. The model and loss must not
+    synchronize with the host (no ``.item()``); a capture that fails raises RuntimeError. Each capture keeps
+    its activations' memory (up to 8 per model).
     """
+    if not use_cuda_graph:
+        return _grad_norms(model, loss_fn, inputs, targets, method, loss_reduction)
+    _check_method(method, loss_reduction)
+    _check_batch(inputs, targets)
+    if not (inputs.is_cuda and targets.is_cuda):
+        raise ValueError("torchkern.per_sample: use_cuda_graph=True needs CUDA inputs and targets, got "
+                         f"{inputs.device} and {targets.device}")
+    return _graphed_grad_norms(model, loss_fn, inputs, targets, method, loss_reduction)
+
+
+def _grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, method: str,
+                loss_reduction: str | None) -> torch.Tensor:
     plan, acts = _fused_activations(model, loss_fn, inputs, targets, method, loss_reduction)
     if acts is None:
         grads = _func_gradients(model, loss_fn, inputs, targets, plan.params)
@@ -303,3 +332,60 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
                else (g if g.dim() == 2 else g.sum(1)).to(ref.per_sample.opmath_dtype(g.dtype)).square().sum(1)
                for (_, _, weight, bias), (a, g) in zip(plan.layers, acts)]
         return _sum(sqs).sqrt_()
+
+
+class _Capture:
+    """One captured norms computation: the graph, its static inputs and output, and the model state it baked in."""
+
+    __slots__ = ("graph", "inputs", "targets", "out", "loss_fn", "model_state")
+
+    def __init__(self, model, loss_fn, inputs, targets, method, loss_reduction, model_state):
+        self.inputs, self.targets = inputs.clone(), targets.clone()
+        self.loss_fn = loss_fn  # keeps it alive: the cache key holds its id
+        self.model_state = model_state
+        body = lambda: _grad_norms(model, loss_fn, self.inputs, self.targets, method, loss_reduction)  # noqa: E731
+        try:
+            self.graph, self.out = capture(body, inputs.device)
+        except Exception as exc:
+            raise RuntimeError(f"torchkern.per_sample: use_cuda_graph=True could not capture the computation "
+                               f"({type(exc).__name__}: {exc}); the model and loss must run without waiting for "
+                               "the device (no .item(), .tolist() or data-dependent shapes): use "
+                               "use_cuda_graph=False for this model") from exc
+
+
+_CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+_MAX_CAPTURES = 8  # per model: a caller cycling through batch shapes or fresh loss closures
+
+
+def _model_state(model: nn.Module) -> tuple:
+    """What a capture bakes in from the model: each module (identity, training flag) and the storage and
+    ``requires_grad`` of each parameter and buffer (the graph reads those addresses)."""
+    state = []
+    for m in model.modules():
+        state += (id(m), m.training)
+        state += [(t.data_ptr(), t.requires_grad) if t is not None else None for t in m._parameters.values()]
+        state += [t.data_ptr() if t is not None else None for t in m._buffers.values()]
+    return tuple(state)
+
+
+def _graphed_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+                        method: str, loss_reduction: str | None) -> torch.Tensor:
+    device = inputs.device
+    key = (id(loss_fn), method, loss_reduction, torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+           *((t.shape, t.stride(), t.dtype, t.device) for t in (inputs, targets)))
+    try:
+        captures = _CAPTURES.setdefault(model, {})
+    except TypeError:  # an unhashable Module subclass: no caching, a capture per call
+        captures = {}
+    state = _model_state(model)
+    entry = captures.get(key)
+    if entry is None or entry.model_state != state:
+        captures.pop(key, None)  # its graph and memory go before the new capture allocates
+        if len(captures) >= _MAX_CAPTURES:
+            captures.clear()
+        entry = captures[key] = _Capture(model, loss_fn, inputs, targets, method, loss_reduction, state)
+    entry.inputs.copy_(inputs)
+    entry.targets.copy_(targets)
+    with torch.cuda.device(device):
+        entry.graph.replay()
+    return entry.out.clone()  # the graph's output is overwritten by the next replay

@@ -5,8 +5,10 @@
   reduction passed as a user would) against torch.func per-sample gradients as a user writes them
   (``vmap(grad(functional_call))``, then one norm per parameter and the norm of those), both over every
   weight and bias. ``b256`` / ``b256_t32``: one Linear(1024, 1024) with a summed MSE; ``mlp_b256``:
-  Linear(1024, 1024) - ReLU - Linear(1024, 10) with cross-entropy (mean). The note gives each one's peak extra memory:
-  ``torch.cuda.max_memory_allocated`` after a reset, minus the memory allocated before the call.
+  Linear(1024, 1024) - ReLU - Linear(1024, 10) with cross-entropy (mean); ``..._graph``: the same calls with
+  ``use_cuda_graph=True`` (captured in setup's warm-up, then replayed, as in a DP-SGD loop). The note gives
+  each one's peak extra memory: ``torch.cuda.max_memory_allocated`` after a reset, minus the memory allocated
+  before the call.
 * ``ghost_norm/...``: the norm op alone on captured (a, g) against the same formula in eager torch and compiled.
 * ``linear_grads/...``: per-sample Linear weight gradients from (a, g): ``batched_outer`` (no T; bytes = the
   (B, d_out, d_in) output plus inputs) or a bmm (T; compute-bound); ``per_sample_gradients/...`` end to end
@@ -91,18 +93,19 @@ def _tag(seq):
     return "b256" if seq is None else f"b256_t{seq}"
 
 
-def _norms_case(device: str, seq: int | None, quick: bool, mlp: bool = False) -> Case:
+def _norms_case(device: str, seq: int | None, quick: bool, mlp: bool = False, graph: bool = False) -> Case:
     def setup() -> Prepared:
         if mlp:  # the loss reduction is passed as a user would (it is what makes the fused path skip vmap)
             (model, x, y), loss, reduction = _mlp_problem(device, quick), nn.functional.cross_entropy, "mean"
         else:
             (model, x, y), loss, reduction = _problem(device, seq, quick), _loss, "sum"
-        impls = {"torchkern": lambda: per_sample.per_sample_grad_norms(model, loss, x, y, loss_reduction=reduction),
+        impls = {"torchkern": lambda: per_sample.per_sample_grad_norms(model, loss, x, y, loss_reduction=reduction,
+                                                                       use_cuda_graph=graph),
                  "torch_func": lambda: _torch_func_norms(model, loss, x, y)}
         check = lambda: torch.testing.assert_close(impls["torchkern"](), impls["torch_func"](), rtol=1e-4, atol=1e-3)
         return Prepared(impls, check=check, note=_memory_note(impls, device))
 
-    name = f"grad_norms/{'mlp_b256' if mlp else _tag(seq)}"
+    name = f"grad_norms/{'mlp_b256' if mlp else _tag(seq)}{'_graph' if graph else ''}"
     return Case("per_sample", name, setup, device, ("torchkern", "torch_func"))
 
 
@@ -168,4 +171,7 @@ def cases(device: str, quick: bool) -> list[Case]:
     for seq in (None, SEQ):
         out += [_norms_case(device, seq, quick), _ghost_case(device, seq, quick), _grads_case(device, seq, quick),
                 _e2e_grads_case(device, seq, quick)]
-    return out + [_norms_case(device, None, quick, mlp=True)]
+    out.append(_norms_case(device, None, quick, mlp=True))
+    if torch.device(device).type == "cuda":  # the CUDA-graph replay (use_cuda_graph=True) of the same calls
+        out += [_norms_case(device, None, quick, graph=True), _norms_case(device, None, quick, mlp=True, graph=True)]
+    return out

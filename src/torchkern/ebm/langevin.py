@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from .._cuda_graph import capture
 from . import distributed as _dist
 from .energies import AnalyticEnergy, Energy, GaussianEnergy, score
 
@@ -221,18 +222,10 @@ class LangevinDynamics:
         key = (id(energy), tuple(state.shape), state.dtype, state.device, id(generator))
         if key not in self._graphs:
             static = torch.empty_like(state)
-            side = torch.cuda.Stream(state.device)
-            side.wait_stream(torch.cuda.current_stream(state.device))
-            with torch.cuda.stream(side):  # warm up (autograd, allocator) on a scratch copy, outside capture
-                scratch = state.clone()
-                for _ in range(2):
-                    self._step(energy, scratch, generator)
-            torch.cuda.current_stream(state.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            if generator is not None and hasattr(graph, "register_generator_state"):
-                graph.register_generator_state(generator)
-            with torch.cuda.graph(graph):
-                self._step(energy, static, generator)
+            scratch = state.clone()  # the warm-up steps advance a copy: the step is in place
+            graph, _ = capture(lambda: self._step(energy, static, generator), state.device,
+                               warmup=lambda: self._step(energy, scratch, generator),
+                               generators=() if generator is None else (generator,))
             self._graphs[key] = (graph, static)
         graph, static = self._graphs[key]
         static.copy_(state)

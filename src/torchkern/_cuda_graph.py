@@ -1,0 +1,40 @@
+"""CUDA-graph capture shared by the ops that offer it (the Langevin sampler's autograd step, per-sample norms).
+
+Replaying a graph costs one launch of host time however many kernels it holds: for launch-bound work
+(small batches, many small kernels, autograd's bookkeeping) that is the whole difference.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[], object] | None = None,
+            generators: tuple[torch.Generator, ...] = ()) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``body`` captured into a CUDA graph on ``device``: returns the graph and what ``body`` returned during
+    capture (its tensors are the graph's outputs, overwritten by every replay).
+
+    ``warmup`` (default: ``body``) runs twice first, on a side stream and outside the capture, so that lazy
+    initialization (cuBLAS workspaces, autograd's device threads, allocator blocks) never happens inside it.
+    ``generators``: the non-default CUDA generators ``body`` draws from, registered so that every replay
+    draws fresh numbers. Replays are launched with ``graph.replay()`` on the current stream.
+    """
+    with torch.cuda.device(device):  # the capture, its side stream and its memory pool live on ``device``
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                (warmup or body)()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        for gen in generators:
+            if hasattr(graph, "register_generator_state"):
+                graph.register_generator_state(gen)
+        with torch.cuda.graph(graph):
+            out = body()
+    return graph, out
