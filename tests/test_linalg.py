@@ -329,6 +329,23 @@ def test_newton_kernel_matches_twin(n, dtype):
     assert rel_err(X, R) <= bound and rel_err(Xt, R) <= bound
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("n", [32, 200, 600])
+@pytest.mark.parametrize("max_iters", [3, 40])
+def test_newton_without_waiting_gives_the_same_roots(device, n, max_iters):
+    if device == "cpu" and n > 200:
+        pytest.skip("the twin runs all max_iters iterations: kept small on the CPU")
+    # wait=False queues every iteration instead of stopping once all matrices have: the matrices that
+    # stopped stay bitwise as they were, so the results equal the waiting loop's, cut short or not
+    G = torch.stack([spd(n, 10.0), spd(n, 1e4), torch.eye(n, dtype=torch.float64)]).float().to(device)
+    waited = torch.ops.torchkern.matrix_inverse_root_newton(G, 4, 1e-6, max_iters, 1e-6)
+    queued = torch.ops.torchkern.matrix_inverse_root_newton(G, 4, 1e-6, max_iters, 1e-6, False)
+    for a, b in zip(waited, queued):
+        assert torch.equal(a, b)
+    if max_iters == 40:
+        assert rel_err(queued[0], root_ref(G.double().cpu(), 4, 1e-6)) <= 1e-4
+
+
 @requires_cuda
 @pytest.mark.parametrize("device", cuda_devices())
 @pytest.mark.parametrize("n", [64, 100, 128])
@@ -360,6 +377,7 @@ def test_opcheck(device):
     G = spd(12, 10.0, batch=(2,)).float().to(device)
     torch.library.opcheck(torch.ops.torchkern.matrix_inverse_root_newton.default, (G, 4, 1e-6, 50, 1e-6))
     torch.library.opcheck(torch.ops.torchkern.matrix_inverse_root_newton.default, (G[0], 2, 1e-6, 50, 1e-6))
+    torch.library.opcheck(torch.ops.torchkern.matrix_inverse_root_newton.default, (G, 4, 1e-6, 50, 1e-6, False))
     A, B = randn(2, 3, 4, device=device, requires_grad=True), randn(1, 5, 2, device=device, requires_grad=True)
     torch.library.opcheck(torch.ops.torchkern.kron.default, (A, B))
     torch.library.opcheck(torch.ops.torchkern.kron.default, (A[0].detach(), B[0].detach()))

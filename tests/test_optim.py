@@ -313,6 +313,67 @@ def _roundtrip(make_opt, model_fn, steps_before=4, steps_after=5):
     return fresh_opt
 
 
+def _eigh_root(S: torch.Tensor, eps: float) -> torch.Tensor:
+    """(S + eps ||S||_F I)^(-1/4) in float64: what Shampoo's cached root of factor S should be."""
+    S = S.double()
+    A = S + eps * torch.linalg.matrix_norm(S) * torch.eye(S.shape[0], dtype=S.dtype, device=S.device)
+    lam, Q = torch.linalg.eigh(A)
+    return (Q * lam.clamp_min(1e-300).pow(-0.25)) @ Q.T
+
+
+def _rel(X: torch.Tensor, R: torch.Tensor) -> float:
+    return (torch.linalg.matrix_norm(X.double() - R) / torch.linalg.matrix_norm(R)).item()
+
+
+@requires_cuda
+def test_shampoo_root_updates_after_the_first_do_not_wait():
+    # factors of 300 and 200: the Newton op's cuBLAS path, whose host loop would wait every iteration
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Tanh(), nn.Linear(200, 10)).cuda()
+    x, y = torch.randn(64, 300, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+    opt = Shampoo(model.parameters(), lr=1e-3, precondition_frequency=2, start_preconditioning_step=2)
+
+    def step(grad_scale=1.0):
+        opt.zero_grad()
+        (F.cross_entropy(model(x), y) * grad_scale).backward()
+        opt.step()
+
+    step()
+    step()  # step 2: the first root update waits and learns each size's iteration count
+    budgets = dict(opt._root_budgets)
+    assert {key[0] for key in budgets} == {300, 200, 10}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(6):  # three more root updates, none waits for the device
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for key, budget in opt._root_budgets.items():
+        assert budget is budgets[key] and 2 <= budget.iters < 30, (key, budget.iters)
+    eps = opt.param_groups[0]["eps"]
+    for p in (model[0].weight, model[2].weight):  # the roots taken at step 8 from the statistics of step 8
+        state = opt.state[p]
+        for S, root in zip(state["L"] + state["R"], state["L_root"] + state["R_root"]):
+            # what a waiting call gives (the budget sufficed) and how far both are from float64 eigh
+            s = torch.linalg.matrix_norm(S)
+            waited = torch.ops.torchkern.matrix_inverse_root_newton((S / s)[None], 4, eps, 100, 1e-6)[0][0] * s ** -0.25
+            exact = _eigh_root(S, eps)
+            report = (S.shape, _rel(root, exact), _rel(waited, exact))
+            assert _rel(root, waited.double()) < 1e-4, report
+            assert _rel(root, exact) < 5e-3, report
+
+    # non-finite gradients at step 9 poison the statistics: step 10's roots come back NaN and are dropped (the old
+    # ones stay), and step 12's update, which reads what step 10's found, raises
+    roots = [r.clone() for r in opt.state[model[0].weight]["L_root"]]
+    step(grad_scale=float("nan"))
+    step()
+    assert all(torch.equal(a, b) for a, b in zip(roots, opt.state[model[0].weight]["L_root"]))
+    step()
+    with pytest.raises(RuntimeError, match="Shampoo: the Kronecker-factor statistics contain NaN/Inf"):
+        step()
+
+
 def test_shampoo_state_dict_roundtrip():
     opt = _roundtrip(lambda m: Shampoo(m.parameters(), lr=0.01, precondition_frequency=3,
                                        start_preconditioning_step=2, max_preconditioner_dim=16),

@@ -357,7 +357,9 @@ def test_cuda_graph_capture_failure_is_clear(device):
     x, y = randn(4, 10, device=device), randn(4, 3, device=device)
     with pytest.raises(RuntimeError, match="use_cuda_graph=True could not capture the computation"):
         per_sample_grad_norms(model, mse_sum, x, y, use_cuda_graph=True)
-    expected = func_norms(model, mse_sum, x, y)  # nothing left broken: the plain path and other captures work
+    plain = nn.Linear(10, 3).to(device)  # the same layer without the sync, for torch.func's reference
+    plain.load_state_dict(model.lin.state_dict())
+    expected = func_norms(plain, mse_sum, x, y)  # nothing left broken: the plain path and other captures work
     torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y), expected, rtol=1e-5, atol=1e-5)
     other = mlp().to(device)
     torch.testing.assert_close(per_sample_grad_norms(other, mse_sum, x, y, use_cuda_graph=True),

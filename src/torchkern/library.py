@@ -216,7 +216,7 @@ define(f"langevin_chain({_ANALYTIC_ARGS}, float step_size, float noise_scale, fl
 # (matrix_inverse_root, kron, kron_precondition: defined by the linalg family below this line)
 
 
-def _newton_fake(G, p, eps, max_iters, tol):
+def _newton_fake(G, p, eps, max_iters, tol, wait=True):
     ref.linalg.check_root_args("matrix_inverse_root", G, p, max_iters, tol, eps)
     batch = G.shape[:-2]
     return (torch.empty_like(G, memory_format=torch.contiguous_format),
@@ -225,7 +225,9 @@ def _newton_fake(G, p, eps, max_iters, tol):
 
 # Not differentiable (an iteration with data-dependent stopping): autograd through a root is
 # what method="eigh" is for. Outputs: root, error (||M - I||_inf, NaN for non-finite input), iterations.
-define("matrix_inverse_root_newton(Tensor G, int p, float eps, int max_iters, float tol) -> (Tensor, Tensor, Tensor)",
+# wait=False: the host queues all max_iters iterations instead of waiting to stop early (same results).
+define("matrix_inverse_root_newton(Tensor G, int p, float eps, int max_iters, float tol, bool wait=True) "
+       "-> (Tensor, Tensor, Tensor)",
        twin=ref.linalg.matrix_inverse_root_newton, fake=_newton_fake)
 
 

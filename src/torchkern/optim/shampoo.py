@@ -16,13 +16,15 @@ or AdaGrad's ``M / (sqrt(sum g^2) + grafting_eps)``. With ``grafting=None`` the 
 itself. Parameters with fewer than 2 dims take ``D`` (``M`` when ``grafting=None``); parameters with
 more (conv weights) are viewed as ``(shape[0], prod(shape[1:]))``.
 
-All inverse roots due at a step are computed by one batched
-:func:`torchkern.linalg.matrix_inverse_root` call per block size, across all parameters and
-param groups.
+All inverse roots due at a step are computed by one batched inverse-root call per block size,
+across all parameters and param groups: :func:`torchkern.linalg.matrix_inverse_root`, or, for the
+Newton method on CUDA, its op with an iteration budget learned without waiting for the device
+(:class:`_RootBudget`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections import defaultdict
@@ -35,6 +37,50 @@ from ._common import check_arg, is_int, is_real, load_state_dict_keeping_dtypes,
 _GRAFTINGS = ("adam", "adagrad", None)
 _STAT_KEYS = frozenset({"exp_avg", "graft_sq", "L", "R", "L_root", "R_root"})
 _TINY = 1e-30
+_MAX_ITERS, _TOL = 100, 1e-6  # matrix_inverse_root's defaults
+
+
+def _raise_nonfinite_statistics(cause: Exception | None = None):
+    raise RuntimeError("Shampoo: the Kronecker-factor statistics contain NaN/Inf: a step ran on non-finite "
+                       "gradients (under autocast, use GradScaler: scaler.step skips such steps)") from cause
+
+
+class _RootBudget:
+    """The Newton iterations one factor size gets, learned without waiting for the device.
+
+    The Newton op's host loop waits for the device after every iteration to stop as soon as every matrix has
+    converged, and matrix_inverse_root reads the error back to check for NaN: at 1024^2 factors that holds the
+    host for the whole update (about 18 ms on an H100), while it could be queueing the next steps. So only the
+    first update of a size waits; later ones queue ``iters`` iterations (the most the last update needed, plus
+    one: statistics change slowly) with ``wait=False``, each matrix still stopping on the device at its own
+    tolerance, and copy back, without waiting, the most iterations used and whether a root came back
+    non-finite. The next update reads that copy: its budget is the most used plus one, or, when the budget was
+    used up, two more; a non-finite root (its statistics hold NaN/Inf; the previous root stayed in use) raises
+    then. The results are the waiting loop's whenever the budget suffices.
+    """
+
+    __slots__ = ("iters", "_host", "_done")
+
+    def __init__(self, needed: int):
+        self.iters = min(needed + 1, _MAX_ITERS)
+        self._host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+        self._done: torch.cuda.Event | None = None
+
+    def record(self, err: torch.Tensor, iters: torch.Tensor) -> None:
+        flags = torch.stack([iters.max(), torch.isnan(err).any().to(torch.int32)])
+        self._host.copy_(flags, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(err.device))
+
+    def learn(self) -> None:
+        if self._done is None:
+            return
+        self._done.synchronize()  # recorded an update ago: long done
+        self._done = None
+        used, nonfinite = self._host.tolist()
+        if nonfinite:
+            _raise_nonfinite_statistics()
+        self.iters = min(self.iters + 2 if used >= self.iters else used + 1, _MAX_ITERS)
 
 
 # The step is launch- and Python-bound at common sizes (a 4 x 1024 MLP: about 30 kernels per step), so
@@ -51,11 +97,18 @@ def _like(direction: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return direction if direction.dtype == p.dtype else direction.to(p.dtype)
 
 
-def _splits(size: int, max_dim: int) -> list[int]:
+def _splits(size: int, max_dim: int) -> tuple[int, ...]:
     """``size`` cut into as few blocks of at most ``max_dim`` as possible, of near-equal sizes."""
     count = -(-size // max_dim)
     base, extra = divmod(size, count)
-    return [base + 1] * extra + [base] * (count - extra)
+    return (base + 1,) * extra + (base,) * (count - extra)
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_grid(shape: torch.Size, max_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    m = shape[0]
+    n = math.prod(shape[1:])
+    return _splits(m, max_dim), _splits(n, max_dim)
 
 
 class Shampoo(torch.optim.Optimizer):
@@ -90,7 +143,9 @@ class Shampoo(torch.optim.Optimizer):
     Raises ValueError naming the argument for invalid hyperparameters, RuntimeError for sparse
     gradients. Under ``torch.autocast`` with ``GradScaler``, ``scaler.step(opt)`` unscales the
     gradients and skips ``step`` when they contain inf/NaN, so the statistics never see them.
-    Roots that come back non-finite are discarded (the previous roots stay in use).
+    Roots that come back non-finite are discarded (the previous roots stay in use), and statistics
+    holding NaN/Inf raise RuntimeError at a root update: the one that meets them, or, for the Newton
+    roots on CUDA after a size's first update (which do not wait for the device), the one after it.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 1.0),
@@ -126,6 +181,7 @@ class Shampoo(torch.optim.Optimizer):
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps, root_method=root_method)
         super().__init__(params, defaults)
         self._root_stacks: dict = {}  # see _stacked_roots
+        self._root_budgets: dict[tuple, _RootBudget] = {}  # see _RootBudget
 
     # ------------------------------------------------------------------ state
 
@@ -149,25 +205,23 @@ class Shampoo(torch.optim.Optimizer):
         return state
 
     @staticmethod
-    def _block_sizes(p: torch.Tensor, group: dict) -> tuple[list[int], list[int]]:
-        m = p.shape[0]
-        n = p.numel() // m
-        d = group["max_preconditioner_dim"]
-        return _splits(m, d), _splits(n, d)
+    def _block_sizes(p: torch.Tensor, group: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return _block_grid(p.shape, group["max_preconditioner_dim"])  # per step and parameter: cached
 
     @staticmethod
-    def _blocks(matrix: torch.Tensor, rows: list[int], cols: list[int]) -> list[torch.Tensor]:
+    def _blocks(matrix: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...]) -> list[torch.Tensor]:
         if len(rows) == 1 and len(cols) == 1:
             return [matrix]
         return [blk for row in matrix.split(rows, 0) for blk in row.split(cols, 1)]
 
     def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the cache is not part of the state
         super().__setstate__(state)
-        self._root_stacks = {}
+        self._root_stacks, self._root_budgets = {}, {}
 
     def load_state_dict(self, state_dict: dict) -> None:
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
         self._root_stacks.clear()
+        self._root_budgets.clear()
 
     # ------------------------------------------------------------------ step
 
@@ -246,14 +300,14 @@ class Shampoo(torch.optim.Optimizer):
 
         for (_, _, _, beta2), entries in stat_buckets.items():
             self._update_statistics(entries, beta2)
-        for (n, dtype, device, method, eps), pairs in roots_due.items():
-            self._update_roots(pairs, eps, method)
+        for key, pairs in roots_due.items():
+            self._update_roots(key, pairs)
         if roots_due:
             self._root_stacks.clear()
 
         directions = self._directions(work)
         for group in self.param_groups:
-            items = [(p, directions[p]) for p in group["params"] if p in directions]
+            items = [(p, directions[id(p)]) for p in group["params"] if id(p) in directions]
             if not items:
                 continue
             params = [p for p, _ in items]
@@ -280,24 +334,42 @@ class Shampoo(torch.optim.Optimizer):
                 torch._foreach_mul_(stats, beta2)
             torch._foreach_add_(stats, torch.bmm(a, b).unbind(0))
 
-    @staticmethod
-    def _update_roots(pairs: list, eps: float, method: str) -> None:
+    def _update_roots(self, key: tuple, pairs: list) -> None:
         """All factors of one size: one batched inverse-4th-root call, scaled by each factor's norm."""
         from .. import linalg
 
+        _, _, _, method, eps = key
         stats = torch.stack([s for s, _ in pairs])
         scale = torch.linalg.matrix_norm(stats).clamp_min(_TINY)  # ||S||_F per factor
-        try:
-            roots = linalg.matrix_inverse_root(stats / scale[:, None, None], 4, eps=eps, method=method)
-        except RuntimeError as exc:
-            if "NaN or Inf" not in str(exc):
-                raise
-            raise RuntimeError("Shampoo: the Kronecker-factor statistics contain NaN/Inf: a step ran on non-finite "
-                               "gradients (under autocast, use GradScaler: scaler.step skips such steps)") from exc
+        normalized = stats / scale[:, None, None]
+        if stats.is_cuda and (method == "newton" or (method == "auto" and linalg.auto_method(stats) == "newton")):
+            roots = self._newton_roots(key, normalized, eps)
+        else:
+            try:
+                roots = linalg.matrix_inverse_root(normalized, 4, eps=eps, method=method)
+            except RuntimeError as exc:
+                if "NaN or Inf" not in str(exc):
+                    raise
+                _raise_nonfinite_statistics(exc)
         roots = roots * scale.pow(-0.25)[:, None, None]  # (S/s + eps I)^(-1/4) s^(-1/4) = (S + eps s I)^(-1/4)
         finite = torch.isfinite(roots).flatten(1).all(dim=1)
         for i, (_, old) in enumerate(pairs):
             old.copy_(torch.where(finite[i], roots[i], old))
+
+    def _newton_roots(self, key: tuple, A: torch.Tensor, eps: float) -> torch.Tensor:
+        """Newton roots of one size on CUDA without waiting for the device after the first update (see
+        :class:`_RootBudget`)."""
+        budget = self._root_budgets.get(key)
+        if budget is None:  # the first update of this size waits, and learns how many iterations it takes
+            root, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(A, 4, eps, _MAX_ITERS, _TOL)
+            if math.isnan(err.max().item()):
+                _raise_nonfinite_statistics()
+            self._root_budgets[key] = _RootBudget(int(iters.max()))
+            return root
+        budget.learn()
+        root, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(A, 4, eps, budget.iters, _TOL, False)
+        budget.record(err, iters)
+        return root
 
     def _stacked_roots(self, key: tuple, entries: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's L and R roots stacked, kept between steps (one more copy of the roots in memory, two
@@ -310,13 +382,13 @@ class Shampoo(torch.optim.Optimizer):
         return hit[1], hit[2]
 
     def _directions(self, work: list) -> dict:
-        """The update direction of every parameter; preconditioned blocks of one shape in one batch."""
+        """The update direction of every parameter, by id(param); preconditioned blocks of one shape in one batch."""
         out = {}
         buckets: dict[tuple, list] = defaultdict(list)  # (block shape, dtype, device, graft) -> blocks
         assembled = []  # (param, rows, cols, first bucket entries)
         for p, group, state, m, d in work:
             if "L" not in state or state["step"] < group["start_preconditioning_step"]:
-                out[p] = d if d is not None else m
+                out[id(p)] = d if d is not None else m
                 continue
             rows, cols = self._block_sizes(p, group)
             m_blocks = self._blocks(_as_matrix(m), rows, cols)
@@ -341,8 +413,8 @@ class Shampoo(torch.optim.Optimizer):
         for p, rows, cols, slots in assembled:
             blocks = [results[key][i] for key, i in slots]
             if len(blocks) == 1:
-                out[p] = blocks[0]
+                out[id(p)] = blocks[0]
             else:
                 n = len(cols)
-                out[p] = torch.cat([torch.cat(blocks[i:i + n], dim=1) for i in range(0, len(blocks), n)], dim=0)
+                out[id(p)] = torch.cat([torch.cat(blocks[i:i + n], dim=1) for i in range(0, len(blocks), n)], dim=0)
         return out

@@ -157,8 +157,11 @@ def smallest_ritz_value(A: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigvalsh(T)[:, 0]
 
 
-def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: int, tol: float):
+def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: int, tol: float, wait: bool = True):
     """Twin of ``torchkern::matrix_inverse_root_newton``: (root, error, iterations).
+
+    ``wait`` only changes how the CUDA kernel's host loop ends (waiting to stop early, or queueing all
+    ``max_iters`` iterations, where a matrix that has stopped stays bitwise as it is): never the results.
 
     root has G's shape and dtype (contiguous); error (compute dtype) and iterations (int32) have
     shape G.shape[:-2]. A matrix with a NaN or Inf entry gets error NaN and iterations 0 (its root
@@ -188,7 +191,7 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     iters = torch.zeros(B, dtype=torch.int32, device=G.device)
     active = ~bad & (err > tol) & torch.isfinite(err)
     for _ in range(max_iters):
-        if not bool(active.any()):
+        if wait and not bool(active.any()):  # the one host round trip per iteration; wait=False runs them all
             break
         a, b, low_next = newton_scaling(low, p)
         Mp = a.to(cdt)[:, None, None] * eye + b.to(cdt)[:, None, None] * M

@@ -326,7 +326,7 @@ __global__ void newton_step_kernel(const C* __restrict__ M, C* __restrict__ P, c
 
 template <typename T, typename C>
 void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Tensor& iters, int64_t batch, int n,
-                  int p, double eps, int max_iters, double tol) {
+                  int p, double eps, int max_iters, double tol, bool wait) {
   const cudaStream_t stream = current_stream();
   const auto copt = G.options().dtype(c10::CppTypeToScalarType<C>::value);
   at::Tensor X = at::empty({batch, n, n}, copt), M = at::empty_like(X), P = at::empty_like(X);
@@ -336,9 +336,7 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
   at::Tensor prev = at::empty({batch}, copt);
   at::Tensor active = at::empty({batch}, G.options().dtype(at::kInt));
   at::Tensor counts = at::zeros({max_iters + 1}, G.options().dtype(at::kInt));
-  at::Tensor host = at::empty({max_iters + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
   int* counts_d = counts.mutable_data_ptr<int>();
-  int* host_p = host.mutable_data_ptr<int>();
   C* err_p = err.mutable_data_ptr<C>();
   C* prev_p = prev.mutable_data_ptr<C>();
   int* iters_p = iters.mutable_data_ptr<int>();
@@ -384,21 +382,9 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
       z.const_data_ptr<C>(), ritz.defined() ? ritz.const_data_ptr<C>() : nullptr, eps, p, batch, chunks,
       static_cast<C>(tol));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  struct Events {  // two timing-free events, destroyed on every way out
-    cudaEvent_t e[2] = {nullptr, nullptr};
-    ~Events() {
-      for (cudaEvent_t x : e)
-        if (x) cudaEventDestroy(x);
-    }
-  } ev;
-  for (cudaEvent_t& x : ev.e) C10_CUDA_CHECK(cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaMemcpyAsync(host_p, counts_d, sizeof(int), cudaMemcpyDeviceToHost, stream));
-  C10_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
-
-  const bool speculative = n < kSyncCheckFromN;
-  if (!speculative) C10_CUDA_CHECK(cudaEventSynchronize(ev.e[0]));
-  for (int it = 0; it < max_iters && (speculative || host_p[0] != 0); ++it) {
-    // queue iteration it (a no-op for matrices that are done) ...
+  // One iteration: P = a I + b M, X <- X P, M <- P^p M, then each matrix's residual and stopping rule (a
+  // matrix that has stopped gets P = I, so its X and M stay bitwise as they are).
+  const auto iterate = [&](int it) {
     newton_step_kernel<C><<<ew_grid, 256, 0, stream>>>(M.const_data_ptr<C>(), P.mutable_data_ptr<C>(), active_p,
                                                           scaling.a, scaling.b, total, n);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -423,6 +409,30 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
         partial_p, nullptr, err_p, prev_p, iters_p, active_p, counts_d + it + 1, scaling, nullptr, nullptr, eps, p, batch,
         chunks, static_cast<C>(tol));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (!wait) {  // every iteration queued, no host round trip: the same result, later ones possibly for nothing
+    for (int it = 0; it < max_iters; ++it) iterate(it);
+    root.copy_(X.view(root.sizes()));
+    return;
+  }
+  at::Tensor host = at::empty({max_iters + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  int* host_p = host.mutable_data_ptr<int>();
+  struct Events {  // two timing-free events, destroyed on every way out
+    cudaEvent_t e[2] = {nullptr, nullptr};
+    ~Events() {
+      for (cudaEvent_t x : e)
+        if (x) cudaEventDestroy(x);
+    }
+  } ev;
+  for (cudaEvent_t& x : ev.e) C10_CUDA_CHECK(cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaMemcpyAsync(host_p, counts_d, sizeof(int), cudaMemcpyDeviceToHost, stream));
+  C10_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
+
+  const bool speculative = n < kSyncCheckFromN;
+  if (!speculative) C10_CUDA_CHECK(cudaEventSynchronize(ev.e[0]));
+  for (int it = 0; it < max_iters && (speculative || host_p[0] != 0); ++it) {
+    // queue iteration it (a no-op for matrices that are done) ...
+    iterate(it);
     C10_CUDA_CHECK(cudaMemcpyAsync(host_p + it + 1, counts_d + it + 1, sizeof(int), cudaMemcpyDeviceToHost, stream));
     C10_CUDA_CHECK(cudaEventRecord(ev.e[(it + 1) % 2], stream));
     // ... then, speculatively, read the count of the iteration before it (if none was active,
@@ -437,7 +447,7 @@ void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Te
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(const at::Tensor& G, int64_t p,
                                                                                double eps, int64_t max_iters,
-                                                                               double tol) {
+                                                                               double tol, bool wait) {
   TORCHKERN_OP("matrix_inverse_root");
   TORCHKERN_CHECK_FLOAT(G);
   TORCHKERN_CHECK(G.dim() >= 2 && G.size(-1) == G.size(-2), "G must have shape [..., n, n] (square matrices), got ",
@@ -470,7 +480,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(c
                                                      current_stream());
     if (!small) {
       newton_large<scalar_t, C>(Gc, root, err, iters, batch, n, static_cast<int>(p), eps, static_cast<int>(max_iters),
-                                tol);
+                                tol, wait);
     }
   });
   return {root, err, iters};
