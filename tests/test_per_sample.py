@@ -293,8 +293,8 @@ def test_cuda_graph_needs_cuda_inputs():
 def test_cuda_graph_matches_plain(device, shape, method):
     model = mlp().to(device)
     results = []
-    for _ in range(3):  # fresh data every call: the replays must read the new inputs
-        x, y = randn(*shape, device=device), randn(*shape[:-1], 3, device=device)
+    for i in range(3):  # fresh data every call: the replays must read the new inputs (the last one requiring grad)
+        x, y = randn(*shape, device=device, requires_grad=i == 2), randn(*shape[:-1], 3, device=device)
         out = per_sample_grad_norms(model, mse_sum, x, y, method=method, use_cuda_graph=True)
         expected = func_norms(model, mse_sum, x, y)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -22,6 +22,8 @@ Per-call overhead (the fused path is launch- and Python-bound at DP-SGD sizes): 
 model and revalidated by identity on every call (see ``_Plan``); hooks live only for the forward; autograd
 differentiates with respect to the Linear outputs only; a ``"mean"`` loss is scaled through the backward's
 seed; the layers' squared norms are summed in place; nothing in the path synchronizes with the device.
+What is left (the forward's and autograd's host time, about 0.2-0.6 ms for the Linear 1024 x 1024 case) is
+what ``per_sample_grad_norms(..., use_cuda_graph=True)`` removes: it replays a captured CUDA graph.
 """
 
 from __future__ import annotations
@@ -340,7 +342,7 @@ class _Capture:
     __slots__ = ("graph", "inputs", "targets", "out", "loss_fn", "model_state")
 
     def __init__(self, model, loss_fn, inputs, targets, method, loss_reduction, model_state):
-        self.inputs, self.targets = inputs.clone(), targets.clone()
+        self.inputs, self.targets = inputs.detach().clone(), targets.detach().clone()
         self.loss_fn = loss_fn  # keeps it alive: the cache key holds its id
         self.model_state = model_state
         body = lambda: _grad_norms(model, loss_fn, self.inputs, self.targets, method, loss_reduction)  # noqa: E731
@@ -384,8 +386,8 @@ def _graphed_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
         if len(captures) >= _MAX_CAPTURES:
             captures.clear()
         entry = captures[key] = _Capture(model, loss_fn, inputs, targets, method, loss_reduction, state)
-    entry.inputs.copy_(inputs)
-    entry.targets.copy_(targets)
+    entry.inputs.copy_(inputs.detach())
+    entry.targets.copy_(targets.detach())
     with torch.cuda.device(device):
         entry.graph.replay()
     return entry.out.clone()  # the graph's output is overwritten by the next replay
