@@ -355,13 +355,13 @@ def test_shampoo_root_updates_after_the_first_do_not_wait():
     for p in (model[0].weight, model[2].weight):  # the roots taken at step 8 from the statistics of step 8
         state = opt.state[p]
         for S, root in zip(state["L"] + state["R"], state["L_root"] + state["R_root"]):
-            # what a waiting call gives (the budget sufficed) and how far both are from float64 eigh
+            # as close to float64 eigh as a call that waits for convergence (the budget sufficed); float32's floor
+            # at these conditions is a few 1e-4, and the batch (cuBLAS's kernel choice) moves the rounding
             s = torch.linalg.matrix_norm(S)
             waited = torch.ops.torchkern.matrix_inverse_root_newton((S / s)[None], 4, eps, 100, 1e-6)[0][0] * s ** -0.25
             exact = _eigh_root(S, eps)
             report = (S.shape, _rel(root, exact), _rel(waited, exact))
-            assert _rel(root, waited.double()) < 1e-4, report
-            assert _rel(root, exact) < 5e-3, report
+            assert _rel(root, exact) <= 2 * _rel(waited, exact) + 1e-4 and _rel(root, exact) < 5e-3, report
 
     # non-finite gradients at step 9 poison the statistics: step 10's roots come back NaN and are dropped (the old
     # ones stay), and step 12's update, which reads what step 10's found, raises
