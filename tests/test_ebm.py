@@ -460,7 +460,7 @@ def test_gaussian_bad_parameters():
 # --------------------------------------------------------------------------- statistics
 
 
-@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("device", devices())  # cuda:1 too: the graph must be captured on the chains' device
 @pytest.mark.parametrize("graph", [False, pytest.param(True, marks=requires_cuda)], ids=["plain", "cuda_graph"])
 def test_gaussian_chains_reach_mean_and_covariance(device, graph):
     if graph and device == "cpu":

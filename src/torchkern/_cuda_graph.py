@@ -35,6 +35,8 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
         for gen in generators:
             if hasattr(graph, "register_generator_state"):
                 graph.register_generator_state(gen)
-        with torch.cuda.graph(graph):
+        # an explicit capture stream: torch.cuda.graph's default one is created once, on whichever device was
+        # current then, and a capture on that stream would miss every kernel ``body`` queues on ``device``
+        with torch.cuda.graph(graph, stream=side):
             out = body()
     return graph, out
