@@ -14,7 +14,7 @@ from torch import nn
 
 import torchkern
 from torchkern.optim import KFAC, Shampoo
-from testing import requires_cuda
+from testing import devices, noncontiguous, randn, requires_cuda
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -311,6 +311,112 @@ def _roundtrip(make_opt, model_fn, steps_before=4, steps_after=5):
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p, q)
     return fresh_opt
+
+
+# ----------------------------------------------------------------------------- shampoo_graft (the fused op)
+
+
+def _graft_inputs(device, grad_dtype, n=5, moments=True, seed=0):
+    """Fresh grads and states of assorted shapes (one empty), states in the op's state dtype."""
+    state = torch.float64 if grad_dtype == torch.float64 else torch.float32
+    shapes = [(3, 5), (70,), (0,), (33, 17, 2), (8193,)] * (n // 5 + 1)
+    grads = [randn(*s, dtype=grad_dtype, device=device) for s in shapes[:n]]
+    exp_avgs = [randn(*s, dtype=state, device=device) for s in shapes[:n]] if moments else []
+    sqs = [randn(*s, dtype=state, device=device).abs() for s in shapes[:n]]
+    out = [torch.empty_like(v) for v in sqs]
+    eps = [1e-8 * (i + 1) for i in range(n)]
+    scale = [0.5 + 0.1 * i for i in range(n)]
+    return grads, exp_avgs, sqs, out, eps, scale
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("moments", [True, False])
+@pytest.mark.parametrize("n", [5, 40])  # 40: more tensors than one launch takes
+def test_shampoo_graft_against_explicit_math(device, grad_dtype, moments, n):
+    grads, exp_avgs, sqs, out, eps, scale = _graft_inputs(device, grad_dtype, n, moments)
+    m0, v0 = [t.clone() for t in exp_avgs], [t.clone() for t in sqs]
+    beta1, decay, weight = 0.9, 0.999, 0.001
+    norms = torch.ops.torchkern.shampoo_graft(grads, exp_avgs, sqs, out, beta1, decay, weight, eps, scale)
+    state = sqs[0].dtype
+    # float32: m's update cancels where g is close to m, and d divides by sqrt(v) of any size
+    tol = dict(rtol=1e-12, atol=1e-12) if state == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    assert norms.shape == (n,) and norms.dtype == state
+    for i, g in enumerate(grads):
+        g = g.to(torch.float64)
+        m = m0[i].double() + (1 - beta1) * (g - m0[i].double()) if moments else g
+        v = decay * v0[i].double() + weight * g * g
+        d = m / (v.sqrt() + eps[i]) * scale[i]
+        if moments:
+            torch.testing.assert_close(exp_avgs[i].double(), m, **tol)
+        torch.testing.assert_close(sqs[i].double(), v, **tol)
+        torch.testing.assert_close(out[i].double(), d, **tol)
+        torch.testing.assert_close(norms[i].double(), d.norm(), **tol)
+
+
+@requires_cuda
+@pytest.mark.parametrize("device", devices()[1:])
+def test_shampoo_graft_kernel_matches_twin(device):
+    grads, exp_avgs, sqs, out, eps, scale = _graft_inputs(device, torch.float32, 40)
+    grads[3] = noncontiguous(grads[3])
+    twin = [[t.clone() for t in exp_avgs], [t.clone() for t in sqs], [torch.empty_like(t) for t in out]]
+    norms = torch.ops.torchkern.shampoo_graft(grads, exp_avgs, sqs, out, 0.9, 0.95, 0.05, eps, scale)
+    t_norms = torchkern.ref.optim.shampoo_graft(grads, *twin, 0.9, 0.95, 0.05, eps, scale)
+    for a, b in zip(out + exp_avgs + sqs, twin[2] + twin[0] + twin[1]):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(norms, t_norms, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("moments", [True, False])
+def test_shampoo_graft_opcheck(device, moments):
+    grads, exp_avgs, sqs, out, eps, scale = _graft_inputs(device, torch.float32, 5, moments)
+    torch.library.opcheck(torch.ops.torchkern.shampoo_graft.default,
+                          (grads, exp_avgs, sqs, out, 0.9, 0.999, 0.001, eps, scale))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_shampoo_graft_bad_inputs(device):
+    grads, exp_avgs, sqs, out, eps, scale = _graft_inputs(device, torch.float32, 3)
+    op = torch.ops.torchkern.shampoo_graft
+    with pytest.raises(RuntimeError, match=r"torchkern.shampoo_graft: exp_avgs must be empty or hold one tensor per "
+                                           r"grad \(3\), got 2"):
+        op(grads, exp_avgs[:2], sqs, out, 0.9, 0.9, 0.1, eps, scale)
+    with pytest.raises(RuntimeError, match=r"graft_sqs, out, eps and scale must hold one entry per grad \(3\), got "
+                                           r"3, 3, 2 and 3"):
+        op(grads, exp_avgs, sqs, out, 0.9, 0.9, 0.1, eps[:2], scale)
+    with pytest.raises(RuntimeError, match=r"graft_sqs\[1\] must be a contiguous float32 tensor of shape \[70\] on "
+                                           rf"{device}, got float64 \[70\] on {device}"):
+        op(grads, exp_avgs, [sqs[0], sqs[1].double(), sqs[2]], out, 0.9, 0.9, 0.1, eps, scale)
+    with pytest.raises(RuntimeError, match=r"exp_avgs\[0\] must be a contiguous float32 tensor of shape \[3, 5\] "
+                                           r".* \(not contiguous\)"):
+        op(grads, [noncontiguous(exp_avgs[0]), *exp_avgs[1:]], sqs, out, 0.9, 0.9, 0.1, eps, scale)
+    with pytest.raises(RuntimeError, match=r"out\[2\] must be a contiguous float32 tensor of shape \[0\]"):
+        op(grads, exp_avgs, sqs, [*out[:2], out[2].double()], 0.9, 0.9, 0.1, eps, scale)
+    with pytest.raises(RuntimeError, match=r"grads\[1\] must have the dtype and device of grads\[0\] \(float32, "):
+        op([grads[0], grads[1].double(), grads[2]], exp_avgs, sqs, out, 0.9, 0.9, 0.1, eps, scale)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-4)])  # float32: eigh on two devices
+@pytest.mark.parametrize("max_dim", [4, 64])  # 4: every weight in blocks; 64: whole weights (the op's norms)
+@pytest.mark.parametrize("grafting,beta1", [("adam", 0.9), ("adagrad", 0.9), (None, 0.9), ("adam", 0.0)])
+def test_shampoo_on_cuda_matches_cpu(dtype, tol, max_dim, grafting, beta1):
+    # the CPU run is checked against the independent reference above; this one runs the CUDA kernels
+    models = [_shampoo_model(dtype), _shampoo_model(dtype).cuda()]
+    x = torch.randn(7, 2, 3, 3, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    y = torch.randint(0, 3, (7,), generator=torch.Generator().manual_seed(4))
+    opts = [Shampoo(m.parameters(), lr=0.05, betas=(beta1, 0.95), eps=1e-4, weight_decay=0.01, precondition_frequency=2,
+                    start_preconditioning_step=2, max_preconditioner_dim=max_dim, root_method="eigh", grafting=grafting)
+            for m in models]
+    for step in range(5):
+        for model, opt in zip(models, opts):
+            device = next(model.parameters()).device
+            opt.zero_grad()
+            F.cross_entropy(model((x + 0.1 * step).to(device)), y.to(device)).backward()
+            opt.step()
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(q.cpu(), p, rtol=tol, atol=tol)
 
 
 def _eigh_root(S: torch.Tensor, eps: float) -> torch.Tensor:

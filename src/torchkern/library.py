@@ -262,3 +262,20 @@ define("linear_grad_sq_norms(Tensor a, Tensor g, bool bias=False) -> Tensor", tw
        fake=_linear_grad_sq_norms_fake)
 
 # ============================================================================ end per_sample
+
+
+# ============================================================================ optim
+# (Shampoo's fused grafting step: defined by the optim family below this line)
+
+
+def _shampoo_graft_fake(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale):
+    ref.optim.check_shampoo_graft(grads, exp_avgs, graft_sqs, out, eps, scale)
+    return graft_sqs[0].new_empty((len(grads),))
+
+
+# Updates exp_avgs and graft_sqs, writes the grafting directions to out, returns their norms (optim/shampoo.py).
+define("shampoo_graft(Tensor[] grads, Tensor(a!)[] exp_avgs, Tensor(b!)[] graft_sqs, Tensor(c!)[] out, float beta1, "
+       "float sq_decay, float sq_weight, float[] eps, float[] scale) -> Tensor", twin=ref.optim.shampoo_graft,
+       fake=_shampoo_graft_fake)
+
+# ============================================================================ end optim

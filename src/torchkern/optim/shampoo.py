@@ -111,6 +111,28 @@ def _block_grid(shape: torch.Size, max_dim: int) -> tuple[tuple[int, ...], tuple
     return _splits(m, max_dim), _splits(n, max_dim)
 
 
+def _graft(grads: list, moments: list, sqs: list, beta1: float, decay: float, weight: float, eps: list,
+           scale: list) -> tuple[list, list]:
+    """``torch.ops.torchkern.shampoo_graft`` over a param group (one call per device and dtype: one, usually).
+    Returns each parameter's grafting direction and (norms, index) of its norm."""
+    keys = [(g.device, g.dtype) for g in grads]
+    if all(k == keys[0] for k in keys):
+        parts: Iterable[list[int]] = [list(range(len(grads)))]
+    else:
+        by_key: dict[tuple, list[int]] = defaultdict(list)
+        for i, k in enumerate(keys):
+            by_key[k].append(i)
+        parts = by_key.values()
+    directions, norm_refs = [None] * len(grads), [None] * len(grads)
+    for idx in parts:
+        g, m, v, e, c = ([xs[i] for i in idx] if xs else [] for xs in (grads, moments, sqs, eps, scale))
+        out = [torch.empty_like(t) for t in v]
+        norms = torch.ops.torchkern.shampoo_graft(g, m, v, out, beta1, decay, weight, e, c)
+        for j, i in enumerate(idx):
+            directions[i], norm_refs[i] = out[j], (norms, j)
+    return directions, norm_refs
+
+
 class Shampoo(torch.optim.Optimizer):
     """Shampoo (Gupta et al. 2018; Anil et al. 2020; Shi et al. 2023) with grafting.
 
@@ -182,6 +204,7 @@ class Shampoo(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._root_stacks: dict = {}  # see _stacked_roots
         self._root_budgets: dict[tuple, _RootBudget] = {}  # see _RootBudget
+        self._norm_picks: dict[tuple, torch.Tensor] = {}  # see _graft_norms
 
     # ------------------------------------------------------------------ state
 
@@ -216,7 +239,7 @@ class Shampoo(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the cache is not part of the state
         super().__setstate__(state)
-        self._root_stacks, self._root_budgets = {}, {}
+        self._root_stacks, self._root_budgets, self._norm_picks = {}, {}, {}
 
     def load_state_dict(self, state_dict: dict) -> None:
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
@@ -254,37 +277,32 @@ class Shampoo(torch.optim.Optimizer):
                 dtype = stats_dtype(p)
                 grads.append(p.grad if p.grad.dtype == dtype else p.grad.to(dtype))
 
-            # Filtered gradient M (EMA of the gradient) and grafting direction D, one foreach call each.
+            # Filtered gradient M (EMA of the gradient) and grafting direction D with its norm.
             steps = [self.state[p]["step"] for p in params]
-            if beta1 > 0:
-                moments = [self.state[p]["exp_avg"] for p in params]
-                torch._foreach_lerp_(moments, grads, 1.0 - beta1)
-                bias1 = [1.0 - beta1 ** t for t in steps]
-            else:
-                moments, bias1 = grads, [1.0] * len(params)
-            grafted = [None] * len(params)
+            moments = [self.state[p]["exp_avg"] for p in params] if beta1 > 0 else []
+            bias1 = [1.0 - beta1 ** t for t in steps] if beta1 > 0 else [1.0] * len(params)
+            grafted, graft_norms = [None] * len(params), [None] * len(params)
             if group["grafting"] is not None:
                 sqs = [self.state[p]["graft_sq"] for p in params]
                 if group["grafting"] == "adam":
                     b2 = group["grafting_beta2"]
-                    torch._foreach_mul_(sqs, b2)
-                    torch._foreach_addcmul_(sqs, grads, grads, 1.0 - b2)
-                    bias2 = [1.0 - b2 ** t for t in steps]
+                    decay, weight, bias2 = b2, 1.0 - b2, [1.0 - b2 ** t for t in steps]
                 else:
-                    torch._foreach_addcmul_(sqs, grads, grads, 1.0)
-                    bias2 = [1.0] * len(params)
+                    decay, weight, bias2 = 1.0, 1.0, [1.0] * len(params)
                 # D = (M / bias1) / (sqrt(v / bias2) + eps) = (M / (sqrt(v) + eps sqrt(bias2))) sqrt(bias2) / bias1:
-                # the bias corrections as scalar lists, no bias-corrected copies of M or v
-                denoms = torch._foreach_sqrt(sqs)
-                torch._foreach_add_(denoms, [group["grafting_eps"] * math.sqrt(b) for b in bias2])
-                grafted = torch._foreach_div(moments, denoms)
-                torch._foreach_mul_(grafted, [math.sqrt(b) / a for a, b in zip(bias1, bias2)])
-                filtered = moments  # the Shampoo direction is rescaled to D's norm: M's bias correction cancels
+                # the bias corrections as per-parameter scalars, no bias-corrected copies of M or v
+                eps = [group["grafting_eps"] * math.sqrt(b) for b in bias2]
+                scale = [math.sqrt(b) / a for a, b in zip(bias1, bias2)]
+                grafted, graft_norms = _graft(grads, moments, sqs, beta1, decay, weight, eps, scale)
+                filtered = moments or grads  # the Shampoo direction is rescaled to D's norm: M's bias correction cancels
+            elif beta1 > 0:
+                torch._foreach_lerp_(moments, grads, 1.0 - beta1)
+                filtered = torch._foreach_div(moments, bias1)
             else:
-                filtered = torch._foreach_div(moments, bias1) if beta1 > 0 else grads
+                filtered = grads
 
             # Kronecker factors (every step) and the roots due at this step.
-            for p, g, m, d in zip(params, grads, filtered, grafted):
+            for p, g, m, d, dn in zip(params, grads, filtered, grafted, graft_norms):
                 state = self.state[p]
                 if "L" in state:
                     rows, cols = self._block_sizes(p, group)
@@ -296,7 +314,7 @@ class Shampoo(torch.optim.Optimizer):
                             for s, r in zip(stats, roots):
                                 key = (s.shape[-1], s.dtype, s.device, group["root_method"], group["eps"])
                                 roots_due[key].append((s, r))
-                work.append((p, group, state, m, d))
+                work.append((p, group, state, m, d, dn))
 
         for (_, _, _, beta2), entries in stat_buckets.items():
             self._update_statistics(entries, beta2)
@@ -375,18 +393,31 @@ class Shampoo(torch.optim.Optimizer):
         """The bucket's L and R roots stacked, kept between steps (one more copy of the roots in memory, two
         fewer stacking kernels per step): roots change only at root updates and state loads, which clear
         the cache, and a cached stack is used only for the very same root tensors."""
-        roots = [t for e in entries for t in e[2:]]
+        roots = [t for e in entries for t in e[2:4]]
         hit = self._root_stacks.get(key)
         if hit is None or len(hit[0]) != len(roots) or not all(map(operator.is_, hit[0], roots)):
             hit = self._root_stacks[key] = (roots, torch.stack(roots[0::2]), torch.stack(roots[1::2]))
         return hit[1], hit[2]
+
+    def _graft_norms(self, entries: list) -> torch.Tensor:
+        """The grafting directions' norms of a bucket's blocks: picked from shampoo_graft's norms when every block
+        is a whole parameter of one graft call (the usual case), else computed from the blocks."""
+        refs = [e[4] for e in entries]
+        norms = refs[0][0] if refs[0] is not None else None
+        if norms is None or not all(r is not None and r[0] is norms for r in refs):
+            return torch.stack(torch._foreach_norm([e[1] for e in entries]))
+        picks = tuple(r[1] for r in refs)
+        index = self._norm_picks.get((norms.device, picks))
+        if index is None:  # once per bucket layout; a non-blocking copy, as the steps never wait for the device
+            index = self._norm_picks[(norms.device, picks)] = torch.tensor(picks).to(norms.device, non_blocking=True)
+        return norms.index_select(0, index)
 
     def _directions(self, work: list) -> dict:
         """The update direction of every parameter, by id(param); preconditioned blocks of one shape in one batch."""
         out = {}
         buckets: dict[tuple, list] = defaultdict(list)  # (block shape, dtype, device, graft) -> blocks
         assembled = []  # (param, rows, cols, first bucket entries)
-        for p, group, state, m, d in work:
+        for p, group, state, m, d, dn in work:
             if "L" not in state or state["step"] < group["start_preconditioning_step"]:
                 out[id(p)] = d if d is not None else m
                 continue
@@ -394,11 +425,12 @@ class Shampoo(torch.optim.Optimizer):
             m_blocks = self._blocks(_as_matrix(m), rows, cols)
             d_blocks = (self._blocks(_as_matrix(d), rows, cols) if d is not None
                         else [None] * len(m_blocks))
+            dn = dn if len(m_blocks) == 1 else None  # the grafting norm is the whole parameter's
             slots = []
             for mb, db, left, right in zip(m_blocks, d_blocks, state["L_root"], state["R_root"]):
                 key = (mb.shape, mb.dtype, mb.device, db is not None)
                 slots.append((key, len(buckets[key])))
-                buckets[key].append((mb, db, left, right))
+                buckets[key].append((mb, db, left, right, dn))
             assembled.append((p, rows, cols, slots))
         results = {}
         for key, entries in buckets.items():
@@ -407,7 +439,7 @@ class Shampoo(torch.optim.Optimizer):
             P = torch.matmul(torch.matmul(left, M), right)  # kron_precondition's inverse form, shapes known
             if key[3]:  # layer-wise (per block) grafting: Shampoo's direction at the grafting direction's norm
                 pn = torch.linalg.vector_norm(P, dim=(-2, -1))
-                dn = torch.stack(torch._foreach_norm([e[1] for e in entries]))
+                dn = self._graft_norms(entries)
                 P.mul_(torch.where(pn > 0, dn / pn, 0.0)[:, None, None])  # P = 0 where pn = 0
             results[key] = P
         for p, rows, cols, slots in assembled:

@@ -6,6 +6,6 @@ under the dispatcher for CPU tensors always and for CUDA tensors when the CUDA
 kernels are unavailable. One module per family.
 """
 
-from . import ebm, linalg, per_sample, primitives
+from . import ebm, linalg, optim, per_sample, primitives
 
-__all__ = ["ebm", "linalg", "per_sample", "primitives"]
+__all__ = ["ebm", "linalg", "optim", "per_sample", "primitives"]

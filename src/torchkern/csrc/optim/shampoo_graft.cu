@@ -1,0 +1,179 @@
+// shampoo_graft(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale) -> norms: Shampoo's
+// grafting direction for every parameter of a group in one op (the math is in optim/shampoo.py and the twin):
+//
+//   m <- m + (1 - beta1) (g - m)         (exp_avgs given; otherwise m = g)
+//   v <- sq_decay v + sq_weight g^2      (Adam: beta2, 1 - beta2; AdaGrad: 1, 1)
+//   out_i = d = m / (sqrt(v) + eps_i) scale_i,  norms_i = ||d||_2
+//
+// The directions go to caller-allocated ``out`` tensors (a custom op may mutate lists of tensors but, for
+// torch.compile, not return a list as well).
+//
+// Why an op: torch's foreach version is nine launches (lerp, mul, addcmul, sqrt, add, div, mul, norm,
+// stack), each ~40-60 us of host time on the GPU hosts, where a Shampoo training step is host-bound.
+// Floor: read g, m, v and write m, v, d once (6 passes over the parameters; the foreach chain makes ~15).
+//
+// Up to kMaxTensors tensors per launch, their pointers passed by value (no host-to-device table copy);
+// every block handles one chunk of one tensor and writes its partial sum of d^2, and a second kernel adds
+// each tensor's partials in order: deterministic.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "torchkern/checks.h"
+#include "torchkern/dispatch.h"
+#include "torchkern/launch.h"
+
+namespace torchkern {
+namespace {
+
+constexpr int kMaxTensors = 32;
+constexpr int kThreads = 256;
+constexpr int64_t kChunk = 8 * kThreads * 4;  // elements per block: 8192, so a 1024^2 weight spreads over 128 blocks
+
+template <typename T, typename C>
+struct GraftTable {
+  const T* g[kMaxTensors];
+  C* m[kMaxTensors];  // null: no gradient EMA, m = g
+  C* v[kMaxTensors];
+  C* d[kMaxTensors];
+  int64_t numel[kMaxTensors];
+  C eps[kMaxTensors];
+  C scale[kMaxTensors];
+  int first_chunk[kMaxTensors + 1];  // tensor t owns chunks [first_chunk[t], first_chunk[t + 1])
+  int count;
+};
+
+template <typename T, typename C>
+__global__ void __launch_bounds__(kThreads)
+graft_kernel(const __grid_constant__ GraftTable<T, C> table, C beta1, C sq_decay, C sq_weight,
+             C* __restrict__ partial) {
+  __shared__ C scratch[kThreads / 32];
+  const int chunk = blockIdx.x;
+  int t = 0;
+  while (chunk >= table.first_chunk[t + 1]) ++t;
+  const int64_t begin = int64_t(chunk - table.first_chunk[t]) * kChunk;
+  const int64_t end = begin + kChunk < table.numel[t] ? begin + kChunk : table.numel[t];
+  const T* __restrict__ g = table.g[t];
+  C* __restrict__ m = table.m[t];
+  C* __restrict__ v = table.v[t];
+  C* __restrict__ d = table.d[t];
+  const C eps = table.eps[t], scale = table.scale[t];
+  C sum = 0;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    const C gi = static_cast<C>(g[i]);
+    C mi = gi;
+    if (m != nullptr) {
+      mi = m[i] + (C(1) - beta1) * (gi - m[i]);
+      m[i] = mi;
+    }
+    const C vi = sq_decay * v[i] + sq_weight * gi * gi;
+    v[i] = vi;
+    const C di = mi / (sqrt(vi) + eps) * scale;
+    d[i] = di;
+    sum += di * di;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    C total = 0;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+    partial[chunk] = total;
+  }
+}
+
+// norms[t] = sqrt(sum of tensor t's partials), in chunk order; one warp per tensor.
+template <typename T, typename C>
+__global__ void graft_norms_kernel(const __grid_constant__ GraftTable<T, C> table, const C* __restrict__ partial,
+                                   C* __restrict__ norms) {
+  const int t = blockIdx.x;
+  C sum = 0;
+  for (int c = table.first_chunk[t] + threadIdx.x; c < table.first_chunk[t + 1]; c += 32) sum += partial[c];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (threadIdx.x == 0) norms[t] = sqrt(sum);
+}
+
+at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at::TensorList graft_sqs,
+                              at::TensorList out, double beta1, double sq_decay, double sq_weight,
+                              at::ArrayRef<double> eps, at::ArrayRef<double> scale) {
+  TORCHKERN_OP("shampoo_graft");
+  const size_t n = grads.size();
+  TORCHKERN_CHECK(n > 0, "grads must hold at least one tensor");
+  TORCHKERN_CHECK(exp_avgs.empty() || exp_avgs.size() == n, "exp_avgs must be empty or hold one tensor per grad (",
+                  n, "), got ", exp_avgs.size());
+  TORCHKERN_CHECK(graft_sqs.size() == n && out.size() == n && eps.size() == n && scale.size() == n,
+                  "graft_sqs, out, eps and scale must hold one entry per grad (", n, "), got ", graft_sqs.size(), ", ",
+                  out.size(), ", ", eps.size(), " and ", scale.size());
+  const at::Tensor& g0 = grads[0];
+  TORCHKERN_CHECK(is_supported_float(g0.scalar_type()), "grads[0] must be float32, float64, float16 or bfloat16, got ",
+                  g0.scalar_type());
+  TORCHKERN_CHECK(g0.is_cuda(), "grads[0] must be a CUDA tensor, got ", g0.device().str());
+  const at::ScalarType state_type = g0.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& g = grads[i];
+    TORCHKERN_CHECK(g.scalar_type() == g0.scalar_type() && g.device() == g0.device(), "grads[", i,
+                    "] must have the dtype and device of grads[0] (", g0.scalar_type(), ", ", g0.device().str(),
+                    "), got ", g.scalar_type(), ", ", g.device().str());
+    const auto check_state = [&](const at::Tensor& s, const char* name) {
+      TORCHKERN_CHECK(s.scalar_type() == state_type && s.device() == g0.device() && s.sizes() == g.sizes() &&
+                          s.is_contiguous(),
+                      name, "[", i, "] must be a contiguous ", state_type, " tensor of shape ", g.sizes(), " on ",
+                      g0.device().str(), ", got ", s.scalar_type(), " ", s.sizes(), " on ", s.device().str(),
+                      s.is_contiguous() ? "" : " (not contiguous)");
+    };
+    if (!exp_avgs.empty()) check_state(exp_avgs[i], "exp_avgs");
+    check_state(graft_sqs[i], "graft_sqs");
+    check_state(out[i], "out");
+  }
+  const at::cuda::OptionalCUDAGuard guard(g0.device());
+  at::Tensor norms = at::empty({static_cast<int64_t>(n)}, g0.options().dtype(state_type));
+  const cudaStream_t stream = current_stream();
+
+  TORCHKERN_DISPATCH_FLOATING(g0.scalar_type(), "shampoo_graft", [&] {
+    using C = at::opmath_type<scalar_t>;
+    std::vector<at::Tensor> contiguous_grads;  // kept alive until the launches are queued
+    for (size_t start = 0; start < n; start += kMaxTensors) {
+      GraftTable<scalar_t, C> table{};
+      table.count = static_cast<int>(std::min<size_t>(kMaxTensors, n - start));
+      int chunks = 0;
+      for (int t = 0; t < table.count; ++t) {
+        const size_t i = start + t;
+        contiguous_grads.push_back(grads[i].contiguous());
+        table.g[t] = contiguous_grads.back().const_data_ptr<scalar_t>();
+        table.m[t] = exp_avgs.empty() ? nullptr : exp_avgs[i].mutable_data_ptr<C>();
+        table.v[t] = graft_sqs[i].mutable_data_ptr<C>();
+        table.d[t] = out[i].mutable_data_ptr<C>();
+        table.numel[t] = grads[i].numel();
+        table.eps[t] = static_cast<C>(eps[i]);
+        table.scale[t] = static_cast<C>(scale[i]);
+        table.first_chunk[t] = chunks;
+        const int64_t own = (table.numel[t] + kChunk - 1) / kChunk;
+        TORCHKERN_CHECK(chunks + own < (int64_t(1) << 30), "too many elements in one call");
+        chunks += static_cast<int>(own > 0 ? own : 1);  // an empty tensor still gets a block: its norm is 0
+      }
+      table.first_chunk[table.count] = chunks;
+      at::Tensor partial = at::empty({chunks}, norms.options());
+      graft_kernel<scalar_t, C><<<chunks, kThreads, 0, stream>>>(table, static_cast<C>(beta1),
+                                                                  static_cast<C>(sq_decay), static_cast<C>(sq_weight),
+                                                                  partial.mutable_data_ptr<C>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      graft_norms_kernel<scalar_t, C><<<table.count, 32, 0, stream>>>(table, partial.const_data_ptr<C>(),
+                                                                      norms.mutable_data_ptr<C>() + start);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return norms;
+}
+
+}  // namespace
+}  // namespace torchkern
+
+TORCH_LIBRARY_IMPL(torchkern, CUDA, m) { m.impl("shampoo_graft", &torchkern::shampoo_graft_cuda); }
