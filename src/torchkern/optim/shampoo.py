@@ -294,7 +294,8 @@ class Shampoo(torch.optim.Optimizer):
                 eps = [group["grafting_eps"] * math.sqrt(b) for b in bias2]
                 scale = [math.sqrt(b) / a for a, b in zip(bias1, bias2)]
                 grafted, graft_norms = _graft(grads, moments, sqs, beta1, decay, weight, eps, scale)
-                filtered = moments or grads  # the Shampoo direction is rescaled to D's norm: M's bias correction cancels
+                # the Shampoo direction is rescaled to D's norm: M's bias correction cancels
+                filtered = moments or grads
             elif beta1 > 0:
                 torch._foreach_lerp_(moments, grads, 1.0 - beta1)
                 filtered = torch._foreach_div(moments, bias1)
