@@ -16,6 +16,10 @@ or AdaGrad's ``M / (sqrt(sum g^2) + grafting_eps)``. With ``grafting=None`` the 
 itself. Parameters with fewer than 2 dims take ``D`` (``M`` when ``grafting=None``); parameters with
 more (conv weights) are viewed as ``(shape[0], prod(shape[1:]))``.
 
+The grafting step (the gradient EMA, the second moment, the direction and its norm) is one fused op
+per param group (``torch.ops.torchkern.shampoo_graft``; ``csrc/optim``), the products are batched per
+block shape, and the step never waits for the device.
+
 All inverse roots due at a step are computed by one batched inverse-root call per block size,
 across all parameters and param groups: :func:`torchkern.linalg.matrix_inverse_root`, or, for the
 Newton method on CUDA, its op with an iteration budget learned without waiting for the device
