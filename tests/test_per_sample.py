@@ -340,6 +340,23 @@ def test_cuda_graph_follows_the_model(device):
     check()
 
 
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+def test_cuda_graph_calls_from_two_streams(device):
+    # each call refills the graph's static inputs: one on another stream must wait for the last replay
+    model = mlp().to(device)
+    batches = [(randn(64, 10, device=device), randn(64, 3, device=device)) for _ in range(4)]
+    side = torch.cuda.Stream(device)
+    outs = []
+    for i, (x, y) in enumerate(batches):
+        stream = side if i % 2 else torch.cuda.current_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            outs.append(per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True))
+    torch.cuda.synchronize(device)
+    for (x, y), out in zip(batches, outs):
+        torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+
+
 class _Syncing(nn.Module):
     def __init__(self):
         super().__init__()

@@ -21,7 +21,8 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
     ``warmup`` (default: ``body``) runs twice first, on a side stream and outside the capture, so that lazy
     initialization (cuBLAS workspaces, autograd's device threads, allocator blocks) never happens inside it.
     ``generators``: the non-default CUDA generators ``body`` draws from, registered so that every replay
-    draws fresh numbers. Replays are launched with ``graph.replay()`` on the current stream.
+    draws fresh numbers. Replays are launched with ``graph.replay()`` on the current stream; a caller that
+    refills static inputs orders each call after the previous one with :func:`follow`.
     """
     with torch.cuda.device(device):  # the capture, its side stream and its memory pool live on ``device``
         current = torch.cuda.current_stream()
@@ -40,3 +41,13 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
         with torch.cuda.graph(graph, stream=side):
             out = body()
     return graph, out
+
+
+def follow(last: torch.cuda.Stream | None, device: torch.device) -> torch.cuda.Stream:
+    """The current stream on ``device``, made to wait for ``last`` (the stream a graph last replayed on) when
+    that is another one: the replay there may still be reading the graph's static buffers, which the caller
+    is about to overwrite. Returns the current stream, the ``last`` of the next call."""
+    stream = torch.cuda.current_stream(device)
+    if last is not None and last != stream:
+        stream.wait_stream(last)
+    return stream

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from . import ref
-from ._cuda_graph import capture
+from ._cuda_graph import capture, follow
 from .primitives import batched_outer
 
 __all__ = ["linear_grad_sq_norms", "per_sample_grad_norms", "per_sample_gradients"]
@@ -339,12 +339,13 @@ def _grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets
 class _Capture:
     """One captured norms computation: the graph, its static inputs and output, and the model state it baked in."""
 
-    __slots__ = ("graph", "inputs", "targets", "out", "loss_fn", "model_state")
+    __slots__ = ("graph", "inputs", "targets", "out", "loss_fn", "model_state", "stream")
 
     def __init__(self, model, loss_fn, inputs, targets, method, loss_reduction, model_state):
         self.inputs, self.targets = inputs.detach().clone(), targets.detach().clone()
         self.loss_fn = loss_fn  # keeps it alive: the cache key holds its id
         self.model_state = model_state
+        self.stream: torch.cuda.Stream | None = None  # where the last replay ran
         body = lambda: _grad_norms(model, loss_fn, self.inputs, self.targets, method, loss_reduction)  # noqa: E731
         try:
             self.graph, self.out = capture(body, inputs.device)
@@ -386,6 +387,7 @@ def _graphed_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
         if len(captures) >= _MAX_CAPTURES:
             captures.clear()
         entry = captures[key] = _Capture(model, loss_fn, inputs, targets, method, loss_reduction, state)
+    entry.stream = follow(entry.stream, device)
     entry.inputs.copy_(inputs.detach())
     entry.targets.copy_(targets.detach())
     with torch.cuda.device(device):

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from .._cuda_graph import capture
+from .._cuda_graph import capture, follow
 from . import distributed as _dist
 from .energies import AnalyticEnergy, Energy, GaussianEnergy, score
 
@@ -92,7 +92,7 @@ class LangevinDynamics:
             raise ValueError("devices must name at least one device")
         self.gather = bool(gather)
         self._energies: dict[torch.device, object] = {}
-        self._graphs: dict[tuple, tuple] = {}
+        self._graphs: dict[tuple, list] = {}  # key -> [graph, static state, stream of the last replay]
 
     # ----------------------------------------------------------------------- public
 
@@ -226,8 +226,10 @@ class LangevinDynamics:
             graph, _ = capture(lambda: self._step(energy, static, generator), state.device,
                                warmup=lambda: self._step(energy, scratch, generator),
                                generators=() if generator is None else (generator,))
-            self._graphs[key] = (graph, static)
-        graph, static = self._graphs[key]
+            self._graphs[key] = [graph, static, None]  # None: the stream of the last replay, none yet
+        entry = self._graphs[key]
+        graph, static = entry[0], entry[1]
+        entry[2] = follow(entry[2], state.device)
         static.copy_(state)
         return _Replay(graph, static)
 
