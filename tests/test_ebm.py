@@ -319,7 +319,7 @@ def test_langevin_step_bad_inputs(device):
 
 def _reference_chain(x, energy, step, sigma, lo, hi, n_steps, thin, noise):
     """Step by step in the compute dtype, through the twins' formulas and the given noise."""
-    cdt = ref.compute_dtype(x.dtype)
+    cdt = ref.opmath_dtype(x.dtype)
     state, kept = x.to(cdt), []
     for t in range(n_steps):
         _, s = ref.analytic_math(state, energy.kind, energy.params)

@@ -12,6 +12,12 @@ import torch
 SUPPORTED_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
+def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel computes in for inputs of ``dtype`` (at::opmath_type): float64 for float64, float32
+    otherwise (half types are upcast)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -220,7 +220,7 @@ def _newton_fake(G, p, eps, max_iters, tol, wait=True):
     ref.linalg.check_root_args("matrix_inverse_root", G, p, max_iters, tol, eps)
     batch = G.shape[:-2]
     return (torch.empty_like(G, memory_format=torch.contiguous_format),
-            G.new_empty(batch, dtype=ref.linalg.compute_dtype(G.dtype)), G.new_empty(batch, dtype=torch.int32))
+            G.new_empty(batch, dtype=ref.opmath_dtype(G.dtype)), G.new_empty(batch, dtype=torch.int32))
 
 
 # Not differentiable (an iteration with data-dependent stopping): autograd through a root is
@@ -253,7 +253,7 @@ define("kron(Tensor A, Tensor B) -> Tensor", twin=ref.linalg.kron, fake=_kron_fa
 
 def _linear_grad_sq_norms_fake(a, g, bias=False):
     ref.per_sample.check_linear_grad_sq_norms(a, g, bias)
-    return a.new_empty((a.shape[0],), dtype=ref.per_sample.opmath_dtype(a.dtype))
+    return a.new_empty((a.shape[0],), dtype=ref.opmath_dtype(a.dtype))
 
 
 # No autograd formula: the norms feed clipping factors, which are constants of the backward pass. Without

@@ -100,7 +100,7 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
         method = auto_method(G, float64)
     if G.numel() == 0:
         out = torch.empty_like(G, memory_format=torch.contiguous_format)
-        err = G.new_zeros(G.shape[:-2], dtype=ref.linalg.compute_dtype(torch.float64 if float64 else G.dtype))
+        err = G.new_zeros(G.shape[:-2], dtype=ref.opmath_dtype(torch.float64 if float64 else G.dtype))
         return (out, err) if return_error else out
     if method == "eigh":
         finite = torch.isfinite(G).flatten(-2).all(-1)

@@ -326,12 +326,12 @@ def _grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets
     plan, acts = _fused_activations(model, loss_fn, inputs, targets, method, loss_reduction)
     if acts is None:
         grads = _func_gradients(model, loss_fn, inputs, targets, plan.params)
-        sq = _sum([g.reshape(g.shape[0], -1).to(ref.per_sample.opmath_dtype(g.dtype)).square().sum(1)
+        sq = _sum([g.reshape(g.shape[0], -1).to(ref.opmath_dtype(g.dtype)).square().sum(1)
                    for g in grads.values()])  # reshape, not flatten(1): a 0-d parameter's gradients are (B,)
         return sq.sqrt_()
     with torch.no_grad():
         sqs = [linear_grad_sq_norms(a, g, bias) if weight
-               else (g if g.dim() == 2 else g.sum(1)).to(ref.per_sample.opmath_dtype(g.dtype)).square().sum(1)
+               else (g if g.dim() == 2 else g.sum(1)).to(ref.opmath_dtype(g.dtype)).square().sum(1)
                for (_, _, weight, bias), (a, g) in zip(plan.layers, acts)]
         return _sum(sqs).sqrt_()
 

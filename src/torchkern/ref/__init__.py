@@ -6,6 +6,7 @@ under the dispatcher for CPU tensors always and for CUDA tensors when the CUDA
 kernels are unavailable. One module per family.
 """
 
+from .._checks import opmath_dtype
 from . import ebm, linalg, optim, per_sample, primitives
 
-__all__ = ["ebm", "linalg", "optim", "per_sample", "primitives"]
+__all__ = ["ebm", "linalg", "opmath_dtype", "optim", "per_sample", "primitives"]

@@ -18,7 +18,8 @@ import math
 
 import torch
 
-from .._checks import check, check_dim, check_float, check_float_pair, check_same_device, check_same_dtype, fail, shape
+from .._checks import (check, check_dim, check_float, check_float_pair, check_same_device, check_same_dtype, fail,
+                       opmath_dtype, shape)
 
 # The analytic energies the ops know, by the integer the ops take (same order as energies.cuh's EnergyKind).
 DOUBLE_WELL, HARMONIC, RASTRIGIN, ROSENBROCK, ACKLEY = range(5)
@@ -26,11 +27,6 @@ KIND_NAMES = ("double_well", "harmonic", "rastrigin", "rosenbrock", "ackley")
 # Energies whose gradient at x_i depends on x_i alone: their chains run one element per register.
 ELEMENTWISE_KINDS = (DOUBLE_WELL, HARMONIC, RASTRIGIN)
 N_PARAMS = 3  # every kind takes three numbers (unused ones are ignored)
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the math runs in: float64 for float64, float32 otherwise (as at::opmath_type)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # --------------------------------------------------------------------------- analytic energies
@@ -76,7 +72,7 @@ def analytic_math(x: torch.Tensor, kind: int, params) -> tuple[torch.Tensor, tor
 
 def _analytic(op: str, x: torch.Tensor, kind: int, params) -> tuple[torch.Tensor, torch.Tensor]:
     check_analytic(op, x, kind, params)
-    e, s = analytic_math(x.to(compute_dtype(x.dtype)), kind, params)
+    e, s = analytic_math(x.to(opmath_dtype(x.dtype)), kind, params)
     return e.to(x.dtype).contiguous(), s.to(x.dtype).contiguous()
 
 
@@ -114,7 +110,7 @@ def gaussian_math(x: torch.Tensor, mean: torch.Tensor, precision: torch.Tensor) 
 
 def _gaussian(op: str, x, mean, precision):
     check_gaussian(op, x, mean, precision)
-    cdt = compute_dtype(x.dtype)
+    cdt = opmath_dtype(x.dtype)
     e, s = gaussian_math(x.to(cdt), mean.to(cdt), precision.to(cdt))
     return e.to(x.dtype).contiguous(), s.to(x.dtype).contiguous()
 
@@ -172,7 +168,7 @@ def langevin_step(x: torch.Tensor, grad: torch.Tensor, step_size: float, noise_s
                   clamp_min: float | None = None, clamp_max: float | None = None,
                   generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
     check_langevin_step("langevin_step", x, grad, step_size, noise_scale, clamp_min, clamp_max, noise)
-    cdt = compute_dtype(x.dtype)
+    cdt = opmath_dtype(x.dtype)
     eps = _noise(x.shape, x, cdt, generator, noise)
     out = step_math(x.to(cdt), grad.to(cdt), step_size, noise_scale, clamp_min, clamp_max, eps)
     return out.to(x.dtype).contiguous()
@@ -209,7 +205,7 @@ def langevin_chain(x: torch.Tensor, kind: int, params: list[float], step_size: f
                    noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """n_steps Langevin steps on an analytic energy; returns (final x, trajectory [B, n_steps // thin or 0, d])."""
     check_langevin_chain(x, kind, params, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin, noise)
-    cdt = compute_dtype(x.dtype)
+    cdt = opmath_dtype(x.dtype)
     _, traj_shape = chain_output_shapes(x, n_steps, thin, return_trajectory)
     traj = x.new_empty(traj_shape)
     state = x.to(cdt)

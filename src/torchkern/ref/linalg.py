@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check, check_float, check_same_device, check_same_dtype, dtype_name, fail, shape
+from .._checks import check, check_float, check_same_device, check_same_dtype, dtype_name, fail, opmath_dtype, shape
 
 # Stall rule of the Newton iteration (shared with the CUDA kernels: keep these equal to
 # kStallBelow / kStallRatio in csrc/include/torchkern/small_matrix.cuh).
@@ -60,11 +60,6 @@ SCALE_FLOOR = 1e-6
 LANCZOS_STEPS = 32
 RITZ_HEDGE = 8.0
 LANCZOS_MIN_N = 64  # below, the estimate costs the kernel about what the steps it saves cost
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the root is computed in: float64 for float64, float32 for everything else."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def check_root_args(op: str, G: torch.Tensor, p: int, max_iters: int = 1, tol: float = 0.0, eps: float = 0.0) -> None:
@@ -170,7 +165,7 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     op = "matrix_inverse_root"
     check_root_args(op, G, p, max_iters, tol, eps)
     batch, n = G.shape[:-2], G.shape[-1]
-    cdt = compute_dtype(G.dtype)
+    cdt = opmath_dtype(G.dtype)
     if G.numel() == 0:
         return (torch.empty_like(G, memory_format=torch.contiguous_format),
                 G.new_zeros(batch, dtype=cdt), G.new_zeros(batch, dtype=torch.int32))
@@ -217,7 +212,7 @@ def matrix_inverse_root_eigh(G: torch.Tensor, p: int, eps: float, compute: torch
     upcast since eigh has no half kernels); returns G's dtype. No checks: the caller checks.
     """
     n = G.shape[-1]
-    cdt = compute or compute_dtype(G.dtype)
+    cdt = compute or opmath_dtype(G.dtype)
     A = G.to(cdt)
     A = 0.5 * (A + A.transpose(-1, -2)) + eps * torch.eye(n, dtype=cdt, device=G.device)
     lam, Q = torch.linalg.eigh(A)
@@ -348,6 +343,6 @@ def kron_precondition(grad: torch.Tensor, left, right, damping: float = 0.0) -> 
     return QL @ V @ QR.transpose(-1, -2)
 
 
-__all__ = ["check_kron", "check_kron_precondition", "check_root_args", "compute_dtype", "eigen_scale", "eigh_residual",
+__all__ = ["check_kron", "check_kron_precondition", "check_root_args", "eigen_scale", "eigh_residual",
            "inf_norm_residual", "kron", "kron_backward", "kron_precondition", "matrix_inverse_root",
            "matrix_inverse_root_eigh", "matrix_inverse_root_newton", "newton_scaling", "dtype_name"]

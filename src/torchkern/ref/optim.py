@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check, check_float, dtype_name, shape
+from .._checks import check, check_float, dtype_name, opmath_dtype, shape
 
 OP = "shampoo_graft"
 
@@ -23,7 +23,7 @@ def check_shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.
           f"{len(eps)} and {len(scale)}")
     g0 = grads[0]
     check_float(OP, "grads[0]", g0)
-    state = torch.float64 if g0.dtype == torch.float64 else torch.float32
+    state = opmath_dtype(g0.dtype)
     for i, g in enumerate(grads):
         check(g.dtype == g0.dtype and g.device == g0.device, OP,
               f"grads[{i}] must have the dtype and device of grads[0] ({dtype_name(g0.dtype)}, {g0.device}), got "

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check, check_float_pair, shape
-
-
-def opmath_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The compute (and result) dtype: float64 for float64, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._checks import check, check_float_pair, opmath_dtype, shape
 
 
 def use_gram(seq_len: int, d_in: int, d_out: int) -> bool:
