@@ -7,14 +7,18 @@ formulas and statistics); on CUDA the same tests check the kernels.
 from __future__ import annotations
 
 import math
+import os
+import tempfile
+import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from testing import assert_close, devices, dtypes, noncontiguous, randn, requires_cuda
 
 import torchkern
 from torchkern import ebm
-from torchkern.ref import ebm as ref
+from torchkern.ebm import twins
 
 ANALYTIC = {
     "double_well": lambda: ebm.DoubleWellEnergy(2.0, 1.0),
@@ -57,8 +61,8 @@ def test_analytic_matches_twin(name, shape, dtype, device):
     energy = _analytic(name)
     x = randn(*shape, dtype=dtype, device=device, scale=1.5)
     e, s = energy.energy_and_score(x)
-    e_ref, s_ref = ref.analytic_energy_and_score(x, energy.kind, energy.params)
-    hi = ref.analytic_math(x.double(), energy.kind, energy.params)
+    e_ref, s_ref = twins.analytic_energy_and_score(x, energy.kind, energy.params)
+    hi = twins.analytic_math(x.double(), energy.kind, energy.params)
     scale = 8.0 if dtype in (torch.float32, torch.float64) else 1.0
     for got, want, want_hi in ((e, e_ref, hi[0]), (s, s_ref, hi[1]), (energy.energy(x), e_ref, hi[0]),
                                (energy.score(x), s_ref, hi[1])):
@@ -95,8 +99,8 @@ def test_gaussian_matches_twin(d, dtype, device):
     energy, _ = _gaussian(d, device, dtype)
     x = randn(37, d, dtype=dtype, device=device)
     e, s = energy.energy_and_score(x)
-    hi = ref.gaussian_math(x.double(), energy.mean.double(), energy.precision.double())
-    lowp = ref.gaussian_math(x, energy.mean, energy.precision)  # torch's own math in the storage dtype
+    hi = twins.gaussian_math(x.double(), energy.mean.double(), energy.precision.double())
+    lowp = twins.gaussian_math(x, energy.mean, energy.precision)  # torch's own math in the storage dtype
     for got, want, want_lowp in ((e, hi[0], lowp[0]), (s, hi[1], lowp[1]), (energy.energy(x), hi[0], lowp[0]),
                                  (energy.score(x), hi[1], lowp[1])):
         assert got.dtype == dtype
@@ -118,8 +122,8 @@ def test_gaussian_tile_edges(d, layout, dtype, device):
     elif layout == "misaligned":
         x = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(300, d)
     e, s = energy.energy_and_score(x)
-    hi = ref.gaussian_math(x.double(), energy.mean.double(), energy.precision.double())
-    lowp = ref.gaussian_math(x, energy.mean, energy.precision)
+    hi = twins.gaussian_math(x.double(), energy.mean.double(), energy.precision.double())
+    lowp = twins.gaussian_math(x, energy.mean, energy.precision)
     for got, want, want_lowp in ((e, hi[0], lowp[0]), (s, hi[1], lowp[1])):
         assert got.dtype == dtype and got.shape == want.shape
         _assert_gaussian_close(got, want, want_lowp, dtype, d)
@@ -130,14 +134,14 @@ def test_score_is_minus_autograd_of_the_formula(name):
     # The closed-form score against autograd through the energy formula (float64).
     energy = _analytic(name)
     x = randn(9, 6, dtype=torch.float64, scale=1.3, requires_grad=True)
-    (grad,) = torch.autograd.grad(ref.analytic_math(x, energy.kind, energy.params)[0].sum(), x)
+    (grad,) = torch.autograd.grad(twins.analytic_math(x, energy.kind, energy.params)[0].sum(), x)
     assert_close(energy.score(x.detach()), -grad)
 
 
 def test_gaussian_score_is_minus_autograd_of_the_formula():
     energy, _ = _gaussian(5)
     x = randn(9, 5, dtype=torch.float64, requires_grad=True)
-    (grad,) = torch.autograd.grad(ref.gaussian_math(x, energy.mean, energy.precision)[0].sum(), x)
+    (grad,) = torch.autograd.grad(twins.gaussian_math(x, energy.mean, energy.precision)[0].sum(), x)
     assert_close(energy.score(x.detach()), -grad)
 
 
@@ -234,14 +238,14 @@ def test_langevin_step_matches_twin(n, dtype, device):
     x, grad = randn(n, dtype=dtype, device=device), randn(n, dtype=dtype, device=device)
     noise = randn(n, dtype=torch.float32, device=device)
     got = ebm.langevin_step(x, grad, 0.01, 0.7, clamp=(-1.5, 1.2), noise=noise)
-    want = ref.langevin_step(x, grad, 0.01, 0.7, -1.5, 1.2, None, noise)
+    want = twins.langevin_step(x, grad, 0.01, 0.7, -1.5, 1.2, None, noise)
     assert_close(got, want)
     assert got.min() >= -1.5 and got.max() <= 1.2
     # non-contiguous inputs, out=x in place, out=another tensor
     x2 = randn(3, n, dtype=dtype, device=device)
     g2 = noncontiguous(randn(3, n, dtype=dtype, device=device))
     nz = randn(3, n, device=device)
-    want2 = ref.langevin_step(x2, g2, 0.02, 1.0, None, None, None, nz)
+    want2 = twins.langevin_step(x2, g2, 0.02, 1.0, None, None, None, nz)
     assert_close(ebm.langevin_step(noncontiguous(x2), g2, 0.02, noise=nz), want2)
     inplace = x2.clone()
     assert ebm.langevin_step(inplace, g2, 0.02, out=inplace, noise=nz) is inplace
@@ -319,11 +323,11 @@ def test_langevin_step_bad_inputs(device):
 
 def _reference_chain(x, energy, step, sigma, lo, hi, n_steps, thin, noise):
     """Step by step in the compute dtype, through the twins' formulas and the given noise."""
-    cdt = ref.opmath_dtype(x.dtype)
+    cdt = torchkern._checks.opmath_dtype(x.dtype)
     state, kept = x.to(cdt), []
     for t in range(n_steps):
-        _, s = ref.analytic_math(state, energy.kind, energy.params)
-        state = ref.step_math(state, -s, step, sigma, lo, hi, noise[t].to(cdt))
+        _, s = twins.analytic_math(state, energy.kind, energy.params)
+        state = twins.step_math(state, -s, step, sigma, lo, hi, noise[t].to(cdt))
         if (t + 1) % thin == 0:
             kept.append(state.to(x.dtype))
     traj = torch.stack(kept, 1) if kept else x.new_empty(x.shape[0], 0, x.shape[1])
@@ -347,7 +351,7 @@ def test_chain_equals_step_by_step_reference(name, shape, dtype, device):
     scale = 20.0 if dtype in (torch.float32, torch.float64) else 2.0
     assert_close(got, want, scale=scale)
     assert_close(traj, want_traj, scale=scale)
-    assert_close(traj[:, -1], ref.langevin_chain(x, energy.kind, energy.params, step, 0.8, *clamp, 10, 1, False,
+    assert_close(traj[:, -1], twins.langevin_chain(x, energy.kind, energy.params, step, 0.8, *clamp, 10, 1, False,
                                                  None, noise[:10])[0], scale=scale)
     if clamp[0] is not None:
         assert got.min() >= clamp[0] and got.max() <= clamp[1]
@@ -534,3 +538,79 @@ def test_devices_two_gpus():
         sampler = ebm.LangevinDynamics(e, 1e-2, devices=["cuda:0", "cuda:1"])
         x = sampler.sample(n_samples=1001, dim=4, n_steps=20)
         assert x.device == torch.device("cuda:0") and x.shape == (1001, 4) and torch.isfinite(x).all()
+
+
+# ---------------------------------------------------------------------------------------------- torch.distributed
+# LangevinDynamics under torch.distributed: each rank samples its share, gather=True all-gathers. Two processes
+# over gloo with CPU tensors (runs anywhere); over NCCL where two GPUs are visible.
+
+DIST_SAMPLES, DIST_DIM, DIST_STEPS = 11, 3, 8
+DIST_TIMEOUT_S = 120
+
+
+def _distributed_worker(rank: int, world: int, init_file: str, backend: str, out_dir: str) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from torchkern import ebm
+
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+    try:
+        device = f"cuda:{rank}" if backend == "nccl" else "cpu"
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        torch.manual_seed(1234)  # the same seed on every rank: the shards must still differ
+        result = {}
+        energies = (("analytic", ebm.DoubleWellEnergy()), ("gaussian", ebm.GaussianEnergy(torch.zeros(DIST_DIM))))
+        for name, energy in energies:
+            sampler = ebm.LangevinDynamics(energy, 1e-2)
+            x, traj = sampler.sample(n_samples=DIST_SAMPLES, dim=DIST_DIM, n_steps=DIST_STEPS, thin=4,
+                                     return_trajectory=True,
+                                     device=device)
+            local = ebm.LangevinDynamics(energy, 1e-2, gather=False).sample(
+                torch.zeros(DIST_SAMPLES, DIST_DIM), n_steps=DIST_STEPS, device=device)
+            result[name] = dict(x=x.cpu(), traj=traj.cpu(), local=local.cpu())
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _distributed_run(backend: str, world: int = 2) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        ctx = mp.start_processes(_distributed_worker, args=(world, init_file, backend, tmp), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + DIST_TIMEOUT_S
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                pytest.fail(f"distributed sampling did not finish in {DIST_TIMEOUT_S} s")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+
+
+def _check_distributed(results: list[dict]) -> None:
+    for name in ("analytic", "gaussian"):
+        r0, r1 = results[0][name], results[1][name]
+        assert r0["x"].shape == (DIST_SAMPLES, DIST_DIM) and r0["traj"].shape == (DIST_SAMPLES, DIST_STEPS // 4, DIST_DIM)
+        assert torch.equal(r0["x"], r1["x"]) and torch.equal(r0["traj"], r1["traj"])  # every rank has all chains
+        assert torch.isfinite(r0["x"]).all()
+        # gather=False: rank r keeps its tensor_split share (6 and 5 rows); same start, different noise
+        assert r0["local"].shape == (6, DIST_DIM) and r1["local"].shape == (5, DIST_DIM)
+        assert not torch.equal(r0["local"][:5], r1["local"])
+
+
+@pytest.mark.slow
+def test_distributed_gloo_two_processes():
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    _check_distributed(_distributed_run("gloo"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_distributed_nccl_two_gpus():
+    _check_distributed(_distributed_run("nccl"))

@@ -16,8 +16,9 @@ import torch
 from testing import FLOAT_DTYPES, cuda_devices, devices, dtypes, noncontiguous, randn, requires_cuda
 
 import torchkern
+from torchkern._library import has_cuda_kernel
 from torchkern import linalg
-from torchkern import ref
+from torchkern.linalg import constants, twins
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -121,9 +122,9 @@ def test_root_mixed_batch_each_matrix_stops_on_its_own(device, n):
 def test_newton_scaling_step(p):
     # P = a I + b M sends an eigenvalue m of M to m (a + b m)^p = h(c m); over [low, 1] the images
     # stay in [next_low, 1] with both ends attained, c = -b (p + 1) / a lies in [1, 1 + p / 2], and
-    # the bound grows. (The iteration's correctness rests on this; see ref.linalg.)
+    # the bound grows. (The iteration's correctness rests on this; see twins.)
     low = torch.tensor([1e-12, 1e-6, 1e-3, 0.1, 0.5, 0.9, 1 - 1e-9, 1.0], dtype=torch.float64)
-    a, b, next_low = ref.linalg.newton_scaling(low, p)
+    a, b, next_low = twins.newton_scaling(low, p)
     c = -b * (p + 1) / a
     assert ((c >= 1 - 1e-12) & (c <= 1 + p / 2 + 1e-12)).all(), c
     m = low[:, None] + (1 - low[:, None]) * torch.linspace(0, 1, 2001, dtype=torch.float64)
@@ -140,11 +141,11 @@ def plain_newton_steps(G: torch.Tensor, p: int, eps: float, tol: float = 1e-6) -
     M = z[:, None, None] * A
     steps = []
     for Mi in M:
-        err, prev, k = ref.linalg.inf_norm_residual(Mi).item(), math.inf, 0
-        while err > tol and k < 100 and not (prev <= ref.linalg.STALL_BELOW and err > ref.linalg.STALL_RATIO * prev):
+        err, prev, k = twins.inf_norm_residual(Mi).item(), math.inf, 0
+        while err > tol and k < 100 and not (prev <= constants.STALL_BELOW and err > constants.STALL_RATIO * prev):
             P = (p + 1) / p * torch.eye(Mi.shape[-1]) - Mi / p
             Mi = torch.linalg.matrix_power(P, p) @ Mi
-            prev, err, k = err, ref.linalg.inf_norm_residual(Mi).item(), k + 1
+            prev, err, k = err, twins.inf_norm_residual(Mi).item(), k + 1
         steps.append(k)
     return steps
 
@@ -154,12 +155,12 @@ def test_smallest_ritz_value_brackets_the_bottom():
     # above the smallest eigenvalue and below the smallest diagonal entry otherwise
     G = spd(8, 1e3, batch=(3,))
     lam = torch.linalg.eigvalsh(G)[:, 0]
-    torch.testing.assert_close(ref.linalg.smallest_ritz_value(G), lam, rtol=1e-8, atol=0)
+    torch.testing.assert_close(twins.smallest_ritz_value(G), lam, rtol=1e-8, atol=0)
     G = spd(160, 1e3, batch=(3,))
-    lam, theta = torch.linalg.eigvalsh(G)[:, 0], ref.linalg.smallest_ritz_value(G)
+    lam, theta = torch.linalg.eigvalsh(G)[:, 0], twins.smallest_ritz_value(G)
     assert (theta >= lam * (1 - 1e-9)).all() and (theta <= G.diagonal(dim1=-2, dim2=-1).amin(-1)).all()
     # an invariant start (the identity) stops after one step
-    torch.testing.assert_close(ref.linalg.smallest_ritz_value(2 * torch.eye(50, dtype=torch.float64)[None]),
+    torch.testing.assert_close(twins.smallest_ritz_value(2 * torch.eye(50, dtype=torch.float64)[None]),
                                torch.tensor([2.0], dtype=torch.float64))
 
 
@@ -180,7 +181,7 @@ def test_root_newton_when_lanczos_misses_the_bottom(device):
     # the bottom eigenvector orthogonal to the Lanczos start vector: the Krylov space never sees
     # it (but for rounding), the estimate lands far above it, and that costs steps, not accuracy
     n = 96
-    v0 = ref.linalg.lanczos_start(n, torch.float64, "cpu")
+    v0 = twins.lanczos_start(n, torch.float64, "cpu")
     B = torch.randn(n, n, generator=_GEN, dtype=torch.float64)
     B[:, 0] -= v0 * (v0 @ B[:, 0])
     Q, _ = torch.linalg.qr(B)
@@ -188,7 +189,7 @@ def test_root_newton_when_lanczos_misses_the_bottom(device):
     lam[0] = 1e-5  # on Q[:, 0], orthogonal to v0; the rest of the spectrum in [1e-2, 1]
     G = (Q * lam) @ Q.mT
     G = 0.5 * (G + G.mT)
-    assert ref.linalg.smallest_ritz_value(G[None]).item() > 1e-3
+    assert twins.smallest_ritz_value(G[None]).item() > 1e-3
     X, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(G[None].float().to(device), 4, 1e-6, 100, 1e-6)
     assert err.item() <= 1e-6 and iters.item() <= 16, (err.item(), iters.item())
     assert rel_err(X[0], root_ref(G.float(), 4, 1e-6)) <= 3e-4  # float32 at condition 1e5: about 1e-4
@@ -243,7 +244,7 @@ def test_root_error_semantics(device):
     Xe, e_eigh = linalg.matrix_inverse_root(G, 4, method="eigh", return_error=True)
     # both report ||X^p (G + eps I) - I||_inf (Newton through M, which equals it in exact arithmetic)
     A = G.double().cpu() + 1e-6 * torch.eye(16, dtype=torch.float64)
-    direct = ref.linalg.inf_norm_residual(torch.linalg.matrix_power(X.double().cpu(), 4) @ A)
+    direct = twins.inf_norm_residual(torch.linalg.matrix_power(X.double().cpu(), 4) @ A)
     assert (e_newton.cpu().double() <= 1e-4).all() and (e_eigh.cpu().double() <= 1e-4).all()
     assert (direct <= 1e-4).all()
     # max_iters=0: M0 = A / u with u = min(||A||_F, ||A||_inf), error ||M0 - I||_inf, root u^(-1/p) I
@@ -251,7 +252,7 @@ def test_root_error_semantics(device):
     u = torch.minimum(torch.linalg.matrix_norm(A), A.abs().sum(-1).amax(-1))
     torch.testing.assert_close(X0.cpu().double(), u.pow(-0.25)[:, None, None] * torch.eye(16, dtype=torch.float64),
                                rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(e0.cpu().double(), ref.linalg.inf_norm_residual(A / u[:, None, None]),
+    torch.testing.assert_close(e0.cpu().double(), twins.inf_norm_residual(A / u[:, None, None]),
                                rtol=1e-5, atol=1e-6)
 
 
@@ -320,8 +321,8 @@ def test_newton_kernel_matches_twin(n, dtype):
     G = spd(n, 100.0, batch=(5,)).to(dtype)
     tol = newton_tol(dtype)
     X, err, it = torch.ops.torchkern.matrix_inverse_root_newton(G.cuda(), 4, 1e-6, 100, tol)
-    Xt, errt, itt = ref.linalg.matrix_inverse_root_newton(G, 4, 1e-6, 100, tol)
-    assert X.dtype == dtype and err.dtype == ref.opmath_dtype(dtype) and it.dtype == torch.int32
+    Xt, errt, itt = twins.matrix_inverse_root_newton(G, 4, 1e-6, 100, tol)
+    assert X.dtype == dtype and err.dtype == torchkern._checks.opmath_dtype(dtype) and it.dtype == torch.int32
     # same math, different summation order: iteration counts agree within one step
     assert (it.cpu() - itt).abs().max().item() <= 1, (it.tolist(), itt.tolist())
     R = root_ref(G, 4, 1e-6)
@@ -364,9 +365,10 @@ def test_newton_kernel_large_batch_and_device(device, n):
 
 
 def test_newton_has_cuda_kernel_when_built():
-    if torchkern.backend_info().backend == "cuda":
-        assert torchkern.library.has_cuda_kernel("matrix_inverse_root_newton")
-        assert torchkern.library.has_cuda_kernel("kron")
+    info = torchkern.backend_info()
+    if info.backend != "cuda":
+        pytest.skip(f"backend is {info.backend}: {info.reason}")
+    assert has_cuda_kernel("matrix_inverse_root_newton") and has_cuda_kernel("kron")
 
 
 # ----------------------------------------------------------------------------- opcheck
@@ -423,7 +425,7 @@ def test_kron_bad_inputs():
 @requires_cuda
 def test_kron_large_kernel():
     A, B = randn(4, 16, 16, device="cuda"), randn(4, 32, 36, device="cuda")
-    torch.testing.assert_close(linalg.kron(A, B), ref.linalg.kron(A, B), rtol=0, atol=0)
+    torch.testing.assert_close(linalg.kron(A, B), twins.kron(A, B), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- kron_precondition
@@ -457,7 +459,7 @@ def test_kron_precondition_inverse_form_matches_explicit_kron(device):
     out = linalg.kron_precondition(grad, Li, Ri)
     expected = (torch.kron(Li, Ri) @ grad.reshape(-1)).reshape(m, n)  # Ri symmetric: (Li kron Ri^T) vec(G)
     torch.testing.assert_close(out, expected)
-    torch.testing.assert_close(out, ref.linalg.kron_precondition(grad, Li, Ri))
+    torch.testing.assert_close(out, twins.kron_precondition(grad, Li, Ri))
 
 
 def test_kron_precondition_gradcheck():
@@ -498,11 +500,11 @@ def test_kron_precondition_bad_inputs():
 def test_public_api_matches_twin_signature():
     import inspect
     assert list(inspect.signature(linalg.matrix_inverse_root).parameters) == \
-        list(inspect.signature(ref.linalg.matrix_inverse_root).parameters)
+        list(inspect.signature(twins.matrix_inverse_root).parameters)
     G = spd(6, 10.0, batch=(2,)).float()
     for method in ("newton", "eigh"):
         torch.testing.assert_close(linalg.matrix_inverse_root(G, 4, method=method),
-                                   ref.linalg.matrix_inverse_root(G, 4, method=method))
+                                   twins.matrix_inverse_root(G, 4, method=method))
 
 
 @requires_cuda
@@ -514,3 +516,28 @@ def test_newton_kernel_large_n_synchronous_check():
     assert rel_err(X, root_ref(G, 4, 1e-6)) <= 1e-4
     X1, _, it1 = torch.ops.torchkern.matrix_inverse_root_newton(G[:1], 4, 1e-6, 100, 1e-6)
     assert it1.item() == iters[0].item()
+
+
+# ---------------------------------------------------------------------------------------------- the small kernel's
+# symmetric products (n in (32, 128]; float64 (32, 64]): the root is exactly symmetric and matches the twin,
+# around every tile and padding boundary (CUDA only).
+
+
+@requires_cuda
+@pytest.mark.parametrize("n", [1, 2, 3, 31, 33, 48, 63, 64, 65, 100, 127, 128])
+@pytest.mark.parametrize("p", [1, 3, 4])
+@pytest.mark.parametrize("dtype", dtypes())
+def test_newton_small_kernel_symmetric_and_matches_twin(n, p, dtype):
+    G = spd(n, 100.0, batch=(3,)).to(dtype)
+    tol = newton_tol(dtype)
+    X, err, it = torch.ops.torchkern.matrix_inverse_root_newton(G.cuda(), p, 1e-6, 100, tol)
+    Xt, errt, itt = twins.matrix_inverse_root_newton(G, p, 1e-6, 100, tol)
+    X, err = X.cpu(), err.cpu()
+    if n > 32 and (dtype != torch.float64 or n <= 64):  # the symmetric path: exactly symmetric
+        assert torch.equal(X, X.mT)
+    assert (it.cpu() - itt).abs().max().item() <= 1, (it.tolist(), itt.tolist())
+    R = root_ref(G, p, 1e-6)
+    bound = {torch.float64: 1e-10, torch.float32: 3e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+    assert rel_err(X, R) <= bound and rel_err(Xt, R) <= bound
+    # the error is ||M - I||_inf of the final M: close to the twin's (both at the rounding floor or below tol)
+    assert (err.double() <= max(10 * tol, 1e-4)).all(), err.tolist()

@@ -361,7 +361,7 @@ def test_shampoo_graft_kernel_matches_twin(device):
     grads[3] = noncontiguous(grads[3])
     twin = [[t.clone() for t in exp_avgs], [t.clone() for t in sqs], [torch.empty_like(t) for t in out]]
     norms = torch.ops.torchkern.shampoo_graft(grads, exp_avgs, sqs, out, 0.9, 0.95, 0.05, eps, scale)
-    t_norms = torchkern.ref.optim.shampoo_graft(grads, *twin, 0.9, 0.95, 0.05, eps, scale)
+    t_norms = torchkern.torchkern.optim.twins.shampoo_graft(grads, *twin, 0.9, 0.95, 0.05, eps, scale)
     for a, b in zip(out + exp_avgs + sqs, twin[2] + twin[0] + twin[1]):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
     torch.testing.assert_close(norms, t_norms, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import torchkern
-from torchkern import ref
+from torchkern.per_sample import twins
 from torchkern.per_sample import linear_grad_sq_norms, per_sample_grad_norms, per_sample_gradients
 from testing import cuda_devices, devices, dtypes, randn
 
@@ -34,10 +34,10 @@ def materialized_sq_norms(a, g, bias):
 def test_norms_against_materialized(device, dtype, shapes, bias):
     a, g = randn(*shapes[0], dtype=dtype, device=device), randn(*shapes[1], dtype=dtype, device=device)
     out = linear_grad_sq_norms(a, g, bias)
-    assert out.dtype == ref.opmath_dtype(dtype) and out.shape == (a.shape[0],)
+    assert out.dtype == torchkern._checks.opmath_dtype(dtype) and out.shape == (a.shape[0],)
     expected = materialized_sq_norms(a, g, bias)
     torch.testing.assert_close(out.double(), expected, rtol=RTOL[dtype], atol=1e-9)
-    twin = ref.per_sample.linear_grad_sq_norms(a, g, bias)
+    twin = twins.linear_grad_sq_norms(a, g, bias)
     torch.testing.assert_close(out, twin, rtol=RTOL[dtype], atol=1e-9)
 
 
@@ -45,7 +45,7 @@ def test_norms_against_materialized(device, dtype, shapes, bias):
 def test_norms_noncontiguous(device):
     a = randn(4, 8, 40, device=device).transpose(0, 1)[:4]
     g = randn(4, 8, 24, device=device).transpose(0, 1)[:4]
-    torch.testing.assert_close(linear_grad_sq_norms(a, g, True), ref.per_sample.linear_grad_sq_norms(a, g, True))
+    torch.testing.assert_close(linear_grad_sq_norms(a, g, True), twins.linear_grad_sq_norms(a, g, True))
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

@@ -49,10 +49,9 @@ def test_row_and_batch_pieces_match(device, dtype, shapes, max_bytes):
                        A.element_size(), max_bytes)
     assert plan.col_chunk == B.shape[-1] and plan.row_chunk >= 8  # split, but only into row/batch blocks
     out = memory_efficient_matmul(A, B, max_bytes)
-    if device == "cpu":
-        assert torch.equal(out, A @ B)
-    else:  # cuBLAS picks kernels by shape: bitwise equality is not promised there
-        assert_within_product_bound(out, A, B)
+    # BLAS libraries pick kernels (blocking, split-K) by shape on CPU and GPU alike: a piece may sum in
+    # another order than the whole product, so the promise is the product's own rounding bound.
+    assert_within_product_bound(out, A, B)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -115,9 +114,11 @@ def test_bad_inputs(device):
 def test_device_helpers():
     assert is_cuda_available() == torch.cuda.is_available()
     dev = get_optimal_device()
-    assert isinstance(dev, torch.device)
-    assert dev.type == ("cuda" if HAS_CUDA else dev.type)
-    if not HAS_CUDA:
+    if HAS_CUDA:
+        assert dev == torch.device("cuda", torch.cuda.current_device())
+    else:
+        mps = getattr(torch.backends, "mps", None)
+        assert dev == torch.device("mps" if mps is not None and mps.is_available() else "cpu")
         with pytest.raises(RuntimeError, match="torchkern.cuda_memory_info: no CUDA device is visible"):
             cuda_memory_info()
 

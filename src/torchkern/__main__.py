@@ -1,4 +1,8 @@
-"""``python -m torchkern info | build [--arch 9.0] | bench [--quick] | clean``."""
+"""``python -m torchkern info | build [--arch 9.0] | bench [--quick] [--family F] | clean``.
+
+Each subcommand loads only what it needs: ``info`` looks at the cache without building, ``build``
+builds for the archs asked for, ``clean`` deletes the cache, ``bench`` loads the kernels and runs.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,13 @@ import json
 import shutil
 import sys
 
+import torchkern_jit as jit
+
 
 def _info(args) -> int:
-    import torchkern
+    from torchkern import _backend
 
-    info = torchkern.backend_info().as_dict()
+    info = _backend.cache_status()
     if args.json:
         print(json.dumps(info, indent=1))
     else:
@@ -22,41 +28,40 @@ def _info(args) -> int:
 
 
 def _build(args) -> int:
-    # Build without importing torchkern: the import would also decide the backend.
-    from torchkern import jit_loader
+    from torchkern import _backend
 
-    try:
-        lib = jit_loader.build_kernels(args.arch)
-    except (jit_loader.BuildError, jit_loader.LockTimeout, ValueError) as exc:
-        print(exc, file=sys.stderr)
-        return 1
+    lib = _backend.build_kernels(args.arch)
     state = "built" if lib.built else "already cached"
     print(f"{state}: {lib.path} (key {lib.key}, build {lib.build_seconds} s)")
     return 0
 
 
 def _clean(args) -> int:
-    from torchkern import jit_loader
-
-    root = jit_loader.cache_root()
-    if root.exists():
-        shutil.rmtree(root)
-        print(f"removed {root}")
-    else:
+    root = jit.settings().cache
+    if not root.exists():
         print(f"nothing to remove at {root}")
+        return 0
+    try:
+        shutil.rmtree(root)
+    except OSError as exc:
+        print(f"torchkern: cannot remove the cache {root}: {exc.strerror} ({exc.filename}); "
+              "it belongs to someone else or is read-only (TORCHKERN_CACHE chooses another)", file=sys.stderr)
+        return 1
+    print(f"removed {root}")
     return 0
 
 
 def _bench(args) -> int:
-    from torchkern.bench import main
+    from torchkern import _bench
 
-    return main(quick=args.quick, families=args.family, json_path=args.json)
+    return _bench.main(quick=args.quick, families=args.family, json_path=args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchkern", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m torchkern", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="backend, reason, cache key, versions, build time")
+    info = commands.add_parser("info", help="backend, reason, cache key and whether it is built: builds nothing")
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=_info)
     build = commands.add_parser("build", help="compile the CUDA kernels (works without a GPU with --arch)")
@@ -64,13 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     build.set_defaults(run=_build)
     bench = commands.add_parser("bench", help="run the benchmarks on this machine and print a table of ratios")
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (smoke run)")
-    bench.add_argument("--family", action="append", help="primitives, ebm, linalg, per_sample or optim (default: all); repeatable")
+    bench.add_argument("--family", action="append",
+                       help="primitives, ebm, linalg, per_sample, optim or quality (default: all but quality); repeatable")
     bench.add_argument("--json", help="also write the raw results to this file")
     bench.set_defaults(run=_bench)
     clean = commands.add_parser("clean", help="delete the kernel cache")
     clean.set_defaults(run=_clean)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except (jit.BuildError, jit.LockTimeout, jit.ConfigError, ValueError) as exc:
+        print(exc, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -69,11 +69,10 @@ def memory_efficient_matmul(A: torch.Tensor, B: torch.Tensor, max_bytes: int | N
     by columns, sized by :func:`plan_chunks` so that copies of its operands and of its output block (the
     most any matmul call can allocate for it) fit ``max_bytes``. The reduction dim is never split, so every
     output element is a length-K dot product as in ``A @ B``, and each piece runs the product torch.matmul
-    would run (mm on A's batch folded into rows when B is 2-D, bmm otherwise). Exactness: on the CPU, pieces
-    of whole matrices or of row blocks are bitwise equal to ``A @ B`` (tested). cuBLAS picks its kernel
-    (tiling, split-K) by shape, so on CUDA a piece can differ from the whole product by rounding (seen on an
-    H200: row blocks of a 512x256 @ 256x384 product), within ``K * eps * sum_k |A_ik| |B_kj|``, the error
-    bound of the product itself; the tests hold it to that bound.
+    would run (mm on A's batch folded into rows when B is 2-D, bmm otherwise). Exactness: BLAS libraries
+    (CPU and cuBLAS alike) pick their kernel, blocking and split-K by shape, so a piece can differ from the
+    whole product by rounding (seen with torch 2.14's CPU BLAS on float64 row blocks, and on an H200), within
+    ``K * eps * sum_k |A_ik| |B_kj|``, the error bound of the product itself; the tests hold it to that bound.
     ``max_bytes=None``: a quarter of the device's free memory on CUDA, no bound on other devices. Raises
     ValueError for non-float or mismatched operands, a wrong ``out`` or a ``max_bytes`` too small for one piece.
     """

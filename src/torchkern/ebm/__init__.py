@@ -5,6 +5,7 @@
 >>> x = sampler.sample(n_samples=1024, dim=128, n_steps=200, device="cuda")  # one kernel launch
 """
 
+from . import ops  # noqa: F401  (registers the family's ops)
 from .energies import (AckleyEnergy, AnalyticEnergy, DoubleWellEnergy, Energy, GaussianEnergy, HarmonicEnergy,
                        RastriginEnergy, RosenbrockEnergy, score)
 from .langevin import LangevinDynamics, langevin_step

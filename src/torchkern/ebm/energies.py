@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from ..ref import ebm as _ref
+from . import constants, ops  # noqa: F401  (ops: registers the family's ops)
 
 __all__ = ["AckleyEnergy", "AnalyticEnergy", "DoubleWellEnergy", "Energy", "GaussianEnergy", "HarmonicEnergy",
            "RastriginEnergy", "RosenbrockEnergy", "score"]
@@ -66,7 +66,7 @@ class AnalyticEnergy(Energy):
 
     def __init__(self, *params: float) -> None:
         super().__init__()
-        self.params = [float(p) for p in params] + [0.0] * (_ref.N_PARAMS - len(params))
+        self.params = [float(p) for p in params] + [0.0] * (constants.N_PARAMS - len(params))
 
     def energy(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.torchkern.analytic_energy(x, self.kind, self.params)
@@ -81,7 +81,7 @@ class AnalyticEnergy(Energy):
 class DoubleWellEnergy(AnalyticEnergy):
     """E = h sum_i (x_i^2 - b^2)^2, minima at x_i = +-b, barrier h b^4 per coordinate."""
 
-    kind = _ref.DOUBLE_WELL
+    kind = constants.DOUBLE_WELL
 
     def __init__(self, barrier_height: float = 2.0, b: float = 1.0) -> None:
         super().__init__(barrier_height, b)
@@ -94,7 +94,7 @@ class DoubleWellEnergy(AnalyticEnergy):
 class HarmonicEnergy(AnalyticEnergy):
     """E = k/2 sum_i x_i^2 (a standard normal over k: N(0, I / k))."""
 
-    kind = _ref.HARMONIC
+    kind = constants.HARMONIC
 
     def __init__(self, k: float = 1.0) -> None:
         super().__init__(k)
@@ -107,7 +107,7 @@ class HarmonicEnergy(AnalyticEnergy):
 class RosenbrockEnergy(AnalyticEnergy):
     """E = sum_{i<d} b (x_{i+1} - x_i^2)^2 + (a - x_i)^2; needs d >= 2."""
 
-    kind = _ref.ROSENBROCK
+    kind = constants.ROSENBROCK
 
     def __init__(self, a: float = 1.0, b: float = 100.0) -> None:
         super().__init__(a, b)
@@ -120,7 +120,7 @@ class RosenbrockEnergy(AnalyticEnergy):
 class RastriginEnergy(AnalyticEnergy):
     """E = a d + sum_i (x_i^2 - a cos(2 pi x_i))."""
 
-    kind = _ref.RASTRIGIN
+    kind = constants.RASTRIGIN
 
     def __init__(self, a: float = 10.0) -> None:
         super().__init__(a)
@@ -133,7 +133,7 @@ class RastriginEnergy(AnalyticEnergy):
 class AckleyEnergy(AnalyticEnergy):
     """E = -a exp(-b sqrt(mean x^2)) - exp(mean cos(c x)) + a + e (score taken as 0 for the radial term at x = 0)."""
 
-    kind = _ref.ACKLEY
+    kind = constants.ACKLEY
 
     def __init__(self, a: float = 20.0, b: float = 0.2, c: float = 2 * math.pi) -> None:
         super().__init__(a, b, c)

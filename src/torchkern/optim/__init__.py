@@ -4,6 +4,7 @@
 call per block size; ``KFAC`` preconditions with :func:`torchkern.linalg.kron_precondition`'s eigen form.
 """
 
+from . import ops  # noqa: F401  (registers the family's ops)
 from .kfac import KFAC
 from .shampoo import Shampoo
 

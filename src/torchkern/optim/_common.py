@@ -6,8 +6,6 @@ import contextlib
 
 import torch
 
-from .._checks import opmath_dtype
-
 
 def check_arg(cls: str, name: str, value, ok: bool, requirement: str) -> None:
     """Raise ``ValueError("<cls>: invalid <name> <value>: <requirement>")`` unless ``ok``."""
@@ -21,12 +19,6 @@ def is_int(value) -> bool:
 
 def is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def stats_dtype(param: torch.Tensor) -> torch.dtype:
-    """Dtype of second-order statistics for ``param`` (a float tensor): float32 for half types, else the
-    param's own, as the kernels compute."""
-    return opmath_dtype(param.dtype)
 
 
 def load_state_dict_keeping_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict, keys: frozenset) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import opmath_dtype
 from ._common import check_arg, is_int, is_real, load_state_dict_keeping_dtypes, no_autocast
 
 _STAT_KEYS = frozenset({"A", "G", "QA", "dA", "QG", "dG", "momentum_buffer"})
@@ -152,7 +153,7 @@ class KFAC(torch.optim.Optimizer):
             if not self._capturing(module):
                 return
             with torch.no_grad(), no_autocast():
-                x = args[0].detach().to(self._dtype(layer))
+                x = args[0].detach().to(opmath_dtype(layer.weight.dtype))
                 if isinstance(module, nn.Conv2d):
                     if x.dim() == 3:
                         x = x.unsqueeze(0)
@@ -181,7 +182,7 @@ class KFAC(torch.optim.Optimizer):
 
     def _capture_grad(self, layer: _Layer, module: nn.Module, grad: torch.Tensor, batch: int) -> None:
         with torch.no_grad(), no_autocast():
-            g = grad.detach().to(self._dtype(layer))
+            g = grad.detach().to(opmath_dtype(layer.weight.dtype))
             if isinstance(module, nn.Conv2d):
                 g = g.reshape(batch, g.shape[-3], -1).transpose(1, 2)  # (B, T, out)
             g = g.reshape(-1, g.shape[-1])
@@ -189,10 +190,6 @@ class KFAC(torch.optim.Optimizer):
             contrib = g.T @ g * (batch if self.batch_averaged else 1.0 / batch)
             layer.G_sum = contrib if layer.G_sum is None else layer.G_sum + contrib
             layer.G_count += 1
-
-    @staticmethod
-    def _dtype(layer: _Layer) -> torch.dtype:
-        return torch.float64 if layer.weight.dtype == torch.float64 else torch.float32
 
     def remove_hooks(self) -> None:
         """Detach the optimizer's hooks from the model (the optimizer then only takes SGD steps)."""

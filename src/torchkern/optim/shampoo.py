@@ -36,7 +36,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from ._common import check_arg, is_int, is_real, load_state_dict_keeping_dtypes, no_autocast, stats_dtype
+from .._checks import opmath_dtype
+from ._common import check_arg, is_int, is_real, load_state_dict_keeping_dtypes, no_autocast
 
 _GRAFTINGS = ("adam", "adagrad", None)
 _STAT_KEYS = frozenset({"exp_avg", "graft_sq", "L", "R", "L_root", "R_root"})
@@ -216,7 +217,7 @@ class Shampoo(torch.optim.Optimizer):
         state = self.state[p]
         if state:
             return state
-        dtype = stats_dtype(p)
+        dtype = opmath_dtype(p.dtype)
         state["step"] = 0
         if group["betas"][0] > 0:
             state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
@@ -278,7 +279,7 @@ class Shampoo(torch.optim.Optimizer):
                     raise RuntimeError("Shampoo does not support sparse gradients")
                 state = self._init_state(p, group)
                 state["step"] += 1
-                dtype = stats_dtype(p)
+                dtype = opmath_dtype(p.dtype)
                 grads.append(p.grad if p.grad.dtype == dtype else p.grad.to(dtype))
 
             # Filtered gradient M (EMA of the gradient) and grafting direction D with its norm.

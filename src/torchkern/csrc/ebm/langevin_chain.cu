@@ -20,7 +20,7 @@
 #include "langevin_chain.cuh"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
-#include "torchkern/energies.cuh"
+#include "energies.cuh"
 #include "torchkern/launch.h"
 #include "torchkern/philox.cuh"
 

@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "torchkern/energies.cuh"
+#include "energies.cuh"
 
 namespace torchkern {
 namespace chain {

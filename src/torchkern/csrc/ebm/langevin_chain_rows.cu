@@ -5,18 +5,12 @@
 
 #include "langevin_chain.cuh"
 #include "torchkern/launch.h"
+#include "torchkern/reduce.cuh"
 #include "torchkern/philox.cuh"
 
 namespace torchkern {
 namespace chain {
 namespace {
-
-template <typename C>
-__device__ __forceinline__ C warp_sum(C v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
-}
 
 template <int kKind, int kChunks, typename T>
 __global__ void __launch_bounds__(kThreads)

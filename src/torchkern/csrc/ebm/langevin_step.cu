@@ -12,7 +12,7 @@
 
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
-#include "torchkern/energies.cuh"
+#include "energies.cuh"
 #include "torchkern/launch.h"
 #include "torchkern/philox.cuh"
 #include "torchkern/vec.cuh"

@@ -27,6 +27,7 @@
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
 #include "torchkern/launch.h"
+#include "torchkern/reduce.cuh"
 
 namespace torchkern {
 namespace {
@@ -77,16 +78,8 @@ graft_kernel(const __grid_constant__ GraftTable<T, C> table, C beta1, C sq_decay
     d[i] = di;
     sum += di * di;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = sum;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    C total = 0;
-#pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
-    partial[chunk] = total;
-  }
+  sum = block_reduce<kThreads>(sum, scratch);
+  if (threadIdx.x == 0) partial[chunk] = sum;
 }
 
 // norms[t] = sqrt(sum of tensor t's partials), in chunk order; one warp per tensor.
@@ -96,8 +89,7 @@ __global__ void graft_norms_kernel(const __grid_constant__ GraftTable<T, C> tabl
   const int t = blockIdx.x;
   C sum = 0;
   for (int c = table.first_chunk[t] + threadIdx.x; c < table.first_chunk[t + 1]; c += 32) sum += partial[c];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  sum = warp_sum(sum);
   if (threadIdx.x == 0) norms[t] = sqrt(sum);
 }
 

@@ -1,0 +1,171 @@
+// Device math of the analytic energies (docs/design.md, "Energies"), shared by the energy/score
+// kernels and the whole-chain sampler. C is the compute type (float, or double).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <optional>
+
+#include "torchkern/checks.h"
+
+namespace torchkern {
+
+// The kinds and the parameter count come from torchkern/ebm/constants.py, as -D flags from the loader.
+#if !defined(TORCHKERN_ENERGY_KINDS) || !defined(TORCHKERN_ENERGY_PARAMS)
+#error "build through torchkern's loader: it defines the TORCHKERN_ENERGY_* constants (ebm/constants.py)"
+#endif
+enum EnergyKind : int {
+  kDoubleWell = TORCHKERN_ENERGY_DOUBLE_WELL,
+  kHarmonic = TORCHKERN_ENERGY_HARMONIC,
+  kRastrigin = TORCHKERN_ENERGY_RASTRIGIN,
+  kRosenbrock = TORCHKERN_ENERGY_ROSENBROCK,
+  kAckley = TORCHKERN_ENERGY_ACKLEY,
+  kNumKinds = TORCHKERN_ENERGY_KINDS,
+};
+constexpr int kEnergyParams = TORCHKERN_ENERGY_PARAMS;
+
+template <typename C>
+struct EnergyParams {
+  C p0, p1, p2;  // DoubleWell (h, b), Harmonic (k), Rastrigin (a), Rosenbrock (a, b), Ackley (a, b, c)
+};
+
+constexpr bool is_elementwise(int kind) { return kind == kDoubleWell || kind == kHarmonic || kind == kRastrigin; }
+
+template <typename C>
+__device__ __forceinline__ void sincos_2pi(C x, C* s, C* c) {
+  if constexpr (sizeof(C) == 8) {
+    sincospi(2 * x, s, c);
+  } else {
+    sincospif(2 * x, s, c);
+  }
+}
+
+// Elementwise kinds: one coordinate's energy term (without Rastrigin's constant a d) ...
+template <int kKind, typename C>
+__device__ __forceinline__ C elementwise_energy(C x, const EnergyParams<C>& p) {
+  if constexpr (kKind == kDoubleWell) {
+    const C t = x * x - p.p1 * p.p1;
+    return p.p0 * t * t;
+  } else if constexpr (kKind == kHarmonic) {
+    return C(0.5) * p.p0 * x * x;
+  } else {
+    C s, c;
+    sincos_2pi(x, &s, &c);
+    return x * x - p.p0 * c;
+  }
+}
+
+// ... and dE/dx of that coordinate.
+template <int kKind, typename C>
+__device__ __forceinline__ C elementwise_grad(C x, const EnergyParams<C>& p) {
+  if constexpr (kKind == kDoubleWell) {
+    return C(4) * p.p0 * x * (x * x - p.p1 * p.p1);
+  } else if constexpr (kKind == kHarmonic) {
+    return p.p0 * x;
+  } else {
+    C s, c;
+    sincos_2pi(x, &s, &c);
+    return C(2) * x + C(6.283185307179586476925) * p.p0 * s;
+  }
+}
+
+// Rosenbrock, coordinate j with neighbours xp = x_{j-1}, xn = x_{j+1}: the term owned by j
+// (j < d - 1) and dE/dx_j.
+template <typename C>
+__device__ __forceinline__ C rosenbrock_energy(C x, C xn, bool has_next, const EnergyParams<C>& p) {
+  if (!has_next) return C(0);
+  const C u = xn - x * x, v = p.p0 - x;
+  return p.p1 * u * u + v * v;
+}
+
+template <typename C>
+__device__ __forceinline__ C rosenbrock_grad(C x, C xp, C xn, bool has_prev, bool has_next, const EnergyParams<C>& p) {
+  C g = C(0);
+  if (has_next) g += C(-4) * p.p1 * x * (xn - x * x) - C(2) * (p.p0 - x);
+  if (has_prev) g += C(2) * p.p1 * (x - xp * xp);
+  return g;
+}
+
+// Ackley from the row sums s2 = sum x^2 and sc = sum cos(c x): dE/dx_j = radial x_j + wave sin(c x_j).
+template <typename C>
+struct AckleyTerms {
+  C energy, radial, wave;
+};
+
+template <typename C>
+__device__ __forceinline__ AckleyTerms<C> ackley_terms(C s2, C sc, int d, const EnergyParams<C>& p) {
+  const C r = sqrt(s2 / C(d));
+  const C ea = exp(-p.p1 * r), ec = exp(sc / C(d));
+  AckleyTerms<C> t;
+  t.energy = -p.p0 * ea - ec + p.p0 + C(2.718281828459045235360);
+  t.radial = r > C(0) ? p.p0 * p.p1 * ea / (C(d) * r) : C(0);
+  t.wave = ec * p.p2 / C(d);
+  return t;
+}
+
+// ---------------------------------------------------------------- Langevin update
+// x' = x - eta g + sigma sqrt(2 eta) eps, optionally clamped to [lo, hi] (infinite bounds when absent).
+template <typename C>
+struct StepParams {
+  C step, noise_coef, lo, hi;
+};
+
+template <typename C>
+StepParams<C> make_step_params(double step, double sigma, std::optional<double> lo, std::optional<double> hi) {
+  return StepParams<C>{static_cast<C>(step), static_cast<C>(sigma * std::sqrt(2.0 * step)),
+                       static_cast<C>(lo.value_or(-INFINITY)), static_cast<C>(hi.value_or(INFINITY))};
+}
+
+template <typename C>
+__device__ __forceinline__ C langevin_update(C x, C grad, C eps, const StepParams<C>& s, bool clamp) {
+  C y = x - s.step * grad + s.noise_coef * eps;
+  if (clamp) y = y < s.lo ? s.lo : (y > s.hi ? s.hi : y);  // NaN stays NaN, as torch.clamp
+  return y;
+}
+
+// ---------------------------------------------------------------- host checks (same words as ebm/twins.py)
+
+inline void check_analytic_args(const char* torchkern_op_name, const at::Tensor& x, int64_t kind,
+                                at::ArrayRef<double> params) {
+  TORCHKERN_CHECK_FLOAT(x);
+  TORCHKERN_CHECK_DIM(x, 2, "[B, d]");
+  TORCHKERN_CHECK(kind >= 0 && kind < kNumKinds, "kind must be in [0, ", static_cast<int>(kNumKinds), "), got ", kind);
+  TORCHKERN_CHECK(params.size() == kEnergyParams, "params must hold ", kEnergyParams, " numbers, got ", params.size());
+  static const char* names[] = {"double_well", "harmonic", "rastrigin", "rosenbrock", "ackley"};  // KIND_NAMES
+  static_assert(sizeof(names) / sizeof(names[0]) == kNumKinds, "one name per kind (ebm/constants.py)");
+  const int64_t min_d = kind == kRosenbrock ? 2 : 1;
+  TORCHKERN_CHECK(x.size(1) >= min_d, "x must have at least ", min_d, " columns for ", names[kind], ", got ", x.sizes());
+}
+
+inline void check_step_args(const char* torchkern_op_name, double step, double sigma, std::optional<double> lo,
+                            std::optional<double> hi) {
+  TORCHKERN_CHECK(step > 0 && std::isfinite(step), "step_size must be a finite number > 0, got ", step);
+  TORCHKERN_CHECK(sigma >= 0 && std::isfinite(sigma), "noise_scale must be a finite number >= 0, got ", sigma);
+  if (lo.has_value() && hi.has_value()) {
+    TORCHKERN_CHECK(*lo <= *hi, "clamp must satisfy min <= max, got (", *lo, ", ", *hi, ")");
+  }
+}
+
+}  // namespace torchkern
+
+// Turns the runtime kind into a constexpr int for templated kernels:
+//   TORCHKERN_KIND_SWITCH(kind, kKind, [&] { launch<kKind>(...); });
+#define TORCHKERN_KIND_CASE(value, NAME, ...) \
+  case value: {                               \
+    constexpr int NAME = value;               \
+    return __VA_ARGS__();                     \
+  }
+#define TORCHKERN_KIND_SWITCH(kind, NAME, ...)                                            \
+  [&] {                                                                                   \
+    switch (kind) {                                                                       \
+      TORCHKERN_KIND_CASE(::torchkern::kDoubleWell, NAME, __VA_ARGS__)                    \
+      TORCHKERN_KIND_CASE(::torchkern::kHarmonic, NAME, __VA_ARGS__)                      \
+      TORCHKERN_KIND_CASE(::torchkern::kRastrigin, NAME, __VA_ARGS__)                     \
+      TORCHKERN_KIND_CASE(::torchkern::kRosenbrock, NAME, __VA_ARGS__)                    \
+      default: {                                                                          \
+        constexpr int NAME = ::torchkern::kAckley;                                        \
+        return __VA_ARGS__();                                                             \
+      }                                                                                   \
+    }                                                                                     \
+  }()

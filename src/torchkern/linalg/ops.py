@@ -1,0 +1,38 @@
+"""Registration of the linalg ops: the Newton inverse root and the Kronecker product."""
+
+from __future__ import annotations
+
+import torch
+
+from .._library import define, save_inputs
+from .._checks import opmath_dtype
+from . import twins
+
+
+def _newton_fake(G, p, eps, max_iters, tol, wait=True):
+    twins.check_root_args("matrix_inverse_root", G, p, max_iters, tol, eps)
+    batch = G.shape[:-2]
+    return (torch.empty_like(G, memory_format=torch.contiguous_format),
+            G.new_empty(batch, dtype=opmath_dtype(G.dtype)), G.new_empty(batch, dtype=torch.int32))
+
+
+# Not differentiable (an iteration with data-dependent stopping): autograd through a root is
+# what method="eigh" is for. Outputs: root, error (||M - I||_inf, NaN for non-finite input), iterations.
+# wait=False: the host queues all max_iters iterations instead of waiting to stop early (same results).
+define("matrix_inverse_root_newton(Tensor G, int p, float eps, int max_iters, float tol, bool wait=True) "
+       "-> (Tensor, Tensor, Tensor)",
+       twin=twins.matrix_inverse_root_newton, fake=_newton_fake)
+
+
+def _kron_fake(A, B):
+    batch = twins.check_kron(A, B)
+    return A.new_empty(twins.kron_shape(A, B, batch))
+
+
+def _kron_backward(ctx, grad):
+    A, B = ctx.saved_tensors
+    return twins.kron_backward(grad, A, B, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+
+
+define("kron(Tensor A, Tensor B) -> Tensor", twin=twins.kron, fake=_kron_fake,
+       backward=_kron_backward, setup_context=save_inputs)

@@ -1,0 +1,612 @@
+"""torchkern_jit: build C++/CUDA libraries on first use, cache them by key, verify them, load them.
+
+torchkern's own kernels are built through this module (``torchkern/_backend.py``), and so can a
+user's: ``torchkern_jit.load(name, sources)``. It is a module of its own, beside the ``torchkern``
+package rather than inside it, because Python runs a package's ``__init__`` before any of its
+submodules, and torchkern's ``__init__`` builds torchkern's kernels: importing this module builds
+nothing. The guarantees are in docs/design.md ("The loader").
+
+- **Key.** Each build lives in ``$TORCHKERN_CACHE/<key>/``; the key names the torch version (with
+  its ``+cu`` tag), ``torch.version.cuda``, nvcc's version, the archs, the Python ABI and the C++11
+  ABI, and ends in a hash of every source, header and flag: an upgrade or an edit never loads a
+  stale library.
+- **Verified loads, no lock.** A published entry carries a manifest (key, library name, size,
+  SHA-256). A library is loaded only after it matches its manifest, so a truncated or swapped file
+  is rebuilt instead of crashing the process inside ``dlopen``. Loading needs no lock and no write
+  access: a read-only cache that holds the build works.
+- **Locked builds.** A build runs under an ``flock`` that the kernel releases when its holder dies;
+  the wait is bounded (``TORCHKERN_LOCK_TIMEOUT``). It compiles in a private staging directory,
+  in a child process that leads its own process group and dies with its parent (taking ninja and
+  the compilers along), and is published by one atomic rename. A failed build leaves nothing.
+
+Environment variables (read and validated by :func:`settings` and nowhere else):
+
+``TORCHKERN_BACKEND``       ``auto`` (default), ``cuda`` (a failed build raises), ``torch`` (twins only)
+``TORCHKERN_CACHE``         cache root, a directory; default ``~/.cache/torchkern``
+``TORCHKERN_LOCK_TIMEOUT``  seconds (finite, >= 0) to wait for another process's build; default 600
+``TORCHKERN_VERBOSE``       ``1``/``0`` (also true/false, yes/no, on/off): stream the ninja build
+``TORCH_CUDA_ARCH_LIST``    archs to build for (``9.0``, ``8.0;9.0+PTX``); default: the visible GPUs
+``MAX_JOBS``                parallel compile jobs, a positive integer (torch's ninja driver reads it)
+``CUDA_HOME``/``CUDA_PATH`` the CUDA toolkit; when set it is the one used, else ``nvcc`` on ``PATH``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import errno
+import fcntl
+import functools
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+__all__ = ["BuildError", "ConfigError", "LoadedLibrary", "LockTimeout", "Plan", "load", "plan", "settings"]
+
+HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inl")
+SOURCE_SUFFIXES = (".cpp", ".cc", ".cu")
+# Flags every build uses; part of the key.
+COMMON_CFLAGS = ("-O3",)
+COMMON_CUDA_CFLAGS = ("-O3", "--expt-relaxed-constexpr", "-lineinfo")
+MANIFEST = "manifest.json"
+FIRST_USE = "first use of this configuration"
+
+
+class BuildError(RuntimeError):
+    """A library could not be built (the message carries the compiler output, or names what is missing)."""
+
+
+class LockTimeout(TimeoutError):
+    """Another process held the build lock for longer than TORCHKERN_LOCK_TIMEOUT."""
+
+
+class ConfigError(ValueError):
+    """An environment variable holds a value torchkern does not accept (the message names both)."""
+
+
+# --------------------------------------------------------------------------- environment
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    backend: str
+    cache: Path
+    lock_timeout: float
+    verbose: bool
+    max_jobs: int | None
+    arch_list: tuple[str, ...] | None
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False,
+          "": False}
+
+
+def settings() -> Settings:
+    """Every environment variable torchkern reads, parsed and checked; raises ConfigError naming the
+    variable and the values it accepts. Cheap: called wherever a value is needed, so a change to the
+    environment (a test's, a launcher's) is seen."""
+    env = os.environ
+    backend = env.get("TORCHKERN_BACKEND", "auto").strip().lower() or "auto"
+    if backend not in ("auto", "cuda", "torch"):
+        raise ConfigError(f"TORCHKERN_BACKEND must be 'auto', 'cuda' or 'torch', got {backend!r}")
+    cache = Path(env.get("TORCHKERN_CACHE") or Path.home() / ".cache" / "torchkern").expanduser()
+    if cache.exists() and not cache.is_dir():
+        raise ConfigError(f"TORCHKERN_CACHE must name a directory (existing or to be created), but {cache} is a file")
+    raw = env.get("TORCHKERN_LOCK_TIMEOUT", "600").strip()
+    try:
+        lock_timeout = float(raw)
+    except ValueError:
+        lock_timeout = math.nan
+    if not (math.isfinite(lock_timeout) and lock_timeout >= 0):
+        raise ConfigError(f"TORCHKERN_LOCK_TIMEOUT must be a finite number of seconds >= 0, got {raw!r}")
+    verbose = env.get("TORCHKERN_VERBOSE", "").strip().lower()
+    if verbose not in _FLAGS:
+        raise ConfigError(f"TORCHKERN_VERBOSE must be 1 or 0 (or true/false, yes/no, on/off), got {verbose!r}")
+    max_jobs = env.get("MAX_JOBS", "").strip() or None
+    if max_jobs is not None and not (max_jobs.isdigit() and int(max_jobs) > 0):
+        raise ConfigError(f"MAX_JOBS must be a positive integer, got {max_jobs!r}")
+    arch_spec = env.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    try:
+        arch_list = parse_arch_list(arch_spec) if arch_spec else None
+    except ValueError as exc:
+        raise ConfigError(f"TORCH_CUDA_ARCH_LIST: {exc}") from None
+    return Settings(backend, cache, lock_timeout, _FLAGS[verbose], int(max_jobs) if max_jobs else None, arch_list)
+
+
+# --------------------------------------------------------------------------- toolchain
+
+
+def find_nvcc() -> str | None:
+    """nvcc from CUDA_HOME/CUDA_PATH when set (authoritative), else from PATH."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        home = os.environ.get(var)
+        if home:
+            nvcc = os.path.join(home, "bin", "nvcc")
+            return nvcc if os.path.exists(nvcc) else None
+    return shutil.which("nvcc")
+
+
+def cuda_home(nvcc: str) -> str:
+    """The toolkit root of ``nvcc`` (asked only when compiling: it costs a subprocess)."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            return os.environ[var]
+    # nvcc may be a wrapper script outside the toolkit; nvcc itself reports the toolkit root.
+    try:
+        dry = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True, timeout=30)
+        match = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.M)
+        if match:
+            return os.path.normpath(match.group(1).strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+@functools.lru_cache(maxsize=None)
+def nvcc_version(nvcc: str) -> str | None:
+    """'13.0' from ``nvcc --version``; cached, since preflight and the key both ask."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else None
+
+
+def ninja_available() -> bool:
+    return shutil.which("ninja") is not None
+
+
+def parse_arch_list(spec: str) -> tuple[str, ...]:
+    """'8.0;9.0+PTX' / '8.0 9.0' / 'sm_90' -> ('8.0', '9.0+PTX'). Raises ValueError on nonsense."""
+    archs = []
+    for item in re.split(r"[;,\s]+", spec.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d)([af]?)(\+PTX)?", item, re.I)
+        if not m:
+            raise ValueError(f"cannot parse CUDA arch {item!r} (expected e.g. '9.0', '9.0a', '8.6+PTX')")
+        archs.append(f"{m.group(1)}.{m.group(2)}{m.group(3).lower()}{'+PTX' if m.group(4) else ''}")
+    if not archs:
+        raise ValueError(f"empty CUDA arch list {spec!r}")
+    return tuple(sorted(set(archs)))
+
+
+def _nvml_capabilities() -> list[tuple[int, int]] | None:
+    """Compute capabilities of the machine's GPUs from NVML, which (unlike the CUDA runtime) costs no
+    CUDA initialization; None where NVML is not usable."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        count = ctypes.c_uint()
+        if nvml.nvmlDeviceGetCount_v2(ctypes.byref(count)) != 0:
+            return None
+        caps = []
+        for index in range(count.value):
+            handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+            if (nvml.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle)) != 0
+                    or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)) != 0):
+                return None
+            caps.append((major.value, minor.value))
+        return caps
+    finally:
+        nvml.nvmlShutdown()
+
+
+def default_archs() -> tuple[str, ...]:
+    """TORCH_CUDA_ARCH_LIST if set, else the compute capabilities of the machine's GPUs (from NVML where it
+    works, which costs no CUDA initialization)."""
+    chosen = settings().arch_list
+    if chosen:
+        return chosen
+    caps = _nvml_capabilities()
+    if caps is None:
+        caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+    return tuple(sorted({f"{major}.{minor}" for major, minor in caps}))
+
+
+def gencode_flags(archs: Sequence[str]) -> list[str]:
+    flags = []
+    for arch in archs:
+        num = arch.removesuffix("+PTX").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
+def arch_tag(archs: Sequence[str]) -> str:
+    return "-".join("sm_" + a.replace(".", "").replace("+PTX", "ptx") for a in archs) or "cpu"
+
+
+def toolchain_problems(need_gpu: bool = True) -> tuple[list[str], str | None]:
+    """Why CUDA code cannot be built (and, with ``need_gpu``, run) here: empty if it can. Also nvcc's version."""
+    problems = []
+    if need_gpu:
+        if torch.version.cuda is None:
+            problems.append(f"this torch build ({torch.__version__}) has no CUDA support")
+        elif torch.cuda.device_count() == 0:  # NVML where it can: no CUDA initialization
+            problems.append("no CUDA device is visible")
+    nvcc = find_nvcc()
+    version = nvcc_version(nvcc) if nvcc else None
+    if nvcc is None:
+        where = next((f"{v}={os.environ[v]} has no bin/nvcc" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)),
+                     "not on PATH")
+        problems.append(f"nvcc was not found ({where}; set CUDA_HOME or put nvcc on PATH)")
+    elif version and torch.version.cuda and version.split(".")[0] != torch.version.cuda.split(".")[0]:
+        problems.append(f"nvcc {version} does not match torch's CUDA {torch.version.cuda} (major versions differ)")
+    if not ninja_available():
+        problems.append("ninja was not found (pip install ninja)")
+    return problems, version
+
+
+# --------------------------------------------------------------------------- key
+
+
+def collect_files(sources: Sequence[Path], depends: Sequence[Path], include_paths: Sequence[Path]) -> list[Path]:
+    """Every file whose contents shape the binary: sources, ``depends``, headers beside each source and
+    under each include path."""
+    files = {Path(s).resolve() for s in [*sources, *depends]}
+    for src in sources:
+        files.update(p.resolve() for p in Path(src).resolve().parent.iterdir() if p.suffix in HEADER_SUFFIXES)
+    for inc in include_paths:
+        files.update(p.resolve() for p in Path(inc).rglob("*") if p.suffix in HEADER_SUFFIXES)
+    return sorted(files)
+
+
+def compute_key(name: str, files: Sequence[Path], flags: Sequence[str], archs: Sequence[str],
+                nvcc: str | None, torch_version: str | None = None, cuda_version: str | None = None) -> str:
+    """The cache directory name: readable versions plus a hash of everything that shapes the binary.
+
+    The hash covers file contents (not paths, so a moved checkout still hits the cache), every flag,
+    and the versions again, so no two builds share a key.
+    """
+    torch_version = torch_version or torch.__version__
+    cuda_version = cuda_version if cuda_version is not None else (torch.version.cuda or "none")
+    abi = f"cxx11abi{int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    readable = [name, f"torch{torch_version}", f"cu{cuda_version}", f"nvcc{nvcc or 'none'}", arch_tag(archs),
+                sys.implementation.cache_tag, abi]
+    digest = hashlib.sha256()
+    for part in readable + list(flags):
+        digest.update(part.encode() + b"\0")
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return "-".join(readable).replace("+", "_").replace("/", "_") + "-" + digest.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- lock
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, timeout: float | None = None) -> Iterator[None]:
+    """Exclusive ``flock`` on ``path``; the kernel drops it if this process dies.
+
+    Waits at most ``timeout`` seconds (default TORCHKERN_LOCK_TIMEOUT), then raises LockTimeout naming
+    the lock and its holder's pid.
+    """
+    timeout = settings().lock_timeout if timeout is None else timeout
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            if time.monotonic() >= deadline:
+                raise LockTimeout(
+                    f"torchkern: waited {timeout:.0f} s for the build lock {path} (held by pid {holder}); "
+                    "another process is still building. Raise TORCHKERN_LOCK_TIMEOUT, or stop that process.")
+            if not told and time.monotonic() > deadline - timeout + 2.0:
+                status(f"waiting for pid {holder}, which is building into the same cache ({path})")
+                told = True
+            time.sleep(0.1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+# --------------------------------------------------------------------------- cache entries
+
+
+def status(message: str) -> None:
+    """The loader's one kind of output: a status line on stderr."""
+    print(f"torchkern: {message}", file=sys.stderr, flush=True)
+
+
+def _library_suffix() -> str:
+    return sysconfig.get_config_var("SHLIB_SUFFIX") or ".so"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(entry: Path) -> dict | None:
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
+def verify_entry(entry: Path, key: str) -> tuple[Path | None, str]:
+    """The entry's library if it is the one published under ``key`` (the manifest's key, size and
+    SHA-256 all match), else None and why not. Reads the library once (tens of milliseconds for
+    torchkern's): the price of never handing ``dlopen`` a truncated file, which kills the process."""
+    if not entry.is_dir():
+        return None, FIRST_USE
+    manifest = read_manifest(entry)
+    if manifest is None:
+        return None, f"the cache entry {entry} has no readable manifest"
+    if manifest.get("key") != key:
+        return None, f"the cache entry {entry} was published for another key ({manifest.get('key')!r})"
+    library = entry / str(manifest.get("library", ""))
+    try:
+        size = library.stat().st_size
+    except OSError:
+        return None, f"the cached library {library} is missing"
+    if size != manifest.get("size"):
+        return None, f"the cached library {library} failed verification ({size} bytes, {manifest.get('size')} published)"
+    if _sha256(library) != manifest.get("sha256"):
+        return None, f"the cached library {library} failed verification (its SHA-256 differs from the published one)"
+    return library, ""
+
+
+def _rebuild_reason(why: str) -> str:
+    return why if why == FIRST_USE else f"rebuilding: {why}"
+
+
+def _open_library(path: Path, is_python_module: bool):
+    if is_python_module:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    torch.ops.load_library(str(path))
+    return None
+
+
+def _writable_root(root: Path, name: str, key: str, why: str) -> None:
+    """Raise BuildError, naming the directory and TORCHKERN_CACHE, where a build could not be published."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        problem = None if os.access(root, os.W_OK | os.X_OK) else "it is not writable"
+    except OSError as exc:
+        problem = f"it cannot be created ({exc.strerror})"
+    if problem:
+        raise BuildError(f"torchkern: {name} must be built ({why}), but the cache {root} cannot take it: {problem}. "
+                         f"Point TORCHKERN_CACHE at a writable directory, or have the cache's owner build this "
+                         f"configuration (key {key}).")
+
+
+# --------------------------------------------------------------------------- build
+
+
+@dataclasses.dataclass
+class LoadedLibrary:
+    """The result of :func:`load`: where the library lives and whether this call compiled it."""
+
+    name: str
+    path: str
+    key: str
+    built: bool
+    build_seconds: float | None
+    module: object | None = None  # the Python module, for is_python_module=True
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything a build needs and its key, computed without building (``python -m torchkern info``)."""
+
+    name: str
+    sources: tuple[Path, ...]
+    cflags: tuple[str, ...]
+    cuda_cflags: tuple[str, ...]
+    ldflags: tuple[str, ...]
+    include_paths: tuple[Path, ...]
+    archs: tuple[str, ...]
+    nvcc: str | None
+    nvcc_version: str | None
+    is_python_module: bool
+    key: str
+
+    @property
+    def entry(self) -> Path:
+        return settings().cache / self.key
+
+
+def plan(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Sequence[str] = (),
+         extra_cuda_cflags: Sequence[str] = (), extra_ldflags: Sequence[str] = (),
+         extra_include_paths: Sequence[str | os.PathLike] = (), depends: Sequence[str | os.PathLike] = (),
+         archs: Sequence[str] | str | None = None, is_python_module: bool = False) -> Plan:
+    """The build of ``sources`` and its key (see :func:`load` for the arguments); builds nothing."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise ValueError(f"name must be a valid identifier (it names the library), got {name!r}")
+    paths = tuple(Path(s).resolve() for s in sources)
+    if not paths:
+        raise ValueError("sources must name at least one .cpp or .cu file")
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"torchkern_jit: source {path} does not exist")
+    with_cuda = any(p.suffix == ".cu" for p in paths)
+    nvcc = version = None
+    if with_cuda:
+        nvcc = find_nvcc()
+        if nvcc is None:
+            raise BuildError("torchkern: nvcc not found; set CUDA_HOME or put nvcc on PATH")
+        version = nvcc_version(nvcc)
+        archs = parse_arch_list(archs) if isinstance(archs, str) else tuple(archs or default_archs())
+        if not archs:
+            raise BuildError("torchkern: no CUDA arch to build for: no GPU is visible and TORCH_CUDA_ARCH_LIST is unset")
+    else:
+        archs = ()
+    cflags = (*COMMON_CFLAGS, *extra_cflags)
+    cuda_cflags = (*COMMON_CUDA_CFLAGS, *extra_cuda_cflags, *gencode_flags(archs)) if with_cuda else ()
+    includes = tuple(Path(p).resolve() for p in extra_include_paths)
+    files = collect_files(paths, [Path(d) for d in depends], includes)
+    key = compute_key(name, files, [*cflags, "|", *cuda_cflags, "|", *extra_ldflags], archs, version)
+    return Plan(name, paths, cflags, cuda_cflags, tuple(extra_ldflags), includes, tuple(archs), nvcc, version,
+                is_python_module, key)
+
+
+# The build runs in this child: it leads its own process group (ninja and the compilers join it) and
+# asks the kernel for SIGTERM when its parent dies, on which it kills the whole group. A parent killed
+# by SIGKILL (no cleanup of its own) therefore leaves no compiler running into a deleted directory.
+_BUILD_CHILD = textwrap.dedent("""
+    import ctypes, json, logging, os, signal, sys
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "prctl"):
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    args = json.loads(sys.argv[1])
+    if os.getppid() != args.pop("parent"):  # the parent died before prctl
+        sys.exit(1)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # 'no GPU' warnings: built on purpose
+    import torch.utils.cpp_extension as cpp_extension
+    if args["with_cuda"]:
+        cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
+    try:
+        cpp_extension.load(**args)
+    except Exception as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(1)
+""")
+
+
+def _compile(p: Plan, build_dir: Path, verbose: bool) -> None:
+    """One ninja build of ``p`` into ``build_dir`` (parallel, MAX_JOBS honoured), in a child process."""
+    args = dict(name=p.name, sources=[str(s) for s in p.sources], extra_cflags=list(p.cflags),
+                extra_cuda_cflags=list(p.cuda_cflags), extra_ldflags=list(p.ldflags),
+                extra_include_paths=[str(i) for i in p.include_paths], build_directory=str(build_dir),
+                verbose=verbose, with_cuda=bool(p.nvcc), is_python_module=p.is_python_module, parent=os.getpid())
+    env = dict(os.environ)
+    if p.nvcc:  # torch guesses CUDA_HOME from PATH at its import; a wrapper script fools it: hand it nvcc's own
+        env["CUDA_HOME"] = cuda_home(p.nvcc)
+    child = subprocess.Popen([sys.executable, "-c", _BUILD_CHILD, json.dumps(args)], env=env, start_new_session=True,
+                             stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = child.communicate()
+    except BaseException:  # KeyboardInterrupt, a timeout of the caller's: the compilers go too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        raise
+    if child.returncode != 0:
+        detail = output.strip() if output else "(the compiler output is above: TORCHKERN_VERBOSE=1)"
+        raise BuildError(f"torchkern: building {p.name} failed:\n{detail}")
+
+
+def _build(p: Plan, root: Path, why: str, verbose: bool) -> float:
+    """Compile ``p`` in a staging directory and publish it at ``p.entry``; the caller holds the key's lock."""
+    if not ninja_available():
+        raise BuildError("torchkern: ninja was not found (pip install ninja)")
+    staging = root / ".staging"
+    staging.mkdir(parents=True, exist_ok=True)
+    for stale in staging.glob(f"{p.key}.*"):  # left by a killed build; we hold the key's lock
+        shutil.rmtree(stale, ignore_errors=True)
+    build_dir = Path(tempfile.mkdtemp(prefix=f"{p.key}.", dir=staging))
+    status(f"compiling {p.name} for {arch_tag(p.archs)} ({_rebuild_reason(why)}; cached in {root})...")
+    start = time.perf_counter()
+    try:
+        _compile(p, build_dir, verbose)
+        seconds = time.perf_counter() - start
+        library = next(build_dir.glob("*" + _library_suffix()))
+        for leftover in build_dir.iterdir():  # objects and ninja files: only the library and its manifest stay
+            if leftover != library:
+                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
+        manifest = {"key": p.key, "library": library.name, "size": library.stat().st_size, "sha256": _sha256(library),
+                    "name": p.name, "build_seconds": round(seconds, 2), "archs": list(p.archs),
+                    "torch": torch.__version__, "cuda": torch.version.cuda, "nvcc": p.nvcc_version,
+                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (build_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        build_dir.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        shutil.rmtree(p.entry, ignore_errors=True)  # a corrupt entry this build replaces
+        os.rename(build_dir, p.entry)  # atomic publish: readers see all of it or none
+    except BaseException:
+        shutil.rmtree(build_dir, ignore_errors=True)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            staging.rmdir()  # only when no other build is staging
+    status(f"compiled {p.name} in {seconds:.1f} s")
+    return seconds
+
+
+def load_plan(p: Plan) -> LoadedLibrary:
+    """Load ``p``'s published library, building and publishing it first where there is none (or the one
+    there fails verification or fails to load: rebuilt once)."""
+    config = settings()
+    root = config.cache
+    library, why = verify_entry(p.entry, p.key)
+    if library is not None:  # published entries are immutable: no lock, no write access needed
+        try:
+            module = _open_library(library, p.is_python_module)
+            return LoadedLibrary(p.name, str(library), p.key, False, read_manifest(p.entry).get("build_seconds"), module)
+        except (OSError, ImportError) as exc:
+            why = f"the cached library {library} failed to load ({exc})"
+    _writable_root(root, p.name, p.key, why)
+    with file_lock(root / "locks" / f"{p.key}.lock", config.lock_timeout):
+        again, _ = verify_entry(p.entry, p.key)
+        if again is not None and library is None:  # another process published it while this one waited
+            module = _open_library(again, p.is_python_module)
+            return LoadedLibrary(p.name, str(again), p.key, False, read_manifest(p.entry).get("build_seconds"), module)
+        seconds = _build(p, root, why, config.verbose)
+    library = p.entry / read_manifest(p.entry)["library"]
+    return LoadedLibrary(p.name, str(library), p.key, True, round(seconds, 2), _open_library(library, p.is_python_module))
+
+
+def load(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Sequence[str] = (),
+         extra_cuda_cflags: Sequence[str] = (), extra_ldflags: Sequence[str] = (),
+         extra_include_paths: Sequence[str | os.PathLike] = (), depends: Sequence[str | os.PathLike] = (),
+         archs: Sequence[str] | str | None = None, is_python_module: bool = False) -> LoadedLibrary:
+    """Build (once per cache key) and load a library from C++/CUDA ``sources``.
+
+    The key covers versions, archs, flags and the contents of the sources, of the headers beside
+    them, of the headers under ``extra_include_paths`` and of ``depends``. A published library is
+    verified against its manifest before it is loaded; one that fails verification or fails to load
+    is rebuilt once.
+
+    With ``is_python_module=False`` the library is loaded with ``torch.ops.load_library`` (register ops
+    with ``TORCH_LIBRARY``); with True it is imported as a Python module (``PYBIND11_MODULE``) returned
+    in ``.module``. ``archs`` defaults to TORCH_CUDA_ARCH_LIST, else the visible GPUs.
+
+    Raises FileNotFoundError for a missing source, ValueError for a bad name, BuildError with the
+    compiler output when the build fails (or naming the directory when the cache cannot take a build),
+    LockTimeout when another build holds the lock too long, ConfigError for a bad environment variable.
+    """
+    return load_plan(plan(name, sources, extra_cflags=extra_cflags, extra_cuda_cflags=extra_cuda_cflags,
+                          extra_ldflags=extra_ldflags, extra_include_paths=extra_include_paths, depends=depends,
+                          archs=archs, is_python_module=is_python_module))
