@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchkern import bench
+from torchkern import _bench as bench
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _PREPARED: dict[str, bench.Prepared] = {}

@@ -1,4 +1,4 @@
-"""Compile and run the README's user-kernel example through torchkern.jit_loader.load (needs a GPU)."""
+"""Compile and run the README's user-kernel example through torchkern_jit.load (needs a GPU)."""
 
 import re
 import tempfile
@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 
-from torchkern import jit_loader
+import torchkern_jit
 
 readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 source = re.search(r"```cpp\n// scale.cu\n(.*?)```", readme, re.S).group(1)
 with tempfile.TemporaryDirectory() as tmp:
     path = Path(tmp) / "scale.cu"
     path.write_text(source)
-    lib = jit_loader.load("my_ops", [path])
+    lib = torchkern_jit.load("my_ops", [path])
     x = torch.randn(1000, device="cuda")
     torch.testing.assert_close(torch.ops.my_ops.scale(x, 3.0), 3.0 * x)
     print(f"README user kernel: built={lib.built} in {lib.build_seconds:.1f} s, result correct")
