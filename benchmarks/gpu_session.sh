@@ -1,34 +1,70 @@
 #!/usr/bin/env bash
-# One device session: environment, cold build, warm import cost, the full test suite, the
-# benchmark table. Logs go under $OUT (default ./gpu-out). Usage:
-#   bash benchmarks/gpu_session.sh [TEST_SECONDS] [BENCH_SECONDS] [bench families...]
+# One device session, in stages: environment, cold build, warm import cost, tests, benchmarks, the optimizers'
+# quality suite, the README's user kernel. Everything printed goes to $OUT/session.txt (default ./gpu-out); the
+# benchmark JSON and the figures (one tarball: the device tool brings back at most 8 files) beside it.
+#
+#   bash benchmarks/gpu_session.sh                       # every stage, every family
+#   STAGES="build tests" TEST_ARGS="tests/test_linalg.py -k eigh" bash benchmarks/gpu_session.sh
+#   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_session.sh
+#
+# Benchmark-only peers (opacus) travel as wheels in .whl/ (ignored by git) and are installed into /tmp/site.
 set -uo pipefail
-test_seconds=${1:-300}; bench_seconds=${2:-300}; shift 2 2>/dev/null; families=("$@")
+STAGES=${STAGES:-env build import tests bench quality readme}
+TEST_ARGS=${TEST_ARGS:-tests}
+TEST_SECONDS=${TEST_SECONDS:-420}
+BENCH_FAMILIES=${BENCH_FAMILIES:-}
+BENCH_SECONDS=${BENCH_SECONDS:-420}
+QUALITY_SECONDS=${QUALITY_SECONDS:-300}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
+exec > >(tee -a "$OUT/session.txt") 2>&1
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TORCHKERN_CACHE=${TORCHKERN_CACHE:-/tmp/torchkern-cache} MAX_JOBS=${MAX_JOBS:-16}
-{
-  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
-  nvcc --version | tail -1
-} 2>&1 | tee "$OUT/env.txt"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+has() { [[ " $STAGES " == *" $1 "* ]]; }
 
-echo "== cold build"; rm -rf "$TORCHKERN_CACHE"
-python -c "import torchkern; print(torchkern.backend_info())" 2>&1 | tee "$OUT/build.txt"
-cat "$TORCHKERN_CACHE"/torchkern_kernels-*/.ninja_log 2>/dev/null | awk 'NR>1 {printf "%.1f s %s\n", ($2-$1)/1000, $4}' | sort -rn | head -5 | tee -a "$OUT/build.txt"
-python benchmarks/import_time.py 2>&1 | tee -a "$OUT/build.txt"
+if has env; then
+  {
+    date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+    nvcc --version | tail -1
+    python -c "import opacus; print('opacus', opacus.__version__)" 2>&1 | tail -1
+  } 2>&1
+fi
 
-python benchmarks/import_profile.py > "$OUT/import_profile.txt" 2>&1; head -3 "$OUT/import_profile.txt"
+if has build; then
+  echo "== cold build"; rm -rf "$TORCHKERN_CACHE"
+  python -c "import torchkern; print(torchkern.backend_info())" 2>&1
+fi
 
-echo "== tests"
-timeout "$test_seconds" python -m pytest tests -q -p no:cacheprovider --timeout=120 -rfE 2>&1 | grep -v "^SKIPPED" > "$OUT/tests.txt"
-tail -30 "$OUT/tests.txt"
+if has import; then
+  python benchmarks/import_time.py 2>&1
+  python benchmarks/import_profile.py 2>&1 | head -12
+fi
 
-echo "== benchmarks"
-fam_args=(); for f in "${families[@]}"; do fam_args+=(--family "$f"); done
-timeout "$bench_seconds" python -m torchkern bench "${fam_args[@]}" --json "$OUT/bench.json" > "$OUT/bench.txt" 2> "$OUT/bench.err"
-cat "$OUT/bench.txt"; tail -5 "$OUT/bench.err"
+if has tests; then
+  echo "== tests: $TEST_ARGS"
+  # shellcheck disable=SC2086
+  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS -q -p no:cacheprovider --timeout=240 -rfE --maxfail=30 2>&1 \
+    | grep -v "^SKIPPED"
+fi
 
-echo "== README user kernel"
-timeout 120 python benchmarks/readme_user_kernel.py 2>&1 | tail -3
+if has bench; then
+  echo "== benchmarks: ${BENCH_FAMILIES:-all}"
+  fam_args=(); for f in $BENCH_FAMILIES; do fam_args+=(--family "$f"); done
+  timeout "$BENCH_SECONDS" python -m torchkern bench "${fam_args[@]}" --json "$OUT/bench.json" 2>&1
+fi
+
+if has quality; then
+  echo "== quality suite"
+  timeout "$QUALITY_SECONDS" python -m torchkern bench --family quality 2>&1
+  tar czf "$OUT/quality.tgz" benchmarks/quality 2>/dev/null
+fi
+
+if has readme; then
+  echo "== README user kernel"
+  timeout 120 python benchmarks/readme_user_kernel.py 2>&1 | tail -3
+fi
