@@ -1,4 +1,11 @@
-"""Cases for matrix_inverse_root (p = 4, float32) and kron.
+"""Cases for eigh, matrix_inverse_root (p = 4) and kron, float32.
+
+eigh, impls: "torchkern" (a cold start), "torchkern_warm" (started from the eigenbasis of the same
+statistics one optimizer step earlier: Q0 = eigh(A_prev), A = A_prev + 1e-2 ||A_prev||_2 N with
+N = Z Z^T scaled to unit spectral norm, Z standard normal), "torch" (torch.linalg.eigh). The check,
+for both torchkern runs: the residual ||A V - V diag(w)||_F <= 1e-5 ||A||_F, ||V^T V - I||_2 <= 1e-5,
+and eigenvalues within 8 eps ||A||_F of a float64 reference (the accuracy tests' bars). Matrices: the
+statistics below (condition 1e3).
 
 Roots, impls: "torchkern" (method="newton": the in-block kernel for n <= 128, cuBLAS + fused
 steps above), "torch_newton" (the same coupled Newton in torch matmuls, 20 iterations, as a
@@ -82,6 +89,39 @@ def _root_case(name: str, batch: int, n: int, device: str) -> Case:
     return Case("linalg", f"matrix_inverse_root/{name}", setup, device, ("torchkern", "torch_newton", "eigh"))
 
 
+def _eigh_case(name: str, batch: int, n: int, device: str) -> Case:
+    def setup() -> Prepared:
+        prev = statistics_like(batch, n, device)
+        gen = torch.Generator(device=device).manual_seed(1)
+        Z = torch.randn(batch, n, n, device=device, dtype=torch.float64, generator=gen)
+        noise = Z @ Z.mT
+        step = 1e-2 * (torch.linalg.matrix_norm(prev, 2) / torch.linalg.matrix_norm(noise, 2))[:, None, None] * noise
+        A64 = prev + step
+        A, Q0 = A64.float(), torch.linalg.eigh(prev)[1].float()
+        w_ref = torch.linalg.eigvalsh(A.double())
+        impls = {"torchkern": lambda: torchkern.linalg.eigh(A), "torchkern_warm": lambda: torchkern.linalg.eigh(A, Q0),
+                 "torch": lambda: torch.linalg.eigh(A)}
+
+        def check() -> None:
+            norm = torch.linalg.matrix_norm(A.double())
+            eye = torch.eye(n, device=device, dtype=torch.float64)
+            for impl in ("torchkern", "torchkern_warm"):
+                w, V = (x.double() for x in impls[impl]())
+                res = (torch.linalg.matrix_norm(A.double() @ V - V * w.unsqueeze(-2)) / norm).max().item()
+                orth = torch.linalg.matrix_norm(V.mT @ V - eye, 2).max().item()
+                values = ((w - w_ref).abs().amax(-1) / norm).max().item()
+                if not (res <= 1e-5 and orth <= 1e-5 and values <= 8 * torch.finfo(torch.float32).eps):
+                    raise AssertionError(f"{impl}: residual {res:.2e}, orthogonality {orth:.2e}, "
+                                         f"eigenvalues {values:.2e}")
+
+        nbytes = 4.0 * batch * (2 * n * n + n)  # read A, write V and w
+        return Prepared(impls, bytes=nbytes, flops=4.0 * batch * n ** 3, check=check,
+                        note="FLOPs: 4 n^3 per matrix, what a tridiagonal method with eigenvectors needs (Jacobi: "
+                             "about 9 n^3 per sweep in one block, 12 n^3 per sweep in the block method)")
+
+    return Case("linalg", f"eigh/{name}", setup, device, ("torchkern", "torchkern_warm", "torch"))
+
+
 def _kron_eager(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     return (A[..., :, None, :, None] * B[..., None, :, None, :]).reshape(
         *A.shape[:-2], A.shape[-2] * B.shape[-2], A.shape[-1] * B.shape[-1])
@@ -105,7 +145,8 @@ def _kron_case(name: str, shape: tuple[int, int, int], device: str) -> Case:
 
 def cases(device: str, quick: bool) -> list[Case]:
     roots = QUICK_ROOT_SIZES if (quick or device == "cpu") else ROOT_SIZES
-    out = [_root_case(name, b, n, device) for name, (b, n) in roots.items()]
+    out = [_eigh_case(name, b, n, device) for name, (b, n) in roots.items()]
+    out += [_root_case(name, b, n, device) for name, (b, n) in roots.items()]
     kron = {"small": (4, 4, 8)} if (quick or device == "cpu") else {"small": (8, 8, 8), "large": (64, 32, 32)}
     out += [_kron_case(name, shape, device) for name, shape in kron.items()]
     return out

@@ -1,4 +1,4 @@
-"""Registration of the linalg ops: the Newton inverse root and the Kronecker product."""
+"""Registration of the linalg ops: the symmetric eigensolver, the Newton inverse root and the Kronecker product."""
 
 from __future__ import annotations
 
@@ -36,3 +36,23 @@ def _kron_backward(ctx, grad):
 
 define("kron(Tensor A, Tensor B) -> Tensor", twin=twins.kron, fake=_kron_fake,
        backward=_kron_backward, setup_context=save_inputs)
+
+
+def _eigh_fake(A, Q0=None):
+    twins.check_eigh_args(A, Q0)
+    return A.new_empty(A.shape[:-1]), torch.empty_like(A, memory_format=torch.contiguous_format)
+
+
+def _eigh_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*output)
+
+
+def _eigh_backward(ctx, grad_w, grad_V):
+    w, V = ctx.saved_tensors
+    return twins.eigh_backward(w, V, grad_w, grad_V), None
+
+
+# Outputs: eigenvalues ascending (..., n) and eigenvectors as columns (..., n, n), of the symmetric part of A
+# (NaN for a matrix with a NaN or Inf entry). Q0: a previous eigenbasis to start from (not differentiated).
+define("eigh(Tensor A, Tensor? Q0=None) -> (Tensor, Tensor)", twin=twins.eigh, fake=_eigh_fake,
+       backward=_eigh_backward, setup_context=_eigh_setup)

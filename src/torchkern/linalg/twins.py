@@ -13,7 +13,9 @@ the largest eigenvalue land on the same value, and the interval's bottom grows b
 (p + 1) ((p + 1) / p)^p per step instead of ((p + 1) / p)^p (2.4x for p = 4). The closed form:
 r = l^(1/p), c = (p + 1) (1 - r) / (1 - r l), capped at 1 + p / 2 (see :func:`newton_scaling`).
 
-    u = min(||A||_F, ||A||_inf) (>= the largest eigenvalue), M0 = A / u, X0 = u^(-1/p) I,
+    A = (G + G^T) / 2 + eps I (the symmetric part, on every path: matrix_inverse_root's contract),
+    u = min(||A||_F, ||A||_inf) (>= the largest eigenvalue; the squares summed in float64, so that
+    neither a tiny nor a huge G under- or overflows), M0 = A / u, X0 = u^(-1/p) I,
     l = max(eps / u, 1 - ||M - I||_inf, SCALE_FLOOR, theta / RITZ_HEDGE), capped at 1; then repeat
     c from l; P = c^(1/p) ((p + 1) I - c M) / p; X <- X P; M <- P^p M;
     err = ||M - I||_inf; l <- min(1, max(h(c l), 1 - err))
@@ -47,8 +49,10 @@ from __future__ import annotations
 
 import torch
 
-from .constants import LANCZOS_MIN_N, LANCZOS_STEPS, RITZ_HEDGE, SCALE_FLOOR, STALL_BELOW, STALL_RATIO
-from .._checks import check, check_float, check_same_device, check_same_dtype, dtype_name, fail, opmath_dtype, shape
+from .constants import (LANCZOS_MIN_N, LANCZOS_STEPS, NEWTON_ACCEPT, RITZ_HEDGE, SCALE_FLOOR, STALL_BELOW,
+                        STALL_RATIO)
+from .._checks import (check, check_float, check_same_device, check_same_dtype, check_same_shape, dtype_name, fail,
+                       opmath_dtype, shape)
 
 
 
@@ -163,8 +167,9 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     B = A.shape[0]
     eye = torch.eye(n, dtype=cdt, device=G.device)
     bad = ~torch.isfinite(A).flatten(1).all(1)
-    A = torch.where(bad[:, None, None], torch.zeros((), dtype=cdt, device=G.device), A) + eps * eye
-    u = torch.minimum(torch.linalg.matrix_norm(A), torch.linalg.matrix_norm(A, ord=torch.inf))  # >= top eigenvalue
+    A = symmetric_part(torch.where(bad[:, None, None], torch.zeros((), dtype=cdt, device=G.device), A)) + eps * eye
+    fro = torch.linalg.matrix_norm(A.double()).to(cdt)  # float64 squares: no underflow for tiny G
+    u = torch.minimum(fro, torch.linalg.matrix_norm(A, ord=torch.inf))  # >= top eigenvalue
     X = u.pow(-1.0 / p)[:, None, None] * eye
     M = A / u[:, None, None]
     err = inf_norm_residual(M)
@@ -195,43 +200,170 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     return (X.to(G.dtype).reshape(G.shape).contiguous(), err.reshape(batch), iters.reshape(batch))
 
 
-def matrix_inverse_root_eigh(G: torch.Tensor, p: int, eps: float, compute: torch.dtype | None = None):
-    """(G + eps I)^(-1/p) by eigendecomposition: G + eps I = Q diag(l) Q^T, root = Q diag(max(l, eps)^(-1/p)) Q^T.
+def root_from_eigh(w: torch.Tensor, V: torch.Tensor, p: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """V diag(max(w, floor)^(-1/p)) V^T with floor = max(eps, the smallest normal number of ``dtype``, the
+    result's dtype): eigenvalues at or below eps (rounding, or a singular G with eps = 0) are clamped, and every
+    entry of the root stays finite in ``dtype`` (floor^(-1/p) <= 1 / floor; |V D V^T| <= max D for orthonormal V)."""
+    floor = max(eps, torch.finfo(dtype).tiny)
+    return (V * w.clamp_min(floor).pow(-1.0 / p).unsqueeze(-2)) @ V.mT
 
-    Computed in ``compute`` (default: float64 for float64 input, float32 otherwise; half types are
-    upcast since eigh has no half kernels); returns G's dtype. No checks: the caller checks.
+
+def matrix_inverse_root_eigh(G: torch.Tensor, p: int, eps: float, compute: torch.dtype | None = None,
+                             eigh=torch.linalg.eigh):
+    """(G + eps I)^(-1/p) by eigendecomposition of A = (G + G^T) / 2 + eps I = Q diag(l) Q^T:
+    root = Q diag(max(l, floor)^(-1/p)) Q^T (:func:`root_from_eigh`).
+
+    Computed in ``compute`` (default: float64 for float64 input, float32 otherwise; half types are upcast), by
+    ``eigh`` (torch.linalg.eigh here; the public function passes torchkern's); returns (root in the compute
+    dtype, A). No checks: the caller checks.
     """
     n = G.shape[-1]
     cdt = compute or opmath_dtype(G.dtype)
-    A = G.to(cdt)
-    A = 0.5 * (A + A.transpose(-1, -2)) + eps * torch.eye(n, dtype=cdt, device=G.device)
-    lam, Q = torch.linalg.eigh(A)
-    floor = eps if eps > 0 else torch.finfo(cdt).tiny
-    scale = lam.clamp_min(floor).pow(-1.0 / p)
-    root = (Q * scale.unsqueeze(-2)) @ Q.transpose(-1, -2)
-    return root, A
+    A = symmetric_part(G.to(cdt)) + eps * torch.eye(n, dtype=cdt, device=G.device)
+    w, V = eigh(A)
+    return root_from_eigh(w, V, p, eps, G.dtype), A
 
 
-def eigh_residual(root: torch.Tensor, A: torch.Tensor, p: int) -> torch.Tensor:
-    """The residual the eigh method reports: ||X^p A - I||_inf per matrix, the quantity Newton's
-    ||M - I||_inf equals in exact arithmetic (M_k = X_k^p A)."""
-    return inf_norm_residual(_matrix_power(root, p) @ A)
+def root_residual(X: torch.Tensor, G: torch.Tensor, p: int, eps: float) -> torch.Tensor:
+    """The achieved error of a root X of (G + eps I): ||X^p A - I||_inf per matrix, A = (G + G^T) / 2 + eps I,
+    computed in float64 (X^p of a tiny G's root would overflow float32). The quantity Newton's ||M - I||_inf
+    equals in exact arithmetic; in float32 at high condition numbers M drifts from X^p A, so this is measured
+    directly."""
+    n = G.shape[-1]
+    A = symmetric_part(G.double()) + eps * torch.eye(n, dtype=torch.float64, device=G.device)
+    return inf_norm_residual(_matrix_power(X.double(), p) @ A)
+
+
+def newton_failed(err: torch.Tensor, tol: float) -> torch.Tensor:
+    """The matrices whose Newton iteration did not converge: error above max(tol, NEWTON_ACCEPT), or not finite
+    (a non-finite iterate, a diverging iteration, or a spent budget all end there)."""
+    return ~(err <= max(tol, NEWTON_ACCEPT))
+
+
+def replace_failed(G: torch.Tensor, root: torch.Tensor, failed: torch.Tensor, p: int, eps: float,
+                   eigh=torch.linalg.eigh) -> torch.Tensor:
+    """``root`` with the matrices marked in ``failed`` (shape G.shape[:-2]) replaced by float64 eigendecomposition
+    roots (:func:`matrix_inverse_root_eigh`): the work is only for those matrices."""
+    n = G.shape[-1]
+    idx = failed.reshape(-1).nonzero().flatten()
+    fixed, _ = matrix_inverse_root_eigh(G.reshape(-1, n, n)[idx], p, eps, torch.float64, eigh)
+    out = root.reshape(-1, n, n).clone()
+    out[idx] = fixed.to(out.dtype)
+    return out.reshape(root.shape)
 
 
 def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str = "auto", max_iters: int = 100,
-                        tol: float = 1e-6, return_error: bool = False, *, float64: bool = False):
-    """Pure-PyTorch twin of :func:`torchkern.linalg.matrix_inverse_root` (no NaN check, no kernels)."""
+                        tol: float = 1e-6, return_error: bool = False, *, float64: bool = False,
+                        fallback: bool = True):
+    """Pure-PyTorch twin of :func:`torchkern.linalg.matrix_inverse_root` (no kernels, no NaN check: a matrix
+    with a NaN or Inf entry gets a NaN root; with ``fallback=False`` a matrix that did not converge keeps its
+    Newton root)."""
     check_root_args("matrix_inverse_root", G, p, max_iters, tol, eps)
     if method == "auto":
         method = "eigh" if (float64 or G.dtype == torch.float64 or G.device.type == "cpu") else "newton"
     if method == "eigh":
-        root, A = matrix_inverse_root_eigh(G, p, eps, torch.float64 if float64 else None)
-        out = root.to(G.dtype)
-        return (out, eigh_residual(root, A, p)) if return_error else out
-    H = G.double() if float64 else G
-    root, err, _ = matrix_inverse_root_newton(H, p, eps, max_iters, tol)
-    root = root.to(G.dtype)
-    return (root, err) if return_error else root
+        root, _ = matrix_inverse_root_eigh(G, p, eps, torch.float64 if float64 else None)
+    else:
+        H = G.double() if float64 else G
+        root, err, _ = matrix_inverse_root_newton(H, p, eps, max_iters, tol)
+        finite = torch.isfinite(G).flatten(-2).all(-1)
+        failed = newton_failed(err, tol) & finite
+        if fallback and bool(failed.any()):
+            root = replace_failed(G, root, failed, p, eps)
+    out = root.to(G.dtype)
+    if not return_error:
+        return out
+    return out, root_residual(out, G, p, eps).to(opmath_dtype(torch.float64 if float64 else G.dtype))
+
+
+# ----------------------------------------------------------------------------- eigh
+
+
+def check_eigh_args(A: torch.Tensor, Q0: torch.Tensor | None) -> None:
+    op = "eigh"
+    check_float(op, "A", A)
+    check(A.dim() >= 2 and A.shape[-1] == A.shape[-2], op,
+          f"A must have shape [..., n, n] (square matrices), got {shape(A)}")
+    if Q0 is not None:
+        check_same_shape(op, "A", A, "Q0", Q0)
+        check_same_dtype(op, "A", A, "Q0", Q0)
+        check_same_device(op, "A", A, "Q0", Q0)
+
+
+def symmetric_part(A: torch.Tensor) -> torch.Tensor:
+    """(A + A^T) / 2, as the kernels compute it: A / 2 + A^T / 2, which cannot overflow near the dtype's largest
+    value and leaves symmetric input as it is (but for subnormal entries, which the kernels keep)."""
+    return 0.5 * A + 0.5 * A.mT
+
+
+def times_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """x * 2^k (k an integer tensor that broadcasts), in two factors so that neither overflows x's dtype: exact
+    unless the result over- or underflows."""
+    half = torch.div(k, 2, rounding_mode="floor")
+    two = torch.tensor(2.0, dtype=x.dtype, device=x.device)
+    return x * two.pow(half.to(x.dtype)) * two.pow((k - half).to(x.dtype))
+
+
+def pow2_scale(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X 2^-e, e) per matrix of a finite (..., n, n) batch, e the int32 exponent that puts max |x| in
+    [0.5, 1) (0 for a zero matrix): an exact scaling that keeps squares, norms and products in range."""
+    e = torch.frexp(X.abs().amax((-2, -1))).exponent
+    return times_pow2(X, -e[..., None, None]), e
+
+
+def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of ``torchkern::eigh``: (eigenvalues ascending, eigenvectors as columns) of the symmetric part of A.
+
+    The same preparation as the kernels: a matrix with a NaN or Inf entry is replaced by zeros (its outputs
+    become NaN: the public function turns that into an error naming the matrices), each matrix is scaled by
+    a power of two (max |a| in [0.5, 1)) and symmetrized; with ``Q0``, ``Q0^T A Q0`` is decomposed and its
+    eigenvectors rotated back by ``Q0`` (NaN outputs where that product is not finite). Then torch.linalg.eigh
+    in the compute dtype (float32 for the half types). Outputs have A's dtype; the eigenvectors are contiguous.
+    """
+    check_eigh_args(A, Q0)
+    if A.numel() == 0:
+        return A.new_empty(A.shape[:-1]), torch.empty_like(A, memory_format=torch.contiguous_format)
+    cdt = opmath_dtype(A.dtype)
+    zero = torch.zeros((), dtype=cdt, device=A.device)
+    X = A.to(cdt)
+    bad = ~torch.isfinite(X).flatten(-2).all(-1)
+    X, e = pow2_scale(torch.where(bad[..., None, None], zero, X))
+    X = symmetric_part(X)
+    if Q0 is not None:
+        Q = Q0.to(cdt)
+        X = Q.mT @ X @ Q
+        bad_q = ~torch.isfinite(X).flatten(-2).all(-1)
+        X, bad = torch.where(bad_q[..., None, None], zero, X), bad | bad_q
+    w, V = torch.linalg.eigh(X)
+    if Q0 is not None:
+        V = Q @ V
+    nan = torch.full((), float("nan"), dtype=cdt, device=A.device)
+    w = torch.where(bad[..., None], nan, times_pow2(w, e[..., None]))
+    V = torch.where(bad[..., None, None], nan, V)
+    return w.to(A.dtype), V.to(A.dtype).contiguous()
+
+
+def eigh_backward(w: torch.Tensor, V: torch.Tensor, grad_w: torch.Tensor | None,
+                  grad_V: torch.Tensor | None) -> torch.Tensor:
+    """Gradient of eigh with respect to A, for A = V diag(w) V^T (the standard formula, as torch.linalg.eigh's):
+
+        grad_A = V (diag(grad_w) + F o skew(V^T grad_V)) V^T,  F_ij = 1 / (w_j - w_i) (i != j), 0 on the diagonal,
+
+    skew(X) = (X - X^T) / 2. grad_A is symmetric, which is exactly the gradient of eigh of the symmetric part
+    (A + A^T) / 2. Like torch's, it is not finite where grad_V is given and two eigenvalues coincide.
+    """
+    dtype, cdt = V.dtype, opmath_dtype(V.dtype)
+    w, V = w.to(cdt), V.to(cdt)
+    n = V.shape[-1]
+    inner = torch.zeros(V.shape, dtype=cdt, device=V.device)
+    if grad_V is not None:
+        X = V.mT @ grad_V.to(cdt)
+        gap = w.unsqueeze(-2) - w.unsqueeze(-1)  # gap[i, j] = w_j - w_i
+        off = ~torch.eye(n, dtype=torch.bool, device=V.device)
+        inner = torch.where(off, 0.5 * (X - X.mT) / torch.where(off, gap, 1.0), 0.0)
+    if grad_w is not None:
+        inner = inner + torch.diag_embed(grad_w.to(cdt))
+    return (V @ inner @ V.mT).to(dtype)
 
 
 # ----------------------------------------------------------------------------- Kronecker
@@ -333,6 +465,7 @@ def kron_precondition(grad: torch.Tensor, left, right, damping: float = 0.0) -> 
     return QL @ V @ QR.transpose(-1, -2)
 
 
-__all__ = ["check_kron", "check_kron_precondition", "check_root_args", "eigen_scale", "eigh_residual",
-           "inf_norm_residual", "kron", "kron_backward", "kron_precondition", "matrix_inverse_root",
-           "matrix_inverse_root_eigh", "matrix_inverse_root_newton", "newton_scaling", "dtype_name"]
+__all__ = ["check_eigh_args", "check_kron", "check_kron_precondition", "check_root_args", "eigen_scale", "eigh",
+           "eigh_backward", "inf_norm_residual", "kron", "kron_backward", "kron_precondition", "matrix_inverse_root",
+           "matrix_inverse_root_eigh", "matrix_inverse_root_newton", "newton_failed", "newton_scaling", "pow2_scale",
+           "replace_failed", "root_from_eigh", "root_residual", "symmetric_part", "times_pow2", "dtype_name"]

@@ -1,4 +1,5 @@
-// matrix_inverse_root_newton(G, p, eps, max_iters, tol) -> (root, error, iterations).
+// matrix_inverse_root_newton(G, p, eps, max_iters, tol) -> (root, error, iterations), of the symmetric part
+// (G + G^T) / 2 on every path.
 //
 // The scaled coupled Newton iteration (linalg/twins.py: docs/design.md's iteration with a per-matrix
 // scaling that cuts the step count) per matrix of a batch; each matrix stops at its own
@@ -28,9 +29,11 @@
 // The products run in the compute dtype through at::bmm, so they follow torch's TF32 setting
 // (off by default): leave TF32 off for float32 roots at 1e-4 accuracy.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -55,8 +58,9 @@ constexpr int kRowsPerBlock = kRowThreads / 32;
 constexpr int kSyncCheckFromN = 512;  // from this n on the convergence check waits for its own iteration
 
 // Row reductions spread over (matrix, chunk of 8 rows) blocks, so that a batch of a few large
-// matrices still fills the GPU. kInit: sum of squares and max row sum of |A| for A = G + eps I,
-// and a non-finite flag; else: max over rows of sum_c |M - I| (skipping matrices that are done).
+// matrices still fills the GPU. kInit: the chunk's Frobenius norm (squares summed in double) and max
+// row sum of |A| for A = G + eps I, and a non-finite flag; else: max over rows of sum_c |M - I|
+// (skipping matrices that are done).
 template <typename T, typename C, bool kInit>
 __global__ void __launch_bounds__(kRowThreads)
 newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
@@ -66,12 +70,14 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
                    const int* __restrict__ active,  // [B] (!kInit)
                    int n, int chunks, C eps) {
   __shared__ C scratch[kRowsPerBlock], scratch_max[kRowsPerBlock];
+  __shared__ double scratch_sq[kRowsPerBlock];
   const int64_t idx = blockIdx.x, b = idx / chunks;
   if constexpr (!kInit) {
     if (!active[b]) return;
   }
   const int r = static_cast<int>(idx - b * chunks) * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
-  C s = C(0), t = C(0);  // kInit: s = sum of squares, t = sum of |A|; else s = sum of |M - I|
+  C s = C(0), t = C(0);  // kInit: t = sum of |A|; else s = sum of |M - I|
+  double sq = 0.0;       // kInit: sum of squares, in double (a tiny G's squares underflow float)
   bool finite = true;
   if (r < n) {
     const T* row = src + (b * n + r) * int64_t(n);
@@ -81,35 +87,44 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
       if constexpr (kInit) {
         finite &= isfinite(v);
         const C a = v + (r == c ? eps : C(0));
-        s += a * a;
+        sq += static_cast<double>(a) * a;
         t += fabs(a);
       } else {
         s += fabs(v - (r == c ? C(1) : C(0)));
       }
     }
   }
-  s = warp_sum(s);
   if constexpr (kInit) {
+    sq = warp_sum(sq);
     t = warp_sum(t);
     finite = __all_sync(0xffffffffu, finite);
+  } else {
+    s = warp_sum(s);
   }
   if (threadIdx.x % 32 == 0) {
-    scratch[threadIdx.x / 32] = kInit ? (finite ? s : C(NAN)) : s;
-    if constexpr (kInit) scratch_max[threadIdx.x / 32] = t;
+    if constexpr (kInit) {
+      scratch_sq[threadIdx.x / 32] = finite ? sq : NAN;
+      scratch_max[threadIdx.x / 32] = t;
+    } else {
+      scratch[threadIdx.x / 32] = s;
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    C v = scratch[0];
-    for (int w = 1; w < kRowsPerBlock; ++w) {
-      const C x = scratch[w];
-      v = kInit ? v + x : ((x > v || x != x) ? x : v);
-    }
-    partial[idx] = v;
-    if constexpr (kInit) {
+    if constexpr (kInit) {  // the chunk's Frobenius norm (its square may be out of float's range)
+      double total = scratch_sq[0];
       C m = scratch_max[0];
-      for (int w = 1; w < kRowsPerBlock; ++w) m = fmax(m, scratch_max[w]);
+      for (int w = 1; w < kRowsPerBlock; ++w) total += scratch_sq[w], m = fmax(m, scratch_max[w]);
+      partial[idx] = static_cast<C>(sqrt(total));
       row_max[idx] = m;
-      bad[idx] = v != v;
+      bad[idx] = total != total;
+    } else {
+      C v = scratch[0];
+      for (int w = 1; w < kRowsPerBlock; ++w) {
+        const C x = scratch[w];
+        v = (x > v || x != x) ? x : v;
+      }
+      partial[idx] = v;
     }
   }
 }
@@ -230,14 +245,16 @@ __global__ void newton_scale_kernel(const C* __restrict__ partial, const C* __re
                                     const int* __restrict__ bad, C* __restrict__ z, C* __restrict__ xz,
                                     int* __restrict__ is_bad, int64_t batch, int chunks, int p) {
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
-    C sq = C(0), inf_norm = C(0);
+    double sq = 0.0;  // the chunks' Frobenius norms squared and summed in double
+    C inf_norm = C(0);
     int any_bad = 0;
     for (int c = 0; c < chunks; ++c) {
-      sq += partial[b * chunks + c];
+      const double x = partial[b * chunks + c];
+      sq += x * x;
       inf_norm = fmax(inf_norm, row_max[b * chunks + c]);
       any_bad |= bad[b * chunks + c];
     }
-    const C u = fmin(sqrt(sq), inf_norm);
+    const C u = fmin(static_cast<C>(sqrt(sq)), inf_norm);  // an infinite Frobenius norm: the row sums decide
     z[b] = C(1) / u;
     xz[b] = pow(u, C(-1) / C(p));
     is_bad[b] = any_bad;
@@ -478,9 +495,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(c
                                                      err.mutable_data_ptr(), iters.mutable_data_ptr<int>(), batch, n,
                                                      static_cast<int>(p), eps, static_cast<int>(max_iters), tol,
                                                      current_stream());
-    if (!small) {
-      newton_large<scalar_t, C>(Gc, root, err, iters, batch, n, static_cast<int>(p), eps, static_cast<int>(max_iters),
-                                tol, wait);
+    if (!small) {  // the symmetric part, as the small kernels and the twin take it
+      const at::Tensor Gs = Gc.to(c10::CppTypeToScalarType<C>::value).view({batch, n, n});
+      const at::Tensor sym = at::add(at::mul(Gs, 0.5), at::mul(Gs.transpose(1, 2), 0.5));
+      newton_large<C, C>(sym, root, err, iters, batch, n, static_cast<int>(p), eps, static_cast<int>(max_iters), tol,
+                         wait);
     }
   });
   return {root, err, iters};

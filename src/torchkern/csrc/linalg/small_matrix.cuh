@@ -685,7 +685,7 @@ __device__ __forceinline__ C product(C* dst, const C* A, const C* B, int kmax, i
 }
 
 // One matrix per block: the whole scaled Newton iteration in shared memory (linalg/twins.py).
-// A = G + eps I, u = min(||A||_F, ||A||_inf), X = u^(-1/p) I, M = A / u, low from newton_first_low;
+// A = (G + G^T) / 2 + eps I, u = min(||A||_F, ||A||_inf), X = u^(-1/p) I, M = A / u, low from newton_first_low;
 // repeat P = a I + b M (newton_scaling(low)); X <- X P; M <- P^p M (P^p by squaring, in place);
 // low <- min(1, max(next_low, 1 - err)) until err = ||M - I||_inf <= tol, the stall rule, a
 // non-finite err, or max_iters. The scalar recurrence runs in double, redundantly in every
@@ -706,38 +706,37 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   C* M = X + NMAX * LD;
   C* P = M + NMAX * LD;
   __shared__ C scratch[THREADS / 32];
+  __shared__ double scratch_sq[THREADS / 32];
   const int64_t b = blockIdx.x / Cfg::CLUSTER;
   const T* g = G + b * n * n;
   const int tid = threadIdx.x;
 
-  // zero all three buffers (the padding must stay zero), then load A = G + eps I into M; the
-  // symmetric path needs M exactly symmetric, so it takes (G + G^T) / 2, with G staged in P (read
-  // transposed from shared memory rather than uncoalesced from global memory)
+  // zero all three buffers (the padding must stay zero), then load A = (G + G^T) / 2 + eps I into M
+  // (matrix_inverse_root's contract on every path; the symmetric products also need M exactly
+  // symmetric), with G staged in P (read transposed from shared memory rather than uncoalesced from
+  // global memory). Where the two entries agree, the entry itself: symmetric input stays bitwise.
   for (int i = tid; i < 3 * NMAX * LD; i += THREADS) X[i] = C(0);
   __syncthreads();
   bool finite = true;
-  C* const staged = Cfg::kSym ? P : M;
   for (int i = tid; i < n * n; i += THREADS) {
     const int r = i / n, c = i - r * n;
     const C v = static_cast<C>(g[i]);
     finite &= isfinite(v);
-    staged[r * LD + c] = v;
+    P[r * LD + c] = v;
   }
-  if constexpr (Cfg::kSym) __syncthreads();
-  C sq = C(0);
+  __syncthreads();
+  double sq = 0.0;  // ||A||_F^2 in double: the squares of a tiny (or huge) G under- (over-)flow float
   for (int i = tid; i < n * n; i += THREADS) {
     const int r = i / n, c = i - r * n;
-    C v = staged[r * LD + c];
-    if constexpr (Cfg::kSym) {
-      const C w = staged[c * LD + r];
-      if (w != v) v = (v + w) * C(0.5);
-    }
+    C v = P[r * LD + c];
+    const C w = P[c * LD + r];
+    if (w != v) v = C(0.5) * v + C(0.5) * w;
     if (r == c) v += eps;
     M[r * LD + c] = v;
-    sq += v * v;
+    sq += static_cast<double>(v) * v;
   }
   const C nonfinite = block_reduce<THREADS, C, false>(finite ? C(0) : C(1), scratch);
-  sq = block_reduce<THREADS, C, false>(sq, scratch);
+  sq = block_reduce<THREADS, double, false>(sq, scratch_sq);
   T* o = out + b * n * n;
   const int rank = Cfg::CLUSTER == 1 ? 0 : cluster_rank();  // this block's share of the output
   if (nonfinite > C(0)) {  // both blocks of a pair return here, before any barrier
@@ -746,7 +745,8 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
     return;
   }
   __syncthreads();  // M complete before the row sums
-  const C u = fmin(sqrt(sq), residual_by_rows<Cfg, C, false>(M, n, scratch));  // both >= the top eigenvalue
+  // both >= the top eigenvalue (a Frobenius norm past float's range becomes inf: the row sums decide)
+  const C u = fmin(static_cast<C>(sqrt(sq)), residual_by_rows<Cfg, C, false>(M, n, scratch));
   const C inv_u = C(1) / u, xz = pow(u, C(-1) / C(p));
   for (int i = tid; i < NMAX * NMAX; i += THREADS) {
     const int r = i / NMAX, c = i - r * NMAX;

@@ -1,0 +1,311 @@
+// eigh(A, Q0=None) -> (eigenvalues ascending, eigenvectors as columns) of the symmetric part of A.
+//
+// Every path zeroes matrices with a NaN or Inf entry (their outputs become NaN), scales each matrix by a
+// power of two so that max |a_ij| lies in [0.5, 1) (exact; nothing in the norms, the rotation formulas or
+// Q0^T A Q0 overflows or underflows), and symmetrizes, (A + A^T) / 2: the in-block kernel does all three
+// itself; with Q0 or for the block method, ATen ops do it first, as the twin does. With Q0 it solves
+// Q0^T A Q0 and returns Q0 V' (a warm start: from an eigenbasis of a nearby matrix, the rotated matrix is
+// nearly diagonal and Jacobi needs few sweeps).
+//
+// n small enough for one thread block's shared memory (jacobi.cuh: A in the compute type and V in double,
+// 12 m (m + 1) bytes in float32, 16 m (m + 1) in float64, m = n rounded up to even: n <= 136 and n <= 118
+// on sm_90's 227 KiB): one block per matrix runs the whole cyclic Jacobi.
+//
+// Larger n: block Jacobi in float64 (float32 accumulation over the many rounds lost the 1e-5 residual in an
+// emulation; float64 products run on the tensor cores of sm_80+). The padded matrix (N = n rounded up to
+// 2b, b = TORCHKERN_EIGH_BLOCK) is split into nb = N / b block rows; a round pairs them up (positions 2k and
+// 2k + 1 form pair k), the in-block kernel diagonalizes each pair's 2b x 2b diagonal tile (tile mode:
+// U_k, unsorted, so that U_k stays close to a permutation-free rotation and the block pairs keep their
+// meaning), and the rotation J = diag(U_k) is applied to both sides of A and to the basis W = V^T by
+// batched products, while the block rows move to the next round's positions (the circle method: one block
+// row stays, the others move one seat along a cycle; every pair of block rows meets once in nb - 1 rounds).
+// Per round, with Pi the move:  Y = Pi J^T A;  T = Y^T (= A J Pi^T);  A <- Pi J^T T;  W <- Pi J^T W;
+// each "Pi J^T X" is five batched products (shifted below). FLOPs per round 12 B N^2 b (three products of
+// 4 B N^2 b), per sweep about 12 B N^3. A matrix stops after the sweep in which its tiles' off-diagonal
+// norms summed to <= tol ||A||_F; the host reads the count of matrices still going once per sweep.
+// Cold starts from n = TORCHKERN_EIGH_TORCH_FROM_N on (0: never) go to torch.linalg.eigh instead.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/abs.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/amax.h>
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/frexp.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/linalg_eigh.h>
+#include <ATen/ops/linalg_vector_norm.h>
+#include <ATen/ops/logical_or.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/neg.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/square.h>
+#include <ATen/ops/sub.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "jacobi.cuh"
+#include "torchkern/checks.h"
+#include "torchkern/launch.h"
+
+#if !defined(TORCHKERN_EIGH_TOL_F32) || !defined(TORCHKERN_EIGH_BLOCK)
+#error "build through torchkern's loader: it defines the TORCHKERN_EIGH_* constants (linalg/constants.py)"
+#endif
+
+namespace torchkern {
+namespace {
+
+constexpr int kBlock = TORCHKERN_EIGH_BLOCK;
+constexpr int kMaxSweeps = TORCHKERN_EIGH_MAX_SWEEPS;
+constexpr int kInnerSweeps = TORCHKERN_EIGH_INNER_SWEEPS;
+constexpr int kSmallMaxN = TORCHKERN_EIGH_SMALL_MAX_N;
+constexpr int kTileThreads = jacobi::threads_for(2 * kBlock);
+constexpr int kTorchFromN = TORCHKERN_EIGH_TORCH_FROM_N;  // 0: never
+
+// 2^(k) for an int tensor k, applied in two halves so that neither factor overflows the dtype.
+at::Tensor times_pow2(const at::Tensor& x, const at::Tensor& k) {
+  const at::Tensor half = at::floor_divide(k, 2);
+  const at::Tensor two = at::scalar_tensor(2.0, x.options());
+  const at::Tensor low = at::pow(two, half.to(x.scalar_type()));
+  const at::Tensor high = at::pow(two, at::sub(k, half).to(x.scalar_type()));
+  return at::mul(at::mul(x, low), high);
+}
+
+// sweep end, one thread per matrix: a matrix goes on while its tiles' off-diagonal norms of the sweep exceed
+// tol ||A||_F; counts the ones that go on; resets the sum.
+__global__ void sweep_end_kernel(double* __restrict__ off2,        // [B]
+                                 const double* __restrict__ stop2,  // [B] (tol ||A||_F)^2
+                                 int* __restrict__ active,          // [B]
+                                 int* __restrict__ count, int64_t batch) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
+    if (active[b]) {
+      const bool go = off2[b] > stop2[b];
+      active[b] = go;
+      if (go) atomicAdd(count, 1);
+    }
+    off2[b] = 0.0;
+  }
+}
+
+// dst = Pi J^T src for G = B P pair slots: src (G, 2b, N) holds each pair's 2b rows, U (G, 2b, 2b) its
+// rotation; the new rows of pair k's first half (U[:, :b]^T src_k) go to seat T_k's next position, those of its
+// second half to B_k's (seats: T_k = first half of slot k, B_k = second half). dst_full has one spare slot
+// before and after the G slots of dst. The moves: T_k -> T_{k+1} (1 <= k <= P - 2), T_0 stays,
+// T_{P-1} -> B_{P-1}, B_k -> B_{k-1} (k >= 1), B_0 -> T_1. Two products cover every slot with the regular
+// moves (uniform batch strides; the three slots per matrix they get wrong, including the spare slots, are
+// overwritten next), then three products over the B matrices write the irregular ones.
+void shifted_product(const at::Tensor& dst_full, const at::Tensor& src, const at::Tensor& U, int64_t B, int64_t P,
+                     int64_t b) {
+  const int64_t G = B * P, N = src.size(2);
+  const at::Tensor Ut = U.transpose(1, 2);
+  const at::Tensor first = Ut.narrow(1, 0, b), second = Ut.narrow(1, b, b);  // (G, b, 2b)
+  at::Tensor to_next_t = dst_full.narrow(0, 2, G).narrow(1, 0, b);  // slot g + 1, first half
+  at::Tensor to_prev_b = dst_full.narrow(0, 0, G).narrow(1, b, b);  // slot g - 1, second half
+  at::bmm_out(to_next_t, first, src);
+  at::bmm_out(to_prev_b, second, src);
+  const at::Tensor dst = dst_full.narrow(0, 1, G).view({B, P, 2 * b, N});
+  const at::Tensor s = src.view({B, P, 2 * b, N});
+  const at::Tensor f = first.unflatten(0, {B, P}), sc = second.unflatten(0, {B, P});
+  at::Tensor t0 = dst.select(1, 0).narrow(1, 0, b), bl = dst.select(1, P - 1).narrow(1, b, b);
+  at::Tensor t1 = dst.select(1, 1).narrow(1, 0, b);
+  at::bmm_out(t0, f.select(1, 0), s.select(1, 0));           // T_0 stays
+  at::bmm_out(bl, f.select(1, P - 1), s.select(1, P - 1));   // T_{P-1} -> B_{P-1}
+  at::bmm_out(t1, sc.select(1, 0), s.select(1, 0));          // B_0 -> T_1
+}
+
+// The seat a block row moves to (the same moves as shifted_product), positions 2k (T_k) and 2k + 1 (B_k).
+int next_position(int pos, int P) {
+  const int k = pos / 2;
+  if (pos % 2 == 0) return k == 0 ? 0 : (k <= P - 2 ? 2 * (k + 1) : 2 * (P - 1) + 1);
+  return k >= 1 ? 2 * (k - 1) + 1 : 2;
+}
+
+// Block Jacobi on X (B, n, n), float64, finite, symmetric, scaled to max |x| < 1: returns (w ascending, V).
+std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) {
+  const int64_t B = X.size(0), n = X.size(1), b = kBlock;
+  // N: n padded to whole block pairs, and at least two pairs (the moves of shifted_product need them)
+  const int64_t N = std::max<int64_t>((n + 2 * b - 1) / (2 * b) * (2 * b), 4 * b), nb = N / b, P = nb / 2, G = B * P;
+  const auto opt = X.options();
+  const cudaStream_t stream = current_stream();
+  TORCH_CHECK(jacobi::fits<double>(2 * b),
+              "torchkern.eigh: the block method's subproblems do not fit in shared memory: lower EIGH_BLOCK");
+  // A and W with a spare pair slot on each side (shifted_product writes there); Y and T are scratch.
+  at::Tensor A_full = at::zeros({G + 2, 2 * b, N}, opt), Y_full = at::empty({G + 2, 2 * b, N}, opt);
+  at::Tensor W_full = at::zeros({G + 2, 2 * b, N}, opt), W2_full = at::empty({G + 2, 2 * b, N}, opt);
+  at::Tensor T = at::empty({B, N, N}, opt), U = at::empty({G, 2 * b, 2 * b}, opt);
+  const auto middle = [&](const at::Tensor& full) { return full.narrow(0, 1, G); };  // (G, 2b, N)
+  const auto square = [&](const at::Tensor& full) { return full.narrow(0, 1, G).view({B, N, N}); };
+  square(A_full).narrow(1, 0, n).narrow(2, 0, n).copy_(X);
+  square(W_full).diagonal(0, 1, 2).fill_(1.0);
+  const at::Tensor norm = at::linalg_vector_norm(X, 2, at::IntArrayRef({1, 2}));
+  const at::Tensor thr = at::mul(norm, tol / double(N)).contiguous();
+  const at::Tensor stop2 = at::mul(norm, tol).square().contiguous();
+  at::Tensor off2 = at::zeros({B}, opt), active = at::ones({B}, opt.dtype(at::kInt));
+  at::Tensor counts = at::zeros({kMaxSweeps}, opt.dtype(at::kInt));
+  at::Tensor host = at::empty({kMaxSweeps}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+  cudaEvent_t event = nullptr;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  struct EventGuard {
+    cudaEvent_t e;
+    ~EventGuard() { cudaEventDestroy(e); }
+  } event_guard{event};
+
+  jacobi::Problem<double> pr{};
+  pr.batch_stride = N * N;
+  pr.tile_stride = 2 * b * (N + 1);
+  pr.per = static_cast<int>(P);
+  pr.ld = static_cast<int>(N);
+  pr.n = static_cast<int>(2 * b);
+  pr.max_sweeps = kInnerSweeps;
+  pr.U = U.mutable_data_ptr<double>();
+  pr.off2 = off2.mutable_data_ptr<double>();
+  pr.thr = thr.const_data_ptr<double>();
+  pr.stop_scale = double(N);
+  pr.active = active.const_data_ptr<int>();
+
+  std::vector<int> content(nb);  // content[position] = the block row that started at that position
+  for (int i = 0; i < nb; ++i) content[i] = i;
+  for (int sweep = 0; sweep < kMaxSweeps; ++sweep) {
+    for (int round = 0; round < nb - 1; ++round) {
+      pr.A = square(A_full).const_data_ptr<double>();
+      jacobi::run<double, kTileThreads, true>(pr, G, stream);
+      shifted_product(Y_full, middle(A_full), U, B, P, b);   // Y = Pi J^T A
+      T.copy_(square(Y_full).transpose(1, 2));                // T = Y^T
+      shifted_product(A_full, T.view({G, 2 * b, N}), U, B, P, b);  // A = Pi J^T T
+      shifted_product(W2_full, middle(W_full), U, B, P, b);   // W = Pi J^T W
+      std::swap(W_full, W2_full);
+      std::vector<int> moved(nb);
+      for (int pos = 0; pos < nb; ++pos) moved[next_position(pos, static_cast<int>(P))] = content[pos];
+      content = std::move(moved);
+    }
+    sweep_end_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
+        off2.mutable_data_ptr<double>(), stop2.const_data_ptr<double>(), active.mutable_data_ptr<int>(),
+        counts.mutable_data_ptr<int>() + sweep, B);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    int* host_p = host.mutable_data_ptr<int>() + sweep;
+    C10_CUDA_CHECK(cudaMemcpyAsync(host_p, counts.const_data_ptr<int>() + sweep, sizeof(int), cudaMemcpyDeviceToHost,
+                                   stream));
+    C10_CUDA_CHECK(cudaEventRecord(event, stream));
+    C10_CUDA_CHECK(cudaEventSynchronize(event));  // the one host round trip per sweep
+    if (*host_p == 0) break;
+  }
+  // The basis vectors of the padding coordinates never rotate (their rows and columns are zero): they stay
+  // in their block row's slot. Keep the others, then sort by eigenvalue.
+  std::vector<int64_t> rows;
+  rows.reserve(n);
+  for (int pos = 0; pos < nb; ++pos)
+    for (int s = 0; s < b; ++s)
+      if (content[pos] * b + s < n) rows.push_back(pos * b + s);
+  at::Tensor index = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  std::copy(rows.begin(), rows.end(), index.mutable_data_ptr<int64_t>());
+  index = index.to(X.device());
+  const at::Tensor d = square(A_full).diagonal(0, 1, 2).index_select(1, index);    // (B, n)
+  const at::Tensor basis = square(W_full).index_select(1, index).narrow(2, 0, n);  // (B, n, n): rows
+  at::Tensor w, order;
+  std::tie(w, order) = at::sort(d, 1);
+  const at::Tensor V = basis.gather(1, order.unsqueeze(2).expand({B, n, n})).transpose(1, 2).contiguous();
+  return {w, V};
+}
+
+std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::optional<at::Tensor>& Q0) {
+  TORCHKERN_OP("eigh");
+  TORCHKERN_CHECK_FLOAT(A);
+  TORCHKERN_CHECK(A.dim() >= 2 && A.size(-1) == A.size(-2), "A must have shape [..., n, n] (square matrices), got ",
+                  A.sizes());
+  if (Q0.has_value()) {
+    const at::Tensor& Q = *Q0;
+    TORCHKERN_CHECK_SAME_SHAPE(A, Q);
+    TORCHKERN_CHECK_SAME_DTYPE(A, Q);
+    TORCHKERN_CHECK_SAME_DEVICE(A, Q);
+  }
+  TORCHKERN_CHECK_CUDA(A);
+  const at::cuda::OptionalCUDAGuard guard(A.device());
+  const auto batch_shape = A.sizes().slice(0, A.dim() - 2);
+  const int64_t n = A.size(-1);
+  std::vector<int64_t> w_shape(batch_shape.begin(), batch_shape.end());
+  w_shape.push_back(n);
+  if (A.numel() == 0) return {at::empty(w_shape, A.options()), at::empty(A.sizes(), A.options())};
+  const int64_t B = A.numel() / (n * n);
+  const bool f64 = A.scalar_type() == at::kDouble;
+  const double tol = f64 ? TORCHKERN_EIGH_TOL_F64 : TORCHKERN_EIGH_TOL_F32;
+  // the in-block path computes in float32 (float64 for float64 input); the block method in float64
+  const bool small = n <= kSmallMaxN && (f64 ? jacobi::fits<double>(n) : jacobi::fits<float>(n));
+  const at::ScalarType cdt = (f64 || !small) ? at::kDouble : at::kFloat;
+  const auto solve_small = [&](const at::Tensor& X, at::Tensor& w, at::Tensor& V) {
+    w = at::empty({B, n}, X.options());
+    V = at::empty({B, n, n}, X.options());
+    const at::Tensor Xc = X.contiguous();
+    const auto run = [&](auto zero) {
+      using TA = decltype(zero);
+      jacobi::Problem<TA> pr{};
+      pr.A = Xc.const_data_ptr<TA>();
+      pr.batch_stride = n * n;
+      pr.per = 1;
+      pr.ld = static_cast<int>(n);
+      pr.n = static_cast<int>(n);
+      pr.max_sweeps = kMaxSweeps;
+      pr.tol = tol;
+      pr.w = w.mutable_data_ptr<TA>();
+      pr.V = V.mutable_data_ptr<TA>();
+      jacobi::launch_whole<TA>(pr, B, current_stream());
+    };
+    if (f64) run(0.0);
+    else run(0.0f);
+  };
+  const auto finish = [&](const at::Tensor& w, const at::Tensor& V) -> std::tuple<at::Tensor, at::Tensor> {
+    return {w.to(A.scalar_type()).reshape(w_shape), V.to(A.scalar_type()).reshape(A.sizes()).contiguous()};
+  };
+  at::Tensor X = A.reshape({B, n, n}).to(cdt);
+  at::Tensor w, V;
+  if (small && !Q0.has_value()) {  // the kernel itself flags non-finite matrices, scales and symmetrizes
+    solve_small(X, w, V);
+    return finish(w, V);
+  }
+  // zero the non-finite matrices, scale by 2^-e (max |x| in [0.5, 1)), symmetrize (as the twin does)
+  const at::Tensor zero = at::scalar_tensor(0.0, X.options());
+  at::Tensor bad = at::isfinite(X).flatten(1).all(1).logical_not();
+  X = at::where(bad.view({B, 1, 1}), zero, X);
+  const at::Tensor e = std::get<1>(at::frexp(X.abs().amax(at::IntArrayRef({1, 2}))));  // int32; 0 for zero
+  X = times_pow2(X, at::neg(e).view({B, 1, 1}));
+  X = at::add(at::mul(X, 0.5), at::mul(X.transpose(1, 2), 0.5));
+  at::Tensor Q;
+  if (Q0.has_value()) {
+    Q = Q0->reshape({B, n, n}).to(cdt);
+    X = at::matmul(Q.transpose(1, 2), at::matmul(X, Q));
+    const at::Tensor bad_q = at::isfinite(X).flatten(1).all(1).logical_not();  // a non-finite Q0
+    X = at::where(bad_q.view({B, 1, 1}), zero, X);
+    bad = at::logical_or(bad, bad_q);
+  }
+  if (small) {
+    solve_small(X, w, V);
+  } else if (kTorchFromN > 0 && n >= kTorchFromN && !Q.defined()) {  // cuSOLVER, where it beats the block method
+    std::tie(w, V) = at::linalg_eigh(X.to(f64 ? at::kDouble : at::kFloat));  // in the input's precision
+    w = w.to(at::kDouble);
+    V = V.to(at::kDouble);
+  } else {
+    std::tie(w, V) = block_jacobi(X, tol);
+  }
+  if (Q.defined()) V = at::matmul(Q, V);
+  w = times_pow2(w, e.view({B, 1}));
+  const at::Tensor nan = at::scalar_tensor(NAN, w.options());
+  w = at::where(bad.view({B, 1}), nan, w);
+  V = at::where(bad.view({B, 1, 1}), nan, V);
+  return finish(w, V);
+}
+
+}  // namespace
+}  // namespace torchkern
+
+TORCH_LIBRARY_IMPL(torchkern, CUDA, m) { m.impl("eigh", &torchkern::eigh_cuda); }

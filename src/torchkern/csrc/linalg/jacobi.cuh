@@ -1,0 +1,350 @@
+// Cyclic two-sided Jacobi for symmetric matrices, one matrix per thread block, every sweep in one launch.
+//
+// The matrix A (m x m, compute type TA) and the eigenvector accumulator V (m x m, always double) live in
+// shared memory; m = n rounded up to even (an odd n gets a zero row and column, which no rotation ever
+// touches: its off-diagonal entries are exactly zero). A sweep is m - 1 rounds of the round-robin
+// ("circle") ordering: in round r the m / 2 disjoint pairs are (r, m - 1) and ((r + k) mod (m - 1),
+// (r - k) mod (m - 1)) for k = 1 .. m/2 - 1, so every pair meets once per sweep and the rotations of a round
+// commute. A round: thread k < m/2 computes pair k's rotation (barrier), then every thread applies the
+// rotations to its 2 x 2 blocks of A (rows of pair k1 x columns of pair k2: J1^T X J2, each entry owned by
+// one thread, so no barrier between the two sides) and to its (row, pair) pieces of V (barrier).
+//
+// Rotation of pair (p, q) (Rutishauser's formulas): theta = (a_qq - a_pp) / (2 a_pq),
+// t = sign(theta) / (|theta| + sqrt(1 + theta^2)), c = 1 / sqrt(1 + t^2), s = t c; a_pp -= t a_pq,
+// a_qq += t a_pq, a_pq = 0 exactly. V is rotated in double with (c, s) renormalized to c^2 + s^2 = 1 in
+// double: in float32, V accumulated over ~8 sweeps of n rotations each loses orthogonality like
+// 2 n sqrt(sweeps) eps (4e-5 at n = 128, measured in an emulation), far above the 1e-5 wanted; in double
+// the loss is invisible after the final rounding to float32.
+//
+// Entries with |a_pq| <= thr are not rotated (thr = tol ||A||_F / m for a whole matrix, so a sweep without
+// rotations leaves an off-diagonal norm <= tol ||A||_F); a matrix stops after the sweep whose rotated
+// entries (the sum of a_pq^2 as each pair came up) had 2 sum <= (tol ||A||_F)^2, or after max_sweeps.
+// Input is scaled by a power of two so that max |a_ij| is in [0.5, 1) (nothing overflows or underflows
+// in theta^2 or the norms; the scaling is exact) and symmetrized (a_ij + a_ji) / 2.
+//
+// Bank conflicts: A and V have odd row strides (m + 1), so the V update (lanes over rows, one column) is
+// conflict-free; in the A update the lanes of a warp take consecutive pairs k2, whose columns are
+// consecutive (mod m - 1).
+//
+// Two modes. Whole (kTile = false): one matrix per block (Problem: where each lives); outputs the eigenvalues
+// ascending and the eigenvectors as columns, in TA; a matrix with a NaN or Inf entry gets NaN outputs. Tile
+// (kTile = true, the block method of eigh.cu): the 2b x 2b diagonal tile `g % per` of matrix `g / per` of a
+// larger double matrix; outputs the unsorted eigenvector matrix U (double), adds the tile's initial
+// off-diagonal squared norm to off2[g / per], takes the rotation threshold from the caller (relative to the
+// whole matrix), and returns U = I at once for a matrix that has converged (active[g / per] == 0).
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "torchkern/launch.h"
+#include "torchkern/reduce.cuh"
+
+namespace torchkern {
+namespace jacobi {
+
+template <typename TA>
+struct Pair2 {
+  TA x, y;
+};
+
+// One launch's matrices and outputs (G = gridDim.x problems).
+template <typename TA>
+struct Problem {
+  const TA* A;           // problem g: A + (g / per) batch_stride + (g % per) tile_stride, rows ld apart, n x n
+  int64_t batch_stride;  // elements between matrices
+  int64_t tile_stride;   // elements between the tiles of one matrix (tile mode)
+  int per;               // problems per matrix (1: whole mode)
+  int ld;                // row stride of the input
+  int n;                 // problem size
+  int max_sweeps;
+  double tol;            // whole mode: the stopping tolerance relative to ||A||_F
+  // whole mode outputs
+  TA* w;  // [G, n] eigenvalues ascending
+  TA* V;  // [G, n, n] eigenvectors as columns
+  // tile mode
+  double* U;             // [G, n, n] the subproblem's eigenvectors (unsorted)
+  double* off2;          // [G / per] += the tile's initial sum of squared off-diagonal entries
+  const double* thr;     // [G / per] rotation threshold (unscaled: relative to the whole matrix)
+  double stop_scale;     // a tile stops when 2 sum a_pq^2 over a sweep <= (stop_scale thr)^2
+  const int* active;     // [G / per]: 0 for a matrix that has converged
+};
+
+// Shared memory of one block: V (double), A (TA), then the rotation tables of a round.
+template <typename TA>
+struct Layout {
+  int m, h, ld;
+  size_t v_off, a_off, pq_off, cs_off, csd_off, diag_off, rot_off, bytes;
+  __host__ __device__ explicit Layout(int n) {
+    m = n + (n & 1);
+    h = m / 2;
+    ld = m + 1;
+    const size_t mm = size_t(m) * ld;
+    v_off = 0;
+    a_off = v_off + mm * sizeof(double);
+    pq_off = align16(a_off + mm * sizeof(TA));
+    cs_off = align16(pq_off + size_t(h) * sizeof(int2));
+    csd_off = align16(cs_off + size_t(h) * sizeof(Pair2<TA>));
+    diag_off = align16(csd_off + size_t(h) * sizeof(Pair2<double>));
+    rot_off = align16(diag_off + size_t(h) * sizeof(Pair2<TA>));
+    bytes = align16(rot_off + size_t(m) * sizeof(int));  // rot (h ints), reused as the sort's permutation (n ints)
+  }
+  __host__ __device__ static size_t align16(size_t x) { return (x + 15) & ~size_t(15); }
+};
+
+template <typename TA>
+__device__ __forceinline__ TA scale2(TA x, int e) {
+  return ldexp(x, e);  // exact for a power-of-two scaling (barring underflow of negligible entries)
+}
+
+template <typename TA, int THREADS, bool kTile>
+__global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
+  constexpr int kWarps = THREADS / 32;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ double red_d[kWarps];  // kStaticSmem bounds these two
+  __shared__ TA red_a[kWarps];
+  const int n = pr.n;
+  const Layout<TA> lay(n);
+  const int m = lay.m, h = lay.h, ld = lay.ld;
+  double* V = reinterpret_cast<double*>(smem + lay.v_off);
+  TA* A = reinterpret_cast<TA*>(smem + lay.a_off);
+  int2* tab_pq = reinterpret_cast<int2*>(smem + lay.pq_off);
+  Pair2<TA>* tab_cs = reinterpret_cast<Pair2<TA>*>(smem + lay.cs_off);
+  Pair2<double>* tab_csd = reinterpret_cast<Pair2<double>*>(smem + lay.csd_off);
+  Pair2<TA>* tab_diag = reinterpret_cast<Pair2<TA>*>(smem + lay.diag_off);
+  int* tab_rot = reinterpret_cast<int*>(smem + lay.rot_off);
+
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t g = blockIdx.x, mat = g / pr.per;
+  const TA* src = pr.A + mat * pr.batch_stride + (g - mat * pr.per) * pr.tile_stride;
+
+  if constexpr (kTile) {
+    if (!pr.active[mat]) {  // converged: U = I leaves the whole matrix exactly as it is
+      double* u = pr.U + g * n * n;
+      for (int i = tid; i < n * n; i += THREADS) u[i] = (i / n == i % n) ? 1.0 : 0.0;
+      return;
+    }
+  }
+
+  // Load (zero padding), the largest |a| (NaN-propagating: it also detects non-finite input), V = I.
+  TA amax = TA(0);
+  for (int i = tid; i < m * m; i += THREADS) {
+    const int r = i / m, c = i - r * m;
+    const TA v = (r < n && c < n) ? src[int64_t(r) * pr.ld + c] : TA(0);
+    A[r * ld + c] = v;
+    V[r * ld + c] = r == c ? 1.0 : 0.0;
+    amax = nan_max(amax, fabs(v));
+  }
+  amax = block_reduce<THREADS, TA, true>(amax, red_a);  // its barriers also publish A and V
+  if (!isfinite(amax)) {  // uniform: NaN outputs (whole mode), U = NaN (tile mode: never, eigh.cu zeroes those)
+    if constexpr (!kTile) {
+      for (int i = tid; i < n; i += THREADS) pr.w[g * n + i] = TA(NAN);
+      for (int i = tid; i < n * n; i += THREADS) pr.V[g * n * n + i] = TA(NAN);
+    } else {
+      for (int i = tid; i < n * n; i += THREADS) pr.U[g * n * n + i] = NAN;
+    }
+    return;
+  }
+  int e = 0;
+  frexp(amax, &e);  // amax = f 2^e, f in [0.5, 1) (e = 0 for a zero matrix)
+  // Scale by 2^-e and symmetrize; each unordered pair (r, c) is handled by the thread of (r, c), r <= c.
+  double norm2 = 0.0, off2 = 0.0;
+  for (int i = tid; i < m * m; i += THREADS) {
+    const int r = i / m, c = i - r * m;
+    if (r == c) {
+      const TA v = scale2(A[r * ld + c], -e);
+      A[r * ld + c] = v;
+      norm2 += double(v) * v;
+    } else if (r < c) {
+      const TA v = TA(0.5) * scale2(A[r * ld + c], -e) + TA(0.5) * scale2(A[c * ld + r], -e);
+      A[r * ld + c] = v;
+      A[c * ld + r] = v;
+      norm2 += 2.0 * double(v) * v;
+      off2 += 2.0 * double(v) * v;
+    }
+  }
+  norm2 = block_reduce<THREADS, double>(norm2, red_d);
+  if constexpr (kTile) {
+    off2 = block_reduce<THREADS, double>(off2, red_d);
+    if (tid == 0) atomicAdd(pr.off2 + mat, scale2(off2, 2 * e));
+  }
+  // Threshold below which an entry is not rotated, and the stopping bound on 2 sum a_pq^2 per sweep.
+  TA thr;
+  double stop2;
+  if constexpr (kTile) {
+    const double t = scale2(pr.thr[mat], -e);
+    thr = static_cast<TA>(t);
+    stop2 = (pr.stop_scale * t) * (pr.stop_scale * t);
+  } else {
+    const double t = pr.tol * sqrt(norm2);
+    thr = static_cast<TA>(t / m);
+    stop2 = t * t;
+  }
+
+  for (int sweep = 0; sweep < pr.max_sweeps; ++sweep) {
+    double swept = 0.0;  // sum of a_pq^2 over this thread's pairs of the sweep
+    for (int r = 0; r < m - 1; ++r) {
+      if (tid < h) {
+        const int k = tid;
+        int p = r, q = m - 1;
+        if (k > 0) {
+          p = r + k;
+          if (p >= m - 1) p -= m - 1;
+          q = r - k;
+          if (q < 0) q += m - 1;
+        }
+        const TA apq = A[p * ld + q], app = A[p * ld + p], aqq = A[q * ld + q];
+        swept += double(apq) * apq;
+        const bool rot = fabs(apq) > thr;
+        Pair2<TA> cs{TA(1), TA(0)}, dg{app, aqq};
+        Pair2<double> csd{1.0, 0.0};
+        if (rot) {
+          const TA theta = (aqq - app) / (TA(2) * apq);
+          const TA t = copysign(TA(1), theta) / (fabs(theta) + sqrt(TA(1) + theta * theta));
+          const TA c = TA(1) / sqrt(TA(1) + t * t);
+          cs = {c, t * c};
+          dg = {app - t * apq, aqq + t * apq};
+          const double cd = cs.x, sd = cs.y, inv = 1.0 / sqrt(cd * cd + sd * sd);
+          csd = {cd * inv, sd * inv};
+        }
+        tab_pq[k] = make_int2(p, q);
+        tab_cs[k] = cs;
+        tab_csd[k] = csd;
+        tab_diag[k] = dg;
+        tab_rot[k] = rot;
+      }
+      __syncthreads();  // the round's rotations are in the tables
+      // A <- J^T A J, by 2 x 2 blocks: rows (p1, q1) of pair k1 x columns (p2, q2) of pair k2.
+      for (int k1 = warp; k1 < h; k1 += kWarps) {
+        const int2 pq1 = tab_pq[k1];
+        const bool rot1 = tab_rot[k1];
+        const Pair2<TA> cs1 = tab_cs[k1];
+        for (int k2 = lane; k2 < h; k2 += 32) {
+          const bool rot2 = tab_rot[k2];
+          if (!rot1 && !rot2) continue;  // both identity: the block stays as it is
+          TA* rp = A + pq1.x * ld;
+          TA* rq = A + pq1.y * ld;
+          if (k1 == k2) {  // the pair's own block: the rotated diagonal, and an exact zero
+            const Pair2<TA> dg = tab_diag[k1];
+            rp[pq1.x] = dg.x;
+            rq[pq1.y] = dg.y;
+            rp[pq1.y] = TA(0);
+            rq[pq1.x] = TA(0);
+            continue;
+          }
+          const int2 pq2 = tab_pq[k2];
+          const Pair2<TA> cs2 = tab_cs[k2];
+          const TA x00 = rp[pq2.x], x01 = rp[pq2.y], x10 = rq[pq2.x], x11 = rq[pq2.y];
+          // rows: (J1^T X)_p = c1 x_p - s1 x_q, (J1^T X)_q = s1 x_p + c1 x_q
+          const TA y00 = cs1.x * x00 - cs1.y * x10, y01 = cs1.x * x01 - cs1.y * x11;
+          const TA y10 = cs1.y * x00 + cs1.x * x10, y11 = cs1.y * x01 + cs1.x * x11;
+          // columns: (Y J2)_p = c2 y_p - s2 y_q, (Y J2)_q = s2 y_p + c2 y_q
+          rp[pq2.x] = cs2.x * y00 - cs2.y * y01;
+          rp[pq2.y] = cs2.y * y00 + cs2.x * y01;
+          rq[pq2.x] = cs2.x * y10 - cs2.y * y11;
+          rq[pq2.y] = cs2.y * y10 + cs2.x * y11;
+        }
+      }
+      // V <- V J: lanes over rows (padding rows stay zero: only the first n rows), warps over pairs.
+      for (int k = warp; k < h; k += kWarps) {
+        if (!tab_rot[k]) continue;
+        const int2 pq = tab_pq[k];
+        const Pair2<double> cs = tab_csd[k];
+        for (int i = lane; i < n; i += 32) {
+          double* row = V + i * ld;
+          const double vp = row[pq.x], vq = row[pq.y];
+          row[pq.x] = cs.x * vp - cs.y * vq;
+          row[pq.y] = cs.y * vp + cs.x * vq;
+        }
+      }
+      __syncthreads();  // A and V are complete before the next round reads them
+    }
+    swept = block_reduce<THREADS, double>(swept, red_d);
+    if (2.0 * swept <= stop2) break;  // uniform: every thread has the same sum
+  }
+
+  if constexpr (kTile) {
+    double* u = pr.U + g * n * n;
+    for (int i = tid; i < n * n; i += THREADS) {
+      const int r = i / n, c = i - r * n;
+      u[i] = V[r * ld + c];
+    }
+  } else {
+    // Ascending order by ranks: the rank of d_j among d_0..d_{n-1}, ties broken by index.
+    int* perm = tab_rot;  // the tables are free now (the last round ended with a barrier)
+    TA* w = pr.w + g * n;
+    for (int j = tid; j < n; j += THREADS) {
+      const TA dj = A[j * ld + j];
+      int rank = 0;
+      for (int i = 0; i < n; ++i) {
+        const TA di = A[i * ld + i];
+        rank += (di < dj) || (di == dj && i < j);
+      }
+      perm[rank] = j;
+      w[rank] = scale2(dj, e);
+    }
+    __syncthreads();
+    TA* out = pr.V + g * n * n;
+    for (int i = tid; i < n * n; i += THREADS) {
+      const int r = i / n, c = i - r * n;
+      out[i] = static_cast<TA>(V[r * ld + perm[c]]);
+    }
+  }
+}
+
+// Threads per block for an n x n problem.
+constexpr int threads_for(int n) { return n + (n & 1) <= 32 ? 128 : n + (n & 1) <= 64 ? 256 : 512; }
+
+// Static shared memory of the kernel (the reduction scratch), at most.
+constexpr size_t kStaticSmem = 2 * 16 * sizeof(double);
+
+template <typename TA>
+inline size_t smem_bytes(int n) {
+  return Layout<TA>(n).bytes;
+}
+
+// Whether an n x n problem fits in one block's shared memory on the current device.
+template <typename TA>
+inline bool fits(int64_t n) {
+  return n >= 1 && n <= (1 << 12) && smem_bytes<TA>(static_cast<int>(n)) + kStaticSmem <= smem_optin_bytes();
+}
+
+// Launches G problems of size pr.n (which must fit) on THREADS-thread blocks, with the kernel's shared memory
+// opted in once per device (to the most the device allows).
+template <typename TA, int THREADS, bool kTile>
+void run(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
+  const auto kernel = jacobi_kernel<TA, THREADS, kTile>;
+  static int opted_in[kCachedDevices] = {};
+  per_device(opted_in, [&](int) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem_optin_bytes() - kStaticSmem)));
+    return 0;
+  });
+  kernel<<<static_cast<unsigned>(G), THREADS, smem_bytes<TA>(pr.n), stream>>>(pr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The whole-matrix launch with threads_for(n) threads; the instantiations live in eigh_small_{f32,f64}.cu
+// (one compile each).
+template <typename TA>
+void launch_whole(const Problem<TA>& pr, int64_t G, cudaStream_t stream);
+
+template <typename TA>
+void launch_whole_impl(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
+  switch (threads_for(pr.n)) {
+    case 128: run<TA, 128, false>(pr, G, stream); break;
+    case 256: run<TA, 256, false>(pr, G, stream); break;
+    default: run<TA, 512, false>(pr, G, stream); break;
+  }
+}
+
+template <>
+void launch_whole<float>(const Problem<float>& pr, int64_t G, cudaStream_t stream);
+template <>
+void launch_whole<double>(const Problem<double>& pr, int64_t G, cudaStream_t stream);
+
+}  // namespace jacobi
+}  // namespace torchkern
