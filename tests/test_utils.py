@@ -133,3 +133,26 @@ def test_cuda_memory_info():
     assert cuda_memory_info(0)["total"] == info["total"] == cuda_memory_info("cuda")["total"]
     with pytest.raises(RuntimeError, match="device must be a CUDA device, got cpu"):
         cuda_memory_info("cpu")
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_max_bytes_any_real_number(device):
+    """Issue 12 item 10: max_bytes=1e4 raised TypeError. Any real number of bytes works (rounded down); inf is no
+    bound; other types name what is expected."""
+    import numpy as np
+
+    A, B = randn(300, 200, device=device), randn(200, 300, device=device)
+    for max_bytes in (1e4, 20_000.7, np.float64(5e4), np.int64(40_000), 10**7, float("inf")):
+        assert_within_product_bound(memory_efficient_matmul(A, B, max_bytes), A, B)
+    assert plan_chunks(1, 300, 200, 300, 4, 1e4) == plan_chunks(1, 300, 200, 300, 4, 10_000)
+    assert plan_chunks(1, 300, 200, 300, 4, 10_000.9) == plan_chunks(1, 300, 200, 300, 4, 10_000)
+    assert plan_chunks(2, 300, 200, 300, 4, float("inf")).batch_chunk == 2
+    for bad in ("1e4", True, torch.tensor(1e4), [1e4]):
+        with pytest.raises(TypeError, match="max_bytes must be a real number of bytes or None, got "
+                                            + type(bad).__name__):
+            memory_efficient_matmul(A, B, bad)
+    with pytest.raises(ValueError, match="max_bytes must be a number of bytes, got nan"):
+        memory_efficient_matmul(A, B, float("nan"))
+    for small in (8.5, -1.0, float("-inf")):
+        with pytest.raises(ValueError, match="is below the smallest piece"):
+            memory_efficient_matmul(A, B, small)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import numbers
 
 import torch
 
@@ -24,10 +25,27 @@ class ChunkPlan:
     chunk_bytes: int
 
 
-def plan_chunks(batch: int, m: int, k: int, n: int, itemsize: int, max_bytes: int | None) -> ChunkPlan:
-    """The largest pieces whose worst-case temporaries fit ``max_bytes``: whole matrices first, then fewer
-    rows, then fewer columns too. The reduction dim k is never split. Raises ValueError when even one row by
-    one column (k + k + 1 elements) does not fit."""
+def _byte_budget(max_bytes: object) -> int | None:
+    """``max_bytes`` as a whole number of bytes: any real number (int, float, NumPy scalars), rounded down; None
+    or +inf: no bound. Raises TypeError for other types and ValueError for NaN."""
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Real):
+        raise TypeError("torchkern.memory_efficient_matmul: max_bytes must be a real number of bytes or None, got "
+                        f"{type(max_bytes).__name__}")
+    if math.isnan(max_bytes):
+        raise ValueError("torchkern.memory_efficient_matmul: max_bytes must be a number of bytes, got nan")
+    if math.isinf(max_bytes):  # -inf stays, to fail the smallest-piece check with its own value
+        return None if max_bytes > 0 else max_bytes
+    return math.floor(max_bytes)
+
+
+def plan_chunks(batch: int, m: int, k: int, n: int, itemsize: int, max_bytes: float | None) -> ChunkPlan:
+    """The largest pieces whose worst-case temporaries fit ``max_bytes`` (any real number, rounded down to whole
+    bytes; None or inf: no bound): whole matrices first, then fewer rows, then fewer columns too. The reduction
+    dim k is never split. Raises ValueError when even one row by one column (k + k + 1 elements) does not fit,
+    TypeError when ``max_bytes`` is not a real number."""
+    max_bytes = _byte_budget(max_bytes)
 
     def cost(nb: int, rows: int, cols: int) -> int:
         return nb * (rows * k + k * cols + rows * cols) * itemsize
@@ -59,7 +77,7 @@ def _default_max_bytes(device: torch.device) -> int | None:
     return free // 4
 
 
-def memory_efficient_matmul(A: torch.Tensor, B: torch.Tensor, max_bytes: int | None = None,
+def memory_efficient_matmul(A: torch.Tensor, B: torch.Tensor, max_bytes: float | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:
     """``A @ B`` (``torch.matmul`` semantics: broadcast batch dims, 1-D operands) computed in pieces so that the
     memory it allocates besides the result stays below ``max_bytes``.
@@ -73,9 +91,13 @@ def memory_efficient_matmul(A: torch.Tensor, B: torch.Tensor, max_bytes: int | N
     (CPU and cuBLAS alike) pick their kernel, blocking and split-K by shape, so a piece can differ from the
     whole product by rounding (seen with torch 2.14's CPU BLAS on float64 row blocks, and on an H200), within
     ``K * eps * sum_k |A_ik| |B_kj|``, the error bound of the product itself; the tests hold it to that bound.
-    ``max_bytes=None``: a quarter of the device's free memory on CUDA, no bound on other devices. Raises
-    ValueError for non-float or mismatched operands, a wrong ``out`` or a ``max_bytes`` too small for one piece.
+    ``max_bytes``: any real number of bytes (rounded down; ``inf``: no bound); None: a quarter of the device's
+    free memory on CUDA, no bound on other devices. Raises ValueError for non-float or mismatched operands, a
+    wrong ``out`` or a ``max_bytes`` that is NaN or too small for one piece, TypeError for a ``max_bytes`` that is
+    not a real number.
     """
+    default = max_bytes is None
+    max_bytes = _byte_budget(max_bytes)
     if A.dtype != B.dtype or not A.is_floating_point() or A.device != B.device or A.dim() == 0 or B.dim() == 0:
         raise ValueError("torchkern.memory_efficient_matmul: A and B must be floating-point tensors of at least 1 dim "
                          f"with the same dtype and device, got {A.dtype} {list(A.shape)} on {A.device} and "
@@ -101,7 +123,7 @@ def memory_efficient_matmul(A: torch.Tensor, B: torch.Tensor, max_bytes: int | N
         return result.zero_()
     if A.dim() == 1 and B.dim() == 1:  # a dot product allocates nothing
         return torch.matmul(A, B, out=result)
-    if max_bytes is None:
+    if default:
         max_bytes = _default_max_bytes(A.device)
     o3 = result.unsqueeze(-1) if B.dim() == 1 else result
     o3 = o3.unsqueeze(-2) if A.dim() == 1 else o3  # (*batch, m, n) view of the result
