@@ -1,10 +1,18 @@
-"""Helpers shared by Shampoo and K-FAC: argument checks and state-dict dtype care."""
+"""Helpers shared by Shampoo, SOAP and K-FAC: argument checks, skipping non-finite steps without waiting for the
+device, state-dict checks and dtype care, and products at a chosen precision."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+import warnings
+from collections import defaultdict
+from typing import Callable, Iterable
 
 import torch
+
+PRECISIONS = ("fp32", "bf16")
 
 
 def check_arg(cls: str, name: str, value, ok: bool, requirement: str) -> None:
@@ -18,7 +26,90 @@ def is_int(value) -> bool:
 
 
 def is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite real number (int or float, not bool): inf and NaN are no hyperparameter values."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+
+
+class StepGuard:
+    """Skips optimizer steps whose gradients are not all finite, without a host sync per step.
+
+    ``check(grads, undo)`` returns, per device, a 0-d bool tensor ``ok`` (every gradient of the step finite, on
+    every device), computed on the device by one fused check per device and dtype. The optimizer applies every
+    update of the step through ``ok`` (``torch.where``, lerp weights, the fused grafting op's ``found_inf``), so a
+    step with ``ok`` False changes no parameter and no state, whatever the host believes.
+
+    The host learns the flag later: it is copied to pinned memory without waiting, and ``settle()`` (called at
+    the start of the next step, by ``state_dict`` and by ``skipped_steps``) reads it once the copy is done. A
+    skipped step then runs ``undo`` (the optimizer takes back its host-side counters, such as the step count
+    that sets the bias corrections and the root schedule), is counted in ``skipped`` and warns once. The wait in
+    ``settle`` is for a copy queued a whole step earlier, so it only holds a host that has run more than a step
+    ahead of the device, which still has that step's work queued: no bubble. On the CPU everything is settled at
+    once.
+    """
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.skipped = 0
+        self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, Callable[[], None]]] = []
+        self._warned = False
+        self._one: dict[torch.device, torch.Tensor] = {}
+
+    def check(self, grads: Iterable[torch.Tensor], undo: Callable[[], None]) -> tuple[dict, dict]:
+        """Per device: ``ok`` (0-d bool) and ``found`` (0-d float32, nonzero for a skipped step: the fused grafting
+        op's ``found_inf``)."""
+        groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for g in grads:
+            groups[(g.device, g.dtype)].append(g)
+        found: dict[torch.device, torch.Tensor] = {}
+        for (device, _), gs in groups.items():
+            if device not in found:
+                found[device] = torch.zeros((), dtype=torch.float32, device=device)
+            one = self._one.get(device)
+            if one is None:
+                one = self._one[device] = torch.ones((), dtype=torch.float32, device=device)
+            # one fused pass (GradScaler's own check); multiplying by inv_scale = 1 leaves the values as they are
+            torch._amp_foreach_non_finite_check_and_unscale_(gs, found[device], one)
+        if not found:
+            return {}, {}
+        devices = list(found)
+        total = found[devices[0]]
+        for d in devices[1:]:
+            total = total + found[d].to(devices[0], non_blocking=True)
+        found = {d: total if d == devices[0] else total.to(d, non_blocking=True) for d in devices}
+        ok = {d: f == 0 for d, f in found.items()}
+        if total.device.type == "cuda":
+            host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            host.copy_(total, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(total.device))
+            self._pending.append((host, event, undo))
+        else:
+            self._pending.append((total, None, undo))
+        return ok, found
+
+    def settle(self, wait: bool = True) -> None:
+        """Read the flags of earlier steps (``wait=False``: only those already known) and account for skips."""
+        while self._pending:
+            host, event, undo = self._pending[0]
+            if event is not None:
+                if not wait and not event.query():
+                    return
+                event.synchronize()
+            self._pending.pop(0)
+            if float(host) != 0.0:
+                undo()
+                self.skipped += 1
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"{self.owner}: skipped a step whose gradients were not all finite (parameters and "
+                                  f"optimizer state unchanged; counted in skipped_steps; warned once)",
+                                  RuntimeWarning, stacklevel=5)
+
+
+# ----------------------------------------------------------------------------- state dicts
 
 
 def load_state_dict_keeping_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict, keys: frozenset) -> None:
@@ -47,9 +138,134 @@ def _to_device(value, device):
     return value
 
 
+# A spec value: a shape (tuple of ints) for a tensor, a list of shapes for a list of tensors, "int" for a
+# non-negative integer, "any" for anything.
+StateSpec = dict
+
+
+def check_state_dict(cls: str, optimizer: torch.optim.Optimizer, state_dict, spec: Callable[[torch.Tensor, dict],
+                     StateSpec], names: dict | None = None) -> None:
+    """Check a state dict against the optimizer's parameters before loading it: structure, group sizes, and every
+    saved state entry's keys, types and shapes (``spec(param, group)`` gives what is expected). Raises
+    ValueError naming the parameter (``names``: parameter -> name, else its index, group and shape)."""
+    def bad(message: str):
+        raise ValueError(f"{cls}: cannot load state_dict: {message}")
+
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+            or not isinstance(state_dict.get("param_groups"), list):
+        bad("expected a dict with 'state' (a dict) and 'param_groups' (a list), as state_dict() returns")
+    groups = state_dict["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        bad(f"it has {len(groups)} parameter groups, this optimizer {len(optimizer.param_groups)}")
+    for gi, (saved_group, group) in enumerate(zip(groups, optimizer.param_groups)):
+        if not isinstance(saved_group, dict) or not isinstance(saved_group.get("params"), list):
+            bad(f"param_groups[{gi}] must be a dict with a 'params' list")
+        if len(saved_group["params"]) != len(group["params"]):
+            bad(f"param_groups[{gi}] holds {len(saved_group['params'])} parameters, this optimizer's "
+                f"{len(group['params'])}")
+        for pi, (pid, p) in enumerate(zip(saved_group["params"], group["params"])):
+            state = state_dict["state"].get(pid)
+            if state is None:
+                continue
+            who = (f"parameter {names[p]!r}" if names and p in names else
+                   f"parameter {pi} of group {gi} (shape {list(p.shape)})")
+            if not isinstance(state, dict):
+                bad(f"the state of {who} must be a dict, got {type(state).__name__}")
+            expected = spec(p, {**group, **{k: v for k, v in saved_group.items() if k != "params"}})
+            for key, value in state.items():
+                if key not in expected:
+                    bad(f"the state of {who} has an unexpected entry {key!r} (expected some of {sorted(expected)})")
+                _check_entry(bad, who, key, value, expected[key])
+
+
+def _check_entry(bad, who: str, key: str, value, want) -> None:
+    if want == "any":
+        return
+    if want == "int":
+        ok = (is_int(value) and value >= 0) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+        if not ok:
+            bad(f"the state of {who}: {key!r} must be a non-negative integer, got {value!r}")
+        return
+    if isinstance(want, list):
+        if not isinstance(value, (list, tuple)) or len(value) != len(want):
+            got = f"{len(value)} entries" if isinstance(value, (list, tuple)) else type(value).__name__
+            bad(f"the state of {who}: {key!r} must be a list of {len(want)} tensors, got {got}")
+        for i, (v, w) in enumerate(zip(value, want)):
+            _check_entry(bad, who, f"{key}[{i}]", v, w)
+        return
+    if not isinstance(value, torch.Tensor):
+        bad(f"the state of {who}: {key!r} must be a tensor of shape {list(want)}, got {type(value).__name__}")
+    if tuple(value.shape) != tuple(want):
+        bad(f"the state of {who}: {key!r} has shape {list(value.shape)}, expected {list(want)} (a state dict of "
+            f"another model or another max_preconditioner_dim?)")
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad(f"the state of {who}: {key!r} holds NaN or Inf")
+
+
+# ----------------------------------------------------------------------------- products
+
+
+@functools.lru_cache(maxsize=None)
+def _has_bf16_out_fp32(device_type: str) -> bool:
+    """Whether torch.bmm takes bfloat16 operands with a float32 output here (``out_dtype``: CUDA only)."""
+    if device_type != "cuda":
+        return False
+    try:
+        a = torch.ones(1, 2, 2, dtype=torch.bfloat16, device="cuda")
+        return torch.bmm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def as_operand(x: torch.Tensor, precision: str) -> torch.Tensor:
+    """``x`` as a product operand at ``precision``: itself (fp32), or rounded to bfloat16 ("bf16")."""
+    return x if precision == "fp32" or x.dtype == torch.float64 else x.to(torch.bfloat16)
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, precision: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """Batched ``a @ b`` (..., m, k) x (..., k, n) with a float32 (float64) result.
+
+    "fp32": in ``out_dtype`` (float32 products follow torch's global TF32 setting, never changed here).
+    "bf16": operands rounded to bfloat16, products accumulated and returned in float32: cuBLAS's bfloat16
+    tensor-core GEMM with ``out_dtype`` on CUDA; elsewhere the same rounding of the operands followed by a float32
+    product (no faster, the same math up to summation order). Float64 data ignores the precision.
+    """
+    if precision == "fp32" or out_dtype == torch.float64:
+        return torch.matmul(a.to(out_dtype), b.to(out_dtype))
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    if a.dim() == 3 and b.dim() == 3 and _has_bf16_out_fp32(a.device.type):
+        return torch.bmm(a16, b16, out_dtype=out_dtype)
+    if a.dim() == 2 and b.dim() == 2 and _has_bf16_out_fp32(a.device.type):
+        return torch.mm(a16, b16, out_dtype=out_dtype)
+    return torch.matmul(a16.to(out_dtype), b16.to(out_dtype))
+
+
 def no_autocast() -> contextlib.ExitStack:
     """A context with autocast off on CUDA and CPU: optimizer math stays in the statistics' dtype."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast("cuda", enabled=False))
     stack.enter_context(torch.autocast("cpu", enabled=False))
     return stack
+
+
+# ----------------------------------------------------------------------------- eigendecompositions
+
+
+def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (ascending) and eigenvectors of a batch of symmetric matrices (..., n, n).
+
+    ``torch.ops.torchkern.eigh`` (:func:`torchkern.linalg.eigh` without its NaN check, so no host sync; a
+    non-finite result is NaN, which the callers' guards drop), warm-started from the previous basis ``Q0``:
+    statistics that change slowly converge in a sweep or two from there. ``torch.linalg.eigh`` where the
+    linalg family has no such op. A float32 decomposition that does not converge (clustered spectra, on the
+    LAPACK/cuSOLVER paths that raise) is retried in float64.
+    """
+    try:
+        if hasattr(torch.ops.torchkern, "eigh"):
+            return torch.ops.torchkern.eigh(A, Q0)
+        return torch.linalg.eigh(A)
+    except torch.linalg.LinAlgError:
+        if A.dtype == torch.float64:
+            raise
+        d, Q = torch.linalg.eigh(A.double())
+        return d.to(A.dtype), Q.to(A.dtype)

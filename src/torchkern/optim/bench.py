@@ -1,18 +1,22 @@
-"""Cases for torchkern.optim: Shampoo against torch.optim.Adam on a 4-layer MLP (issue 4's bar).
+"""Cases for torchkern.optim: Shampoo, SOAP and K-FAC against torch's Adam/AdamW on a 4-layer MLP.
 
-Two cases, each timed call running ``PERIODS`` (5) x ``precondition_frequency`` (20) consecutive steps,
-so exactly five inverse-root recomputations fall in every call (the amortized cost). Several periods per
-call because the call ends with a synchronize: the last root update's GPU work (about 19 ms on an H200)
-cannot overlap the host work of the steps after it, as it does in a training loop; over five periods that
-artifact weighs a fifth of what it would over one.
+Each timed call runs ``PERIODS`` (5) x ``FREQ`` (20) = 100 consecutive steps, so every call holds the same
+number of the expensive updates (Shampoo: 5 inverse-root recomputations at precondition_frequency 20; SOAP: 10
+basis refreshes at its default precondition_frequency 10; K-FAC: 10 eigendecompositions at its default
+inv_update_freq 10): the amortized cost. Several periods per call because the call ends with a synchronize: the
+last expensive update's GPU work cannot overlap the host work of the steps after it, as it does in a training
+loop; over several periods that artifact weighs little.
 
-* ``shampoo_step/...``: the optimizer step alone (gradients computed once in setup);
-* ``shampoo_train/...``: the whole training step, forward + backward + optimizer step.
+* ``shampoo_step/...``: Shampoo's optimizer step alone (gradients computed once in setup);
+* ``shampoo_train/...``, ``soap_train/...``, ``kfac_train/...``: the whole training step, forward + backward
+  + optimizer step (K-FAC's factors are captured in the forward and backward, so only this form is fair).
 
-impls: ``torchkern`` (Shampoo, Adam grafting), ``adam`` (torch.optim.Adam, its default foreach
-path) and ``adam_fused`` (``fused=True``, where the device supports it). Divide a row's time by 100
-for the per-step time; ratio = impl time / Shampoo time, so the bar "Shampoo <= 2x Adam" reads as
-ratio >= 0.5 on the ``adam`` rows.
+impls: ``torchkern`` (the case's optimizer at its defaults; Shampoo with Adam grafting), ``adam``/``adamw``
+(torch.optim.Adam/AdamW, their default foreach path), ``adam_fused``/``adamw_fused`` (``fused=True``, CUDA
+only), and for SOAP ``soap_bf16`` (``precision="bf16"``) and ``soap_qr`` (``refresh="qr"``). Divide a row's
+time by 100 for the per-step time; ratio = impl time / torchkern time, so the bars read: Shampoo <= 2x Adam as
+ratio >= 0.5 on shampoo_train's ``adam`` row, SOAP <= 2x AdamW as ratio >= 0.5 on soap_train's ``adamw`` row,
+K-FAC <= 3x Adam as ratio >= 0.33 on kfac_train's ``adam`` row.
 """
 
 from __future__ import annotations
@@ -23,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..optim import Shampoo
+from ..optim import KFAC, SOAP, Shampoo
 from .._bench import Case, Prepared
 
 FREQ, PERIODS = 20, 5
+STEPS = FREQ * PERIODS
 
 
 def _mlp(width: int, depth: int, device: str) -> nn.Module:
@@ -39,16 +44,51 @@ def _mlp(width: int, depth: int, device: str) -> nn.Module:
     return nn.Sequential(*layers).to(device)
 
 
-def _optimizers(model: nn.Module, device: str) -> dict:
-    out = {"torchkern": lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ),
-           "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)}
-    if torch.device(device).type == "cuda":
+def _optimizers(kind: str, device: str) -> dict:
+    """impl name -> maker(model), the case's own optimizer first."""
+    cuda = torch.device(device).type == "cuda"
+    if kind == "soap":
+        out = {"torchkern": lambda m: SOAP(m.parameters(), lr=1e-3),
+               "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)}
+        if cuda:
+            out["adamw_fused"] = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
+        out["soap_bf16"] = lambda m: SOAP(m.parameters(), lr=1e-3, precision="bf16")
+        out["soap_qr"] = lambda m: SOAP(m.parameters(), lr=1e-3, refresh="qr")
+        return out
+    own = (lambda m: KFAC(m, lr=1e-3)) if kind == "kfac" else \
+        (lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ))
+    out = {"torchkern": own, "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)}
+    if cuda:
         out["adam_fused"] = lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, fused=True)
     return out
 
 
-def _case(kind: str, width: int, depth: int, batch: int, device: str) -> Case:
-    impl_names = ("torchkern", "adam") + (("adam_fused",) if torch.device(device).type == "cuda" else ())
+def _check(kind: str, model: nn.Module, opt, base: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    assert all(torch.isfinite(p).all() for p in model.parameters()), f"{kind} produced non-finite params"
+    with torch.no_grad():
+        loss = F.mse_loss(model(x), y).item()
+        start = F.mse_loss(base(x), y).item()
+    assert loss < start, f"{kind} did not reduce the loss ({start:.4g} -> {loss:.4g})"
+    if kind == "shampoo":
+        # the cached root of one factor against a float64 eigendecomposition of the same factor; setup ran a
+        # multiple of FREQ steps: the roots were taken at the last one, from this very factor
+        state = opt.state[model[0].weight]
+        S, root = state["L"][0].double(), state["L_root"][0].double()
+        s = torch.linalg.matrix_norm(S)
+        lam, Q = torch.linalg.eigh(S / s + opt.param_groups[0]["eps"] * torch.eye(S.shape[0], device=S.device,
+                                                                                 dtype=S.dtype))
+        exact = (Q * lam.clamp_min(0).pow(-0.25)) @ Q.T * s ** -0.25
+        rel = (torch.linalg.matrix_norm(root - exact) / torch.linalg.matrix_norm(exact)).item()
+        assert rel < 1e-3, f"Shampoo's cached root is off by {rel:.2e} (relative Frobenius)"
+    else:  # the bases are orthonormal (SOAP: Q_L of the first block; K-FAC: Q_A of the first layer)
+        state = opt.state[model[0].weight]
+        Q = (state["QL"][0] if kind == "soap" else state["QA"]).double()
+        err = (Q.T @ Q - torch.eye(Q.shape[0], device=Q.device, dtype=Q.dtype)).abs().max().item()
+        assert err < 1e-3, f"{kind}'s eigenbasis is not orthonormal (max |Q^T Q - I| = {err:.2e})"
+
+
+def _case(kind: str, timed: str, width: int, depth: int, batch: int, device: str) -> Case:
+    makers = _optimizers(kind, device)
 
     def setup() -> Prepared:
         base = _mlp(width, depth, device)
@@ -56,48 +96,26 @@ def _case(kind: str, width: int, depth: int, batch: int, device: str) -> Case:
         x = torch.randn(batch, width, device=device, generator=gen)
         y = torch.randn(batch, width, device=device, generator=gen)
         impls, states = {}, {}
-        for name, make in _optimizers(base, device).items():
+        for name, make in makers.items():
             model = copy.deepcopy(base)
             opt = make(model)
 
-            def train_steps(model=model, opt=opt, n=FREQ * PERIODS):
+            def train_steps(model=model, opt=opt, n=STEPS):
                 for _ in range(n):
                     opt.zero_grad(set_to_none=False)
                     F.mse_loss(model(x), y).backward()
                     opt.step()
 
-            train_steps()  # past start_preconditioning_step: every later call contains PERIODS root updates
-            if kind == "step":
-                impls[name] = lambda opt=opt: [opt.step() for _ in range(FREQ * PERIODS)]
-            else:
-                impls[name] = train_steps
+            train_steps()  # past the first expensive updates (which may wait): every later call holds the same number
+            impls[name] = (lambda opt=opt: [opt.step() for _ in range(STEPS)]) if timed == "step" else train_steps
             states[name] = (model, opt)
 
-        def check() -> None:
-            model, opt = states["torchkern"]
-            assert all(torch.isfinite(p).all() for p in model.parameters()), "Shampoo produced non-finite params"
-            with torch.no_grad():
-                loss = F.mse_loss(model(x), y).item()
-                start = F.mse_loss(base(x), y).item()
-            assert loss < start, f"Shampoo did not reduce the loss ({start:.4g} -> {loss:.4g})"
-            # The cached root of one factor against a float64 eigendecomposition of the same factor.
-            state = opt.state[model[0].weight]
-            S, root = state["L"][0].double(), state["L_root"][0].double()
-            s = torch.linalg.matrix_norm(S)
-            lam, Q = torch.linalg.eigh(S / s + opt.param_groups[0]["eps"] * torch.eye(S.shape[0], device=S.device,
-                                                                                     dtype=S.dtype))
-            exact = (Q * lam.clamp_min(0).pow(-0.25)) @ Q.T * s ** -0.25
-            rel = (torch.linalg.matrix_norm(root - exact) / torch.linalg.matrix_norm(exact)).item()
-            # setup ran a multiple of FREQ steps: the roots were taken at the last one, from this very factor.
-            assert rel < 1e-3, f"Shampoo's cached root is off by {rel:.2e} (relative Frobenius)"
+        note = (f"{STEPS} {'optimizer' if timed == 'step' else 'training'} steps per call; MLP {depth}x{width}, "
+                f"batch {batch}")
+        return Prepared(impls, check=lambda: _check(kind, *states["torchkern"], base, x, y), note=note)
 
-        flops = 0.0
-        note = (f"{FREQ * PERIODS} {'optimizer' if kind == 'step' else 'training'} steps per call "
-                f"({PERIODS} root updates); MLP {depth}x{width}, batch {batch}")
-        return Prepared(impls, flops=flops, check=check, note=note)
-
-    name = f"shampoo_{kind}/mlp{depth}x{width}" + (f"-b{batch}" if kind == "train" else "")
-    return Case("optim", name, setup, device, impl_names)
+    name = f"{kind}_{timed}/mlp{depth}x{width}" + (f"-b{batch}" if timed == "train" else "")
+    return Case("optim", name, setup, device, tuple(makers))
 
 
 def cases(device: str, quick: bool) -> list[Case]:
@@ -105,4 +123,5 @@ def cases(device: str, quick: bool) -> list[Case]:
         width, batch = 64, 64
     else:
         width, batch = 1024, 1024
-    return [_case("step", width, 4, batch, device), _case("train", width, 4, batch, device)]
+    return [_case("shampoo", "step", width, 4, batch, device), _case("shampoo", "train", width, 4, batch, device),
+            _case("soap", "train", width, 4, batch, device), _case("kfac", "train", width, 4, batch, device)]

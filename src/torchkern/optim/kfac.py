@@ -6,8 +6,8 @@ For every ``nn.Linear`` and ``nn.Conv2d`` (groups=1) layer with weight gradient 
     A = E[a a^T]                     inputs (conv: unfolded patches), with a ones column for the bias
     G = T E[ds ds^T]                 output gradients of the per-sample loss, T = positions per sample
     A <- decay A + (1 - decay) A_new,  G likewise                 (every factor_update_freq steps)
-    A = Q_A diag(d_A) Q_A^T,  G = Q_G diag(d_G) Q_G^T (torch.linalg.eigh, batched by size)
-                                                                  (every inv_update_freq steps)
+    A = Q_A diag(d_A) Q_A^T,  G = Q_G diag(d_G) Q_G^T (one batched eigh call for all factors of about one size,
+                    warm-started from the previous bases)         (every inv_update_freq steps)
     V = Q_G ((Q_G^T W_grad Q_A) / (d_G d_A^T + damping)) Q_A^T    (torchkern.linalg.kron_precondition)
     nu = min(1, sqrt(kl_clip / sum_layers lr^2 <V, W_grad>))
     update = nu V  (+ weight_decay * param, momentum)             param <- param - lr update
@@ -18,6 +18,12 @@ mean loss. ``ds`` is the per-sample loss's output gradient: with ``batch_average
 loss is a mean over the batch dimension) the captured gradients are multiplied back by the batch
 size. All other parameters (norm layers, embeddings, grouped convs, ...) take SGD steps with the
 same momentum and weight decay.
+
+The eigendecompositions go through :func:`torchkern.linalg.eigh` warm-started from the previous bases
+(``_common.eigh``; ``torch.linalg.eigh`` where the linalg family has no such solver). Factors whose sizes differ
+by a few percent at most (a layer's A with its bias column, n + 1, next to another's G, n) share one call: each
+is padded to the largest size with a diagonal block far below its spectrum (minus its trace), whose eigenpairs
+come first in ascending order and are dropped. The preconditioning products of same-shape layers are batched.
 """
 
 from __future__ import annotations
@@ -31,9 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import opmath_dtype
-from ._common import check_arg, is_int, is_real, load_state_dict_keeping_dtypes, no_autocast
+from ._common import (StepGuard, check_arg, check_state_dict, eigh, is_int, is_real, load_state_dict_keeping_dtypes,
+                      no_autocast)
 
 _STAT_KEYS = frozenset({"A", "G", "QA", "dA", "QG", "dG", "momentum_buffer"})
+_FACTOR_KEYS = ("A", "G", "QA", "dA", "QG", "dG")
+# Factors within this fraction of a batch's largest size (or one smaller) are padded into its eigh call (the
+# padding's cost, (1 / 0.95)^3 - 1 = 17% at most for one matrix, against a second call).
+_PAD_FRACTION = 0.05
 
 
 class _Layer:
@@ -78,7 +89,8 @@ class KFAC(torch.optim.Optimizer):
         model: the module to train; hooks are attached to its Linear/Conv2d (groups=1) layers.
             The optimizer has one param group holding every parameter of ``model`` that requires grad.
         lr: learning rate (> 0).
-        damping: Tikhonov damping added to the Kronecker product's eigenvalues (>= 0).
+        damping: Tikhonov damping added to the Kronecker product's eigenvalues (> 0: a factor is rank-deficient
+            whenever a batch holds fewer samples than the layer is wide, and zero damping divides by zero there).
         factor_decay: EMA decay of A and G, in [0, 1).
         factor_update_freq: capture activations/gradients and update A, G every this many steps.
         inv_update_freq: recompute the eigendecompositions every this many steps.
@@ -97,6 +109,14 @@ class KFAC(torch.optim.Optimizer):
     factors untouched; ``zero_grad`` discards such contributions, and a contribution that is not
     finite is dropped at fold time anyway (sync-free, by ``torch.where``).
 
+    Non-finite gradients: a step whose gradients are not all finite changes no parameter and no state (factors,
+    eigenbases, momentum, step count), is counted in :attr:`skipped_steps` and warns once (decided on the
+    device; the host learns it at the next step, without a sync per step). An update whose trust-region sum
+    ``<V, grad>`` is not finite (overflow) is dropped for its param group.
+
+    Raises ValueError naming the argument for invalid hyperparameters, and in ``load_state_dict`` for a state
+    dict that does not fit the model (naming the parameter).
+
     Gradients of the output are captured with a tensor hook that the layer's forward hook
     registers on its output, not with ``register_full_backward_hook``, which breaks models that
     modify a layer's output in place (``nn.ReLU(inplace=True)`` after a Linear/Conv2d).
@@ -109,11 +129,13 @@ class KFAC(torch.optim.Optimizer):
                  grad_scaler: torch.amp.GradScaler | None = None):
         name = "KFAC"
         check_arg(name, "model", type(model).__name__, isinstance(model, nn.Module), "must be a torch.nn.Module")
-        check_arg(name, "lr", lr, is_real(lr) and lr > 0, "must be a number > 0")
-        check_arg(name, "damping", damping, is_real(damping) and damping >= 0, "must be a number >= 0")
+        check_arg(name, "lr", lr, is_real(lr) and lr > 0, "must be a finite number > 0")
+        check_arg(name, "damping", damping, is_real(damping) and damping > 0,
+                  "must be a finite number > 0 (rank-deficient factors are singular without it)")
         check_arg(name, "factor_decay", factor_decay, is_real(factor_decay) and 0 <= factor_decay < 1,
                   "must be in [0, 1)")
-        check_arg(name, "factor_update_freq", factor_update_freq, is_int(factor_update_freq) and factor_update_freq >= 1,
+        check_arg(name, "factor_update_freq", factor_update_freq,
+                  is_int(factor_update_freq) and factor_update_freq >= 1,
                   "must be an integer >= 1")
         check_arg(name, "inv_update_freq", inv_update_freq, is_int(inv_update_freq) and inv_update_freq >= 1,
                   "must be an integer >= 1")
@@ -121,7 +143,8 @@ class KFAC(torch.optim.Optimizer):
                   "must be a number > 0 or None")
         check_arg(name, "momentum", momentum, is_real(momentum) and 0 <= momentum < 1, "must be in [0, 1)")
         check_arg(name, "weight_decay", weight_decay, is_real(weight_decay) and weight_decay >= 0,
-                  "must be a number >= 0")
+                  "must be a finite number >= 0")
+        check_arg(name, "batch_averaged", batch_averaged, isinstance(batch_averaged, bool), "must be True or False")
         check_arg(name, "grad_scaler", grad_scaler, grad_scaler is None or hasattr(grad_scaler, "get_scale"),
                   "must be a torch.amp.GradScaler or None")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -136,6 +159,8 @@ class KFAC(torch.optim.Optimizer):
         self.steps = 0  # completed K-FAC steps; saved in state_dict
         self._layers: list[_Layer] = []
         self._handles = []
+        self._names = {p: n for n, p in model.named_parameters()}
+        self._init_caches()
         for module in model.modules():
             if _supported(module):
                 layer = _Layer(module)
@@ -145,7 +170,22 @@ class KFAC(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ hooks
 
+    def _init_caches(self) -> None:
+        self._guard = StepGuard("KFAC")
+        self._eigen_stacks: dict = {}  # see _stacked_eigen
+
+    def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the caches are not part of the state
+        super().__setstate__(state)
+        self._init_caches()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because their gradients were not all finite (reads the device's flags: may wait)."""
+        self._guard.settle()
+        return self._guard.skipped
+
     def _capturing(self, module: nn.Module) -> bool:
+        self._guard.settle(wait=False)  # a skip already known takes its step back before the schedule is read
         return module.training and torch.is_grad_enabled() and self.steps % self.factor_update_freq == 0
 
     def _make_input_hook(self, layer: _Layer):
@@ -206,14 +246,33 @@ class KFAC(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
+        self._guard.settle()
         out = super().state_dict()
         out["kfac_steps"] = self.steps
         return out
 
+    def _state_spec(self, p: torch.Tensor, group: dict) -> dict:
+        spec: dict = {"momentum_buffer": tuple(p.shape)}
+        layer = next((layer for layer in self._layers if layer.weight is p), None)
+        if layer is not None:
+            n_in = p.numel() // p.shape[0] + (layer.bias is not None)
+            spec.update(A=(n_in, n_in), QA=(n_in, n_in), dA=(n_in,), G=(p.shape[0],) * 2, QG=(p.shape[0],) * 2,
+                        dG=(p.shape[0],))
+        return spec
+
     def load_state_dict(self, state_dict: dict) -> None:
+        """``Optimizer.load_state_dict`` after checking every saved entry against the model (ValueError naming the
+        parameter); the factors keep their saved dtype."""
+        check_state_dict("KFAC", self, state_dict, self._state_spec, self._names)
+        steps = state_dict.get("kfac_steps", 0)
+        check_arg("KFAC", "state_dict['kfac_steps']", steps, is_int(steps) and steps >= 0,
+                  "must be a non-negative integer")
+        self._guard.settle()
         state_dict = dict(state_dict)
-        self.steps = int(state_dict.pop("kfac_steps", 0))
+        state_dict.pop("kfac_steps", None)
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
+        self.steps = steps
+        self._eigen_stacks.clear()
         for layer in self._layers:
             layer.clear()
 
@@ -227,14 +286,31 @@ class KFAC(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with no_autocast():
-            self._fold_factors()
-            self._update_eigen(force=self.steps % self.inv_update_freq == 0)
-            updates = self._preconditioned()
-            self._apply(updates)
+            self._guard.settle()
+            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("KFAC does not support sparse gradients")
+            fresh = [layer for layer in self._layers if "A" not in self.state[layer.weight]]
+            ok, _ = self._guard.check([p.grad for p in params], lambda: self._undo(fresh))
+            self._fold_factors(ok)
+            self._update_eigen(self.steps % self.inv_update_freq == 0, ok)
+            updates = self._preconditioned(ok)
+            self._apply(updates, ok)
         self.steps += 1
+        self._guard.settle(wait=False)
         return loss
 
-    def _fold_factors(self) -> None:
+    def _undo(self, fresh: list) -> None:
+        """A skipped step: the step count goes back, and factors first created in that step are dropped."""
+        self.steps -= 1
+        for layer in fresh:
+            state = self.state[layer.weight]
+            for key in _FACTOR_KEYS:
+                state.pop(key, None)
+        self._eigen_stacks.clear()
+
+    def _fold_factors(self, ok: dict) -> None:
         inv_scale2 = None
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = self.grad_scaler._get_scale_async()  # the scale of this iteration's backward (no sync)
@@ -248,42 +324,71 @@ class KFAC(torch.optim.Optimizer):
                 G_new = layer.G_sum / layer.G_count
                 if inv_scale2 is not None:
                     G_new = G_new * inv_scale2.to(device=G_new.device, dtype=G_new.dtype)
-                ok = torch.isfinite(A_new).all() & torch.isfinite(G_new).all()
+                good = torch.isfinite(A_new).all() & torch.isfinite(G_new).all()
+                if A_new.device in ok:
+                    good = good & ok[A_new.device]
                 for key, new in (("A", A_new), ("G", G_new)):
                     old = state.get(key)
                     if old is None:  # first fold: no bias towards an arbitrary start
                         old = torch.eye(new.shape[0], dtype=new.dtype, device=new.device)
-                        state[key] = torch.where(ok, new, old)
+                        state[key] = torch.where(good, new, old)
                     else:
-                        state[key] = torch.where(ok, torch.lerp(new, old, decay), old)
+                        state[key] = torch.where(good, torch.lerp(new, old, decay), old)
             layer.clear()
 
-    def _update_eigen(self, force: bool) -> None:
-        due = defaultdict(list)  # (n, dtype, device) -> [(state, factor key)]
+    def _update_eigen(self, force: bool, ok: dict) -> None:
+        """Eigendecompositions of the factors due: one warm-started call per batch of about one size."""
+        due = defaultdict(list)  # (dtype, device) -> [(state, factor key)]
         for layer in self._layers:
             state = self.state[layer.weight]
             if "A" in state and (force or "QA" not in state):
                 for key in ("A", "G"):
-                    due[(state[key].shape[0], state[key].dtype, state[key].device)].append((state, key))
-        for entries in due.values():
-            stack = torch.stack([state[key] for state, key in entries])
-            try:
-                d, Q = torch.linalg.eigh(stack)
-            except torch.linalg.LinAlgError:  # float32 eigh can fail to converge on clustered spectra
-                d, Q = torch.linalg.eigh(stack.double())
-                d, Q = d.to(stack.dtype), Q.to(stack.dtype)
-            d = d.clamp_min(0.0)
-            for i, (state, key) in enumerate(entries):
-                state["Q" + key], state["d" + key] = Q[i], d[i]
+                    due[(state[key].dtype, state[key].device)].append((state, key))
+        for (dtype, device), entries in due.items():
+            entries.sort(key=lambda e: -e[0][e[1]].shape[0])
+            while entries:
+                top = entries[0][0][entries[0][1]].shape[0]
+                batch = [e for e in entries if e[0][e[1]].shape[0] >= top - max(1, int(_PAD_FRACTION * top))]
+                entries = entries[len(batch):]
+                self._eigen_batch(batch, top, ok.get(device))
+        if due:
+            self._eigen_stacks.clear()
 
-    def _preconditioned(self) -> dict[torch.Tensor, torch.Tensor]:
-        """Per parameter of a preconditioned layer: nu * V (its slice of the layer's update)."""
+    @staticmethod
+    def _eigen_batch(entries: list, n: int, ok: torch.Tensor | None) -> None:
+        factors = [state[key] for state, key in entries]
+        warm = all("Q" + key in state for state, key in entries)
+        S = torch.stack([_pad(f, n) for f in factors])
+        Q0 = torch.stack([_pad_basis(state["Q" + key], n) for state, key in entries]) if warm else None
+        d, Q = eigh(S, Q0)
+        good = torch.isfinite(d).all(dim=-1) & torch.isfinite(Q).flatten(1).all(dim=1)
+        if ok is not None:
+            good = good & ok
+        for i, ((state, key), f) in enumerate(zip(entries, factors)):
+            k = f.shape[0]
+            pad = n - k
+            new_Q, new_d = Q[i, :k, pad:], d[i, pad:].clamp_min(0.0)
+            old_Q = state.get("Q" + key, torch.eye(k, dtype=f.dtype, device=f.device))
+            old_d = state.get("d" + key, torch.zeros(k, dtype=f.dtype, device=f.device))
+            state["Q" + key] = torch.where(good[i], new_Q, old_Q)
+            state["d" + key] = torch.where(good[i], new_d, old_d)
+
+    def _stacked_eigen(self, key: tuple, layers: list) -> tuple:
+        """The eigen factors of same-shape layers stacked, kept until the next eigen update or load."""
+        states = [self.state[layer.weight] for layer in layers]
+        tensors = [s[k] for s in states for k in ("QG", "dG", "QA", "dA")]
+        hit = self._eigen_stacks.get(key)
+        if hit is None or len(hit[0]) != len(tensors) or not all(a is b for a, b in zip(hit[0], tensors)):
+            hit = self._eigen_stacks[key] = (tensors, tuple(torch.stack(tensors[i::4]) for i in range(4)))
+        return hit[1]
+
+    def _preconditioned(self, ok: dict) -> dict[torch.Tensor, torch.Tensor]:
+        """Per parameter of a preconditioned layer: nu * V (its slice of the layer's update); same-shape layers of a
+        param group in one batched kron_precondition call."""
         from .. import linalg
 
-        group_of = {p: group for group in self.param_groups for p in group["params"]}
-        updates: dict[torch.Tensor, torch.Tensor] = {}
-        vg_sums: dict[int, torch.Tensor] = {}
-        layer_groups = []
+        group_of = {p: (gi, group) for gi, group in enumerate(self.param_groups) for p in group["params"]}
+        buckets: dict[tuple, list] = defaultdict(list)
         for layer in self._layers:
             w, b = layer.weight, layer.bias
             state = self.state[w]
@@ -291,49 +396,84 @@ class KFAC(torch.optim.Optimizer):
                 continue
             if b is not None and b.grad is None:
                 continue
-            group = group_of[w]
+            gi, group = group_of[w]
             dtype = state["QA"].dtype
             grad = w.grad.reshape(w.shape[0], -1).to(dtype)
             if b is not None:
                 grad = torch.cat([grad, b.grad.to(dtype)[:, None]], dim=1)
-            v = linalg.kron_precondition(grad, (state["QG"], state["dG"]), (state["QA"], state["dA"]), group["damping"])
-            gid = id(group)
-            vg = (v * grad).sum() * group["lr"] ** 2
-            vg_sums[gid] = vg if gid not in vg_sums else vg_sums[gid] + vg
-            layer_groups.append((layer, group, v))
+            buckets[(grad.shape, dtype, grad.device, gi)].append((layer, grad))
+        updates: dict[torch.Tensor, torch.Tensor] = {}
+        vg_sums: dict[int, torch.Tensor] = {}
+        results = []
+        for key, items in buckets.items():
+            group = group_of[items[0][0].weight][1]
+            grads = torch.stack([g for _, g in items])
+            if key[2] in ok:  # a skipped step's gradients may hold NaN/Inf: zeroed, its update is dropped anyway
+                grads = torch.where(ok[key[2]], grads, 0.0)
+            QG, dG, QA, dA = self._stacked_eigen(key, [layer for layer, _ in items])
+            V = linalg.kron_precondition(grads, (QG, dG), (QA, dA), group["damping"])
+            vg = (V * grads).sum() * group["lr"] ** 2
+            vg_sums[key[3]] = vg if key[3] not in vg_sums else vg_sums[key[3]] + vg
+            results.append((key[3], group, items, V))
         nus = {}
-        for layer, group, v in layer_groups:
-            gid = id(group)
-            if gid not in nus:
-                nus[gid] = (torch.ones((), dtype=v.dtype, device=v.device) if group["kl_clip"] is None else
-                            torch.sqrt(group["kl_clip"] / vg_sums[gid].clamp_min(0.0)).clamp(max=1.0))
-            v = v * nus[gid]
-            w, b = layer.weight, layer.bias
-            n_w = w.numel() // w.shape[0]
-            updates[w] = v[:, :n_w].reshape(w.shape)
-            if b is not None:
-                updates[b] = v[:, n_w]
+        for gi, group, items, V in results:
+            if gi not in nus:
+                vg = vg_sums[gi]
+                nu = (torch.ones((), dtype=V.dtype, device=V.device) if group["kl_clip"] is None else
+                      torch.sqrt(group["kl_clip"] / vg.clamp_min(0.0)).clamp(max=1.0))
+                nus[gi] = (nu, torch.isfinite(vg))
+            nu, finite = nus[gi]
+            V = torch.where(finite, V * nu, 0.0)  # an overflowing <V, grad> drops the group's update
+            for (layer, _), v in zip(items, V.unbind(0)):
+                w, b = layer.weight, layer.bias
+                n_w = w.numel() // w.shape[0]
+                updates[w] = v[:, :n_w].reshape(w.shape)
+                if b is not None:
+                    updates[b] = v[:, n_w]
         return updates
 
-    def _apply(self, updates: dict[torch.Tensor, torch.Tensor]) -> None:
+    def _apply(self, updates: dict[torch.Tensor, torch.Tensor], ok: dict) -> None:
         for group in self.param_groups:
             lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("KFAC does not support sparse gradients")
+                flag = ok[p.device]
                 d = updates.get(p)
-                d = p.grad.float() if d is None and p.dtype in (torch.float16, torch.bfloat16) else \
-                    (p.grad if d is None else d)
+                if d is None:  # SGD for the layers K-FAC does not precondition; a skipped step's gradient zeroed
+                    d = torch.where(flag, p.grad if p.dtype not in (torch.float16, torch.bfloat16) else p.grad.float(),
+                                    0.0)
                 if wd != 0:
                     d = d + wd * p.to(d.dtype)
                 if mom != 0:
                     state = self.state[p]
                     buf = state.get("momentum_buffer")
                     if buf is None:
-                        buf = state["momentum_buffer"] = d.detach().clone()
+                        buf = state["momentum_buffer"] = torch.where(flag, d, 0.0)
                     else:
-                        buf.mul_(mom).add_(d)
+                        buf.copy_(torch.where(flag, buf * mom + d, buf))
                     d = buf
-                p.add_(d.to(p.dtype), alpha=-lr)
+                p.add_(torch.where(flag, d, 0.0).to(p.dtype), alpha=-lr)
+
+
+def _pad(S: torch.Tensor, n: int) -> torch.Tensor:
+    """Symmetric S (k, k) as the leading block of an (n, n) matrix whose trailing diagonal sits at -trace(S) (below
+    every eigenvalue of a PSD S, at its scale): its eigenpairs come first in ascending order."""
+    k = S.shape[0]
+    if k == n:
+        return S
+    out = torch.zeros(n, n, dtype=S.dtype, device=S.device)
+    out[:k, :k] = S
+    out[k:, k:].diagonal().copy_(-(S.diagonal().sum().abs() + 1e-30).expand(n - k))
+    return out
+
+
+def _pad_basis(Q: torch.Tensor, n: int) -> torch.Tensor:
+    """A warm start for :func:`_pad`'s matrix: the padding's eigenvectors first (they come first), then Q's."""
+    k = Q.shape[0]
+    if k == n:
+        return Q
+    out = torch.zeros(n, n, dtype=Q.dtype, device=Q.device)
+    out[k:, :n - k] = torch.eye(n - k, dtype=Q.dtype, device=Q.device)
+    out[:k, n - k:] = Q
+    return out

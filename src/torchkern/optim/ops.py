@@ -1,19 +1,19 @@
-"""Registration of the optim ops: Shampoo's fused grafting step."""
+"""Registration of the optim ops: Shampoo's fused grafting step (also SOAP's Adam step)."""
 
 from __future__ import annotations
-
-import torch
 
 from .._library import define
 from . import twins
 
 
-def _shampoo_graft_fake(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale):
-    twins.check_shampoo_graft(grads, exp_avgs, graft_sqs, out, eps, scale)
+def _shampoo_graft_fake(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf=None):
+    twins.check_shampoo_graft(grads, exp_avgs, graft_sqs, out, eps, scale, found_inf)
     return graft_sqs[0].new_empty((len(grads),))
 
 
-# Updates exp_avgs and graft_sqs, writes the grafting directions to out, returns their norms (optim/shampoo.py).
+# Updates exp_avgs and graft_sqs, writes the grafting directions to out, returns their norms (optim/shampoo.py);
+# found_inf nonzero (read on the device): a skipped step that changes no state.
 define("shampoo_graft(Tensor[] grads, Tensor(a!)[] exp_avgs, Tensor(b!)[] graft_sqs, Tensor(c!)[] out, float beta1, "
-       "float sq_decay, float sq_weight, float[] eps, float[] scale) -> Tensor", twin=twins.shampoo_graft,
+       "float sq_decay, float sq_weight, float[] eps, float[] scale, Tensor? found_inf=None) -> Tensor",
+       twin=twins.shampoo_graft,
        fake=_shampoo_graft_fake)

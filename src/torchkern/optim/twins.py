@@ -1,4 +1,5 @@
-"""Twin of shampoo_graft: Shampoo's grafting direction (Adam or AdaGrad) and its norm, per parameter."""
+"""Twin of shampoo_graft: Shampoo's grafting direction (Adam or AdaGrad) and its norm, per parameter (also SOAP's
+Adam step in the eigenbasis)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,14 @@ from typing import Sequence
 
 import torch
 
-from .._checks import check, check_float, dtype_name, opmath_dtype, shape
+from .._checks import check, check_float, dtype_name, fail, opmath_dtype, shape
 
 OP = "shampoo_graft"
 
 
 def check_shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                         graft_sqs: Sequence[torch.Tensor], out: Sequence[torch.Tensor], eps: Sequence[float],
-                        scale: Sequence[float]) -> None:
+                        scale: Sequence[float], found_inf: torch.Tensor | None = None) -> None:
     n = len(grads)
     check(n > 0, OP, "grads must hold at least one tensor")
     check(len(exp_avgs) in (0, n), OP,
@@ -24,29 +25,36 @@ def check_shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.
     g0 = grads[0]
     check_float(OP, "grads[0]", g0)
     state = opmath_dtype(g0.dtype)
-    for i, g in enumerate(grads):
-        check(g.dtype == g0.dtype and g.device == g0.device, OP,
-              f"grads[{i}] must have the dtype and device of grads[0] ({dtype_name(g0.dtype)}, {g0.device}), got "
-              f"{dtype_name(g.dtype)}, {g.device}")
+    if found_inf is not None:
+        check(found_inf.dtype == torch.float32 and found_inf.numel() == 1 and found_inf.device == g0.device, OP,
+              f"found_inf must be a float32 tensor of one element on {g0.device}, got {dtype_name(found_inf.dtype)} "
+              f"{shape(found_inf)} on {found_inf.device}")
+    for i, g in enumerate(grads):  # messages built only on failure: this runs on every optimizer step
+        if not (g.dtype == g0.dtype and g.device == g0.device):
+            fail(OP, f"grads[{i}] must have the dtype and device of grads[0] ({dtype_name(g0.dtype)}, {g0.device}), "
+                     f"got {dtype_name(g.dtype)}, {g.device}")
         for name, states in (("exp_avgs", exp_avgs), ("graft_sqs", graft_sqs), ("out", out)):
             if not states:
                 continue
             s = states[i]
-            ok = s.dtype == state and s.device == g0.device and s.shape == g.shape and s.is_contiguous()
-            check(ok, OP, f"{name}[{i}] must be a contiguous {dtype_name(state)} tensor of shape {shape(g)} on "
-                          f"{g0.device}, got {dtype_name(s.dtype)} {shape(s)} on {s.device}"
-                          + ("" if s.is_contiguous() else " (not contiguous)"))
+            if not (s.dtype == state and s.device == g0.device and s.shape == g.shape and s.is_contiguous()):
+                fail(OP, f"{name}[{i}] must be a contiguous {dtype_name(state)} tensor of shape {shape(g)} on "
+                         f"{g0.device}, got {dtype_name(s.dtype)} {shape(s)} on {s.device}"
+                         + ("" if s.is_contiguous() else " (not contiguous)"))
 
 
 def shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor], graft_sqs: Sequence[torch.Tensor],
                   out: Sequence[torch.Tensor], beta1: float, sq_decay: float, sq_weight: float, eps: Sequence[float],
-                  scale: Sequence[float]) -> torch.Tensor:
+                  scale: Sequence[float], found_inf: torch.Tensor | None = None) -> torch.Tensor:
     """Per tensor i: ``m <- lerp(m, g, 1 - beta1)`` (``m = g`` when ``exp_avgs`` is empty),
     ``v <- sq_decay v + sq_weight g^2``, ``out[i] = d = m / (sqrt(v) + eps[i]) * scale[i]``; returns the (n,)
     norms ||d||. ``exp_avgs``, ``graft_sqs`` and ``out`` are updated in place; states and ``out`` have the
-    state dtype (float64 for float64 grads, float32 otherwise)."""
-    check_shampoo_graft(grads, exp_avgs, graft_sqs, out, eps, scale)
+    state dtype (float64 for float64 grads, float32 otherwise). ``found_inf`` nonzero (a float32 scalar on the
+    device, read there): a skipped step, states unchanged, ``out`` and the norms zero."""
+    check_shampoo_graft(grads, exp_avgs, graft_sqs, out, eps, scale, found_inf)
     dtype = graft_sqs[0].dtype
+    if found_inf is not None:
+        return _skippable(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf)
     g = [x if x.dtype == dtype else x.to(dtype) for x in grads]
     if exp_avgs:
         torch._foreach_lerp_(list(exp_avgs), g, 1.0 - beta1)
@@ -61,3 +69,20 @@ def shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor
     torch._foreach_div_(out, denoms)
     torch._foreach_mul_(out, list(scale))
     return torch.stack(torch._foreach_norm(out))
+
+
+def _skippable(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf) -> torch.Tensor:
+    """shampoo_graft with a device-side skip flag: the step runs on copies, which replace the states only where
+    the flag is zero (no host sync; the gradients of a skipped step may hold NaN/Inf and touch nothing)."""
+    skip = found_inf.reshape(()) != 0
+    dtype = graft_sqs[0].dtype
+    zero = torch.zeros((), dtype=dtype, device=skip.device)
+    g = [torch.where(skip, zero, x.to(dtype)) for x in grads]
+    m = [t.clone() for t in exp_avgs]
+    v = [t.clone() for t in graft_sqs]
+    norms = shampoo_graft(g, m, v, out, beta1, sq_decay, sq_weight, eps, scale)
+    for new, old in zip(m + v, list(exp_avgs) + list(graft_sqs)):
+        old.copy_(torch.where(skip, old, new))
+    for d in out:
+        d.copy_(torch.where(skip, zero, d))
+    return torch.where(skip, zero, norms)

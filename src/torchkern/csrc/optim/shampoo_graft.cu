@@ -1,9 +1,14 @@
-// shampoo_graft(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale) -> norms: Shampoo's
-// grafting direction for every parameter of a group in one op (the math is in optim/shampoo.py and the twin):
+// shampoo_graft(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf) -> norms:
+// Shampoo's grafting direction for every parameter of a group in one op (the math is in optim/shampoo.py and
+// the twin); SOAP's Adam step in the eigenbasis and its AdamW step for 1-D parameters use it too:
 //
 //   m <- m + (1 - beta1) (g - m)         (exp_avgs given; otherwise m = g)
 //   v <- sq_decay v + sq_weight g^2      (Adam: beta2, 1 - beta2; AdaGrad: 1, 1)
 //   out_i = d = m / (sqrt(v) + eps_i) scale_i,  norms_i = ||d||_2
+//
+// found_inf (optional, a float32 scalar on the device): when it is nonzero the step is skipped on the device,
+// without the host reading it: m and v are left as they are, out is zero and so are the norms. The optimizers
+// pass their "gradients not all finite" flag, so a skipped step changes no state.
 //
 // The directions go to caller-allocated ``out`` tensors (a custom op may mutate lists of tensors but, for
 // torch.compile, not return a list as well).
@@ -22,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "torchkern/checks.h"
@@ -52,9 +58,11 @@ struct GraftTable {
 template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads)
 graft_kernel(const __grid_constant__ GraftTable<T, C> table, C beta1, C sq_decay, C sq_weight,
+             const float* __restrict__ found_inf,  // [] or null
              C* __restrict__ partial) {
   __shared__ C scratch[kThreads / 32];
   const int chunk = blockIdx.x;
+  const bool skip = found_inf != nullptr && *found_inf != 0.f;  // uniform across the block: no divergence
   int t = 0;
   while (chunk >= table.first_chunk[t + 1]) ++t;
   const int64_t begin = int64_t(chunk - table.first_chunk[t]) * kChunk;
@@ -65,6 +73,11 @@ graft_kernel(const __grid_constant__ GraftTable<T, C> table, C beta1, C sq_decay
   C* __restrict__ d = table.d[t];
   const C eps = table.eps[t], scale = table.scale[t];
   C sum = 0;
+  if (skip) {  // a skipped step: the states stay bitwise as they are (g may hold NaN/Inf: never read)
+    for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) d[i] = C(0);
+    if (threadIdx.x == 0) partial[chunk] = C(0);
+    return;
+  }
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
     const C gi = static_cast<C>(g[i]);
     C mi = gi;
@@ -95,7 +108,8 @@ __global__ void graft_norms_kernel(const __grid_constant__ GraftTable<T, C> tabl
 
 at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at::TensorList graft_sqs,
                               at::TensorList out, double beta1, double sq_decay, double sq_weight,
-                              at::ArrayRef<double> eps, at::ArrayRef<double> scale) {
+                              at::ArrayRef<double> eps, at::ArrayRef<double> scale,
+                              const std::optional<at::Tensor>& found_inf) {
   TORCHKERN_OP("shampoo_graft");
   const size_t n = grads.size();
   TORCHKERN_CHECK(n > 0, "grads must hold at least one tensor");
@@ -125,6 +139,14 @@ at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at:
     check_state(graft_sqs[i], "graft_sqs");
     check_state(out[i], "out");
   }
+  const float* found = nullptr;
+  if (found_inf.has_value()) {
+    const at::Tensor& f = *found_inf;
+    TORCHKERN_CHECK(f.scalar_type() == at::kFloat && f.numel() == 1 && f.device() == g0.device(),
+                    "found_inf must be a float32 tensor of one element on ", g0.device().str(), ", got ",
+                    f.scalar_type(), " ", f.sizes(), " on ", f.device().str());
+    found = f.const_data_ptr<float>();
+  }
   const at::cuda::OptionalCUDAGuard guard(g0.device());
   at::Tensor norms = at::empty({static_cast<int64_t>(n)}, g0.options().dtype(state_type));
   const cudaStream_t stream = current_stream();
@@ -153,9 +175,9 @@ at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at:
       }
       table.first_chunk[table.count] = chunks;
       at::Tensor partial = at::empty({chunks}, norms.options());
-      graft_kernel<scalar_t, C><<<chunks, kThreads, 0, stream>>>(table, static_cast<C>(beta1),
-                                                                  static_cast<C>(sq_decay), static_cast<C>(sq_weight),
-                                                                  partial.mutable_data_ptr<C>());
+      graft_kernel<scalar_t, C><<<chunks, kThreads, 0, stream>>>(
+          table, static_cast<C>(beta1), static_cast<C>(sq_decay), static_cast<C>(sq_weight), found,
+          partial.mutable_data_ptr<C>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       graft_norms_kernel<scalar_t, C><<<table.count, 32, 0, stream>>>(table, partial.const_data_ptr<C>(),
                                                                       norms.mutable_data_ptr<C>() + start);
