@@ -1,16 +1,23 @@
-"""per_sample: linear_grad_sq_norms against its twin and materialized gradients; per-sample gradients and
-norms against torch.func (also after the model changes between calls: the cached module scan); no host sync;
-opcheck; bad inputs."""
+"""per_sample: linear_grad_sq_norms against its twin and materialized gradients; per-sample gradients, norms and
+DP-SGD's clipped, noised gradient (clip_and_accumulate) against torch.func and an explicit clip-and-sum, for every
+layer rule (float64, CPU and CUDA), through micro-batches, autocast, CUDA graphs; the fallbacks and their errors
+(tied weights, a module run twice, a parameter used outside its layer); Opacus's clipped gradients (when
+installed); no host sync; opcheck; bad inputs."""
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import torchkern
-from torchkern.per_sample import twins
-from torchkern.per_sample import linear_grad_sq_norms, per_sample_grad_norms, per_sample_gradients
+from torchkern.per_sample import bench, engine, graphs, layers, twins
+from torchkern.per_sample import (clip_and_accumulate, linear_grad_sq_norms, per_sample_grad_norms,
+                                  per_sample_gradients)
 from testing import cuda_devices, devices, dtypes, randn
 
 SHAPES = [((5, 7), (5, 9)), ((5, 3, 7), (5, 3, 9)), ((4, 32, 64), (4, 32, 48)), ((3, 70, 130), (3, 70, 66)),
@@ -126,28 +133,25 @@ def test_mean_reduction_and_cross_entropy(device):
         torch.testing.assert_close(fused2[name], func2[name], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("device", devices(second_gpu=False))
-def test_non_linear_models_use_torch_func(device):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 8), nn.LayerNorm(8), nn.Linear(8, 3)).to(device)
-    x, y = randn(5, 10, device=device), randn(5, 3, device=device)
-    grads = per_sample_gradients(model, mse_sum, x, y)
-    assert "1.weight" in grads and grads["1.weight"].shape == (5, 8)
-    expected = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
-    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y), expected)
-    with pytest.raises(ValueError, match="method='fused' needs every trainable parameter to belong to an nn.Linear"):
-        per_sample_gradients(model, mse_sum, x, y, method="fused")
+class _Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
 
 
-def test_linear_called_twice_falls_back():
-    lin = nn.Linear(4, 4)
-    model = nn.Sequential(lin, nn.Tanh(), lin)
+@pytest.mark.parametrize("model", [lambda: nn.Sequential(*[nn.Linear(4, 4)] * 2), _Twice], ids=["shared", "twice"])
+def test_linear_used_twice_falls_back(model):
+    model = model()
     x, y = randn(3, 4), randn(3, 4)
     auto = per_sample_gradients(model, mse_sum, x, y)
     func = per_sample_gradients(model, mse_sum, x, y, method="func")
     for name in func:
         torch.testing.assert_close(auto[name], func[name])
-    with pytest.raises(ValueError, match="called exactly once per forward"):
+    with pytest.raises(ValueError, match="method='fused' does not apply: .*(tied weights: 0.weight = 1.weight|"
+                                         "lin \\(Linear\\) ran 2 times in one forward)"):
         per_sample_grad_norms(model, mse_sum, x, y, method="fused")
 
 
@@ -181,16 +185,15 @@ def func_norms(model, loss, x, y):
 
 def test_cached_scan_follows_model_changes():
     """The module scan is cached per model: every change between calls must be seen."""
-    from torchkern import per_sample
     model, x, y = mlp(), randn(5, 10), randn(5, 3)
 
     def check(fused: bool):
         torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y), func_norms(model, mse_sum, x, y))
         if not fused:
-            with pytest.raises(ValueError, match="method='fused' needs"):
+            with pytest.raises(ValueError, match="method='fused' does not apply"):
                 per_sample_grad_norms(model, mse_sum, x, y, method="fused")
-        assert (per_sample._plan(model).layers is not None) == fused
-        assert per_sample._plan(model) is per_sample._plan(model)  # cached while unchanged
+        assert (engine.plan(model).problem is None) == fused
+        assert engine.plan(model) is engine.plan(model)  # cached while unchanged
 
     check(True)
     model[0].weight.requires_grad_(False)  # trainable set
@@ -202,14 +205,17 @@ def test_cached_scan_follows_model_changes():
     check(True)
     model[2].bias = nn.Parameter(torch.zeros(3))  # a new one
     check(True)
-    model[1] = nn.Sequential(nn.LayerNorm(16))  # a non-Linear trainable parameter: torch.func only
-    check(False)
+    model[1] = nn.Sequential(nn.LayerNorm(16))  # a LayerNorm: its own rule
+    check(True)
     model[1][0] = nn.Tanh()  # changed one level down
     check(True)
-    model.scale = nn.Parameter(torch.ones(()))  # a parameter on the root, no Linear's
-    check(False)
+    model.scale = nn.Parameter(torch.ones(()))  # a parameter on the root: a torch.func unit of its own
+    check(True)
     del model.scale
     check(True)
+    model[1] = nn.Linear(16, 16)
+    model[1].bias = model[0].bias  # a tied parameter: torch.func over the whole model
+    check(False)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -245,7 +251,6 @@ def test_under_no_grad():
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 @pytest.mark.parametrize("loss", [nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss])
 def test_loss_module_reduction_skips_vmap(monkeypatch, loss, reduction):
-    from torchkern import per_sample
     model, x, y = mlp(), randn(5, 4, 10), randn(5, 4, 3)
     loss_fn = loss(reduction=reduction)
     expected = func_norms(model, loss_fn, x, y)
@@ -253,7 +258,7 @@ def test_loss_module_reduction_skips_vmap(monkeypatch, loss, reduction):
     def no_vmap(*args):
         raise AssertionError("vmap over the loss should have been skipped")
 
-    monkeypatch.setattr(per_sample, "_per_sample_losses", no_vmap)
+    monkeypatch.setattr(engine, "per_sample_losses", no_vmap)
     torch.testing.assert_close(per_sample_grad_norms(model, loss_fn, x, y), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -305,7 +310,6 @@ def test_cuda_graph_matches_plain(device, shape, method):
 
 @pytest.mark.parametrize("device", cuda_devices())
 def test_cuda_graph_follows_the_model(device):
-    from torchkern import per_sample
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(10, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 3)).to(device).eval()
     x, y = randn(6, 10, device=device), randn(6, 3, device=device)
@@ -313,7 +317,7 @@ def test_cuda_graph_follows_the_model(device):
     def check():
         out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
         torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
-        return next(iter(per_sample._CAPTURES[model].values()))
+        return next(iter(graphs.CAPTURES[model].values()))
 
     first = check()
     with torch.no_grad():
@@ -336,7 +340,7 @@ def test_cuda_graph_follows_the_model(device):
     ce = nn.functional.cross_entropy
     out = per_sample_grad_norms(model, ce, x[:4], labels, loss_reduction="mean", use_cuda_graph=True)
     torch.testing.assert_close(out, func_norms(model, ce, x[:4], labels), rtol=1e-5, atol=1e-6)
-    assert len(per_sample._CAPTURES[model]) == 2
+    assert len(graphs.CAPTURES[model]) == 2
     check()
 
 
@@ -395,3 +399,605 @@ def test_cuda_graph_replay_does_not_sync(device):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ layer rules
+
+class _Head(nn.Module):
+    """``body`` followed by a mean over every position and a Linear to 3 outputs (the targets)."""
+
+    def __init__(self, body: nn.Module, width: int, positions: str = "mean"):
+        super().__init__()
+        self.body, self.head, self.positions = body, nn.Linear(width, 3), positions
+
+    def forward(self, x):
+        h = self.body(x)
+        if self.positions == "channels":  # (B, C, *spatial): average the spatial dims
+            h = h.flatten(2).mean(2)
+        elif h.dim() > 2:
+            h = h.flatten(1, -2).mean(1)
+        return self.head(h)
+
+
+class _ScaleShift(nn.Module):
+    """A module with parameters of its own (a torch.func unit) around a Linear (its own rule), with a kwarg."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale, self.shift, self.lin = nn.Parameter(torch.rand(d) + 0.5), nn.Parameter(torch.randn(d)), \
+            nn.Linear(d, d)
+
+    def forward(self, x, power: float = 1.0):
+        return torch.tanh(self.lin(x)) * self.scale ** power + self.shift
+
+
+class _Attention(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(d, 2, batch_first=True)  # out_proj's weight is read, not called
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0] + x
+
+
+class _Kwarg(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.inner = _ScaleShift(d)
+
+    def forward(self, x):
+        return self.inner(x, power=2.0)
+
+
+def _ids(batch, positions, vocab, pad=None):
+    idx = torch.randint(0, vocab, (batch, positions))
+    idx[0, :] = idx[0, 0]  # every position the same index: duplicates add up
+    if pad is not None:
+        idx[1, ::2] = pad
+    return idx
+
+
+# name -> (model, inputs); float64, 5-sample batches (targets (5, 3))
+LAYER_CASES = {
+    "linear_2d": lambda: (nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3)), randn(5, 5)),
+    "linear_gram": lambda: (_Head(nn.Sequential(nn.Linear(6, 8), nn.Tanh()), 8), randn(5, 3, 6)),
+    "linear_materialized": lambda: (_Head(nn.Sequential(nn.Linear(3, 4), nn.Tanh()), 4), randn(5, 9, 3)),
+    "linear_4d": lambda: (_Head(nn.Linear(5, 4), 4), randn(5, 2, 3, 5)),
+    "embedding_gram": lambda: (_Head(nn.Embedding(11, 6, padding_idx=0), 6), _ids(5, 4, 11, pad=0)),
+    "embedding_segment": lambda: (_Head(nn.Embedding(7, 2, padding_idx=3), 2), _ids(5, 9, 7, pad=3)),
+    "embedding_1d": lambda: (_Head(nn.Embedding(6, 4), 4), torch.tensor([1, 1, 5, 0, 2])),
+    "layernorm": lambda: (_Head(nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6)), 6), randn(5, 3, 4)),
+    "layernorm_2d_no_bias": lambda: (_Head(nn.Sequential(nn.LayerNorm((3, 4), bias=False), nn.Flatten(2)), 12),
+                                     randn(5, 2, 3, 4)),
+    "rmsnorm": lambda: (_Head(nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.RMSNorm(6, eps=1e-3)), 6),
+                        randn(5, 3, 4)),
+    "groupnorm": lambda: (_Head(nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(inplace=True)), 4,
+                                "channels"), randn(5, 2, 5, 5)),
+    "conv1d": lambda: (_Head(nn.Sequential(nn.Conv1d(3, 4, 3, stride=2, dilation=2, padding=2), nn.ReLU(),
+                                           nn.Conv1d(4, 4, 3, padding="same", padding_mode="reflect", groups=2)), 4,
+                             "channels"), randn(5, 3, 11)),
+    "conv2d": lambda: (_Head(nn.Sequential(nn.Conv2d(3, 6, 3, stride=2, padding=1, groups=3), nn.Tanh(),
+                                           nn.Conv2d(6, 4, (2, 3), dilation=(2, 1), padding="same",
+                                                     padding_mode="circular", bias=False)), 4, "channels"),
+                       randn(5, 3, 7, 6)),
+    "conv2d_gram": lambda: (_Head(nn.Conv2d(16, 8, 3), 8, "channels"), randn(5, 16, 4, 4)),
+    "func_unit": lambda: (_Head(_Kwarg(6), 6), randn(5, 2, 6)),
+    "attention": lambda: (_Head(_Attention(4), 4), randn(5, 3, 4)),
+}
+
+
+def _reference(model, x, y, loss=None):
+    """torch.func over the whole model: per-sample gradients and total norms."""
+    grads = per_sample_gradients(model, loss or mse_sum, x, y, method="func")
+    return grads, torch.cat([g.reshape(len(g), -1) for g in grads.values()], 1).norm(dim=1)
+
+
+def _explicit_clip(grads, norms, max_norm, divisor):
+    c = (max_norm / norms).clamp(max=1.0)
+    return {k: torch.einsum("b,b...->...", c.to(g.dtype), g) / divisor for k, g in grads.items()}
+
+
+def _layer_problem(name, device):
+    torch.manual_seed(0)
+    model, x = LAYER_CASES[name]()
+    return model.double().to(device), (x.double() if x.is_floating_point() else x).to(device), \
+        randn(5, 3, dtype=torch.float64, device=device)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("name", list(LAYER_CASES))
+def test_layer_rules_match_torch_func(device, name):
+    """Each rule's norms and per-sample gradients against torch.func, and the clipped sum against an explicit
+    clip-and-sum, in float64: one C clips about half the samples."""
+    model, x, y = _layer_problem(name, device)
+    grads, norms = _reference(model, x, y)
+    fused = per_sample_gradients(model, mse_sum, x, y, method="fused")
+    assert list(fused) == list(grads)
+    for k in grads:
+        torch.testing.assert_close(fused[k], grads[k], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, method="fused"), norms, rtol=1e-9,
+                               atol=1e-12)
+    max_norm = norms.median().item()
+    out = clip_and_accumulate(model, mse_sum, x, y, max_norm, method="fused")
+    torch.testing.assert_close(out, norms, rtol=1e-9, atol=1e-12)
+    expected = _explicit_clip(grads, norms, max_norm, x.shape[0])
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,branch,taken", [
+    ("linear_gram", ("op", 3), True), ("linear_materialized", ("op", 3), False),
+    ("embedding_gram", "segment", False), ("embedding_segment", "segment", True),
+    ("conv2d_gram", ("op", 3), True), ("conv2d", ("op", 3), False)])
+def test_layer_cases_reach_their_branches(monkeypatch, name, branch, taken):
+    """The cases above take the branch they are named after (the Gram op on sequences, materialized and kept
+    per-sample gradients, the embedding's sorted segments)."""
+    calls = []
+    op, segments = layers.ops.linear_grad_sq_norms, layers._segment_sq_norms
+    monkeypatch.setattr(layers.ops, "linear_grad_sq_norms", lambda a, g, bias=False: calls.append(("op", a.dim()))
+                        or op(a, g, bias))
+    monkeypatch.setattr(layers, "_segment_sq_norms", lambda *args: calls.append("segment") or segments(*args))
+    model, x, y = _layer_problem(name, "cpu")
+    clip_and_accumulate(model, mse_sum, x, y, 1.0, method="fused")
+    assert (branch in calls) == taken, calls
+
+
+@pytest.mark.parametrize("name", ["conv2d", "conv2d_gram", "linear_materialized", "embedding_segment"])
+def test_chunked_rules_match(monkeypatch, name):
+    """A memory bound below one sample's temporaries: one sample per chunk, nothing kept, same results."""
+    model, x, y = _layer_problem(name, "cpu")
+    grads, norms = _reference(model, x, y)
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 1)
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, method="fused"), norms)
+    clip_and_accumulate(model, mse_sum, x, y, norms.median().item(), method="fused")
+    expected = _explicit_clip(grads, norms, norms.median().item(), x.shape[0])
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k])
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("dtype", [pytest.param(d, id=str(d)[6:]) for d in (torch.float32, torch.float16,
+                                                                              torch.bfloat16)])
+def test_low_precision_models(device, dtype):
+    """Norms and clipped gradients of a float32/float16/bfloat16 model against the float64 computation of the
+    same (rounded) weights and inputs, within the error torch.func itself makes in that dtype."""
+    if dtype == torch.float16 and device == "cpu":
+        pytest.skip("float16 convolutions and norms are slow or missing on CPU")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3)).to(device, dtype)
+    x, y = randn(5, 4, 6, dtype=dtype, device=device), randn(5, 4, 3, dtype=dtype, device=device)
+    hi = copy.deepcopy(model).double()
+    grads_hi, norms_hi = _reference(hi, x.double(), y.double())
+    grads_lo, norms_lo = _reference(model, x, y)
+    norms = per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+    assert norms.dtype == torch.float32
+    err, base = (norms.double() - norms_hi).abs().max(), (norms_lo.double() - norms_hi).abs().max()
+    assert err <= 2 * base + 1e-6 * norms_hi.max(), (err, base)
+    max_norm = norms_hi.median().item()
+    clip_and_accumulate(model, mse_sum, x, y, max_norm, method="fused")
+    expected = _explicit_clip(grads_hi, norms_hi, max_norm, 5)
+    reference = _explicit_clip({k: g.double() for k, g in grads_lo.items()}, norms_lo.double(), max_norm, 5)
+    for k, p in model.named_parameters():
+        assert p.grad.dtype == dtype
+        err = (p.grad.double() - expected[k]).abs().max()
+        base = (reference[k] - expected[k]).abs().max() + torch.finfo(dtype).eps * expected[k].abs().max()
+        assert err <= 4 * base, (k, err, base)
+
+
+def test_autocast():
+    """Under torch.autocast the forward runs in bfloat16; norms and .grad stay float32 and agree with one
+    backward per sample under the same autocast (torch.func cannot be the reference here: its mse_loss backward
+    fails under CPU autocast; float64 cannot either: a bfloat16 rounding may flip a ReLU)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = randn(5, 4, 6), randn(5, 4, 3)
+    names = [k for k, _ in model.named_parameters()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loop = [torch.autograd.grad(mse_sum(model(x[i:i + 1]).float(), y[i:i + 1]), list(model.parameters()))
+                for i in range(5)]
+        grads = {k: torch.stack([g[j].float() for g in loop]) for j, k in enumerate(names)}
+        norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+        out = clip_and_accumulate(model, mse_sum, x, y, norms.median().item(), method="fused")
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, norms, rtol=1e-2, atol=1e-4)
+    expected = _explicit_clip(grads, norms, norms.median().item(), 5)
+    for k, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, expected[k], rtol=2e-2, atol=2e-2 * expected[k].abs().max().item())
+
+
+# ------------------------------------------------------------------------------------------------ clip_and_accumulate
+
+def _flat_noise(model, generator, scale, device):
+    """The noise clip_and_accumulate draws: one float32 normal vector over the parameters in order."""
+    numel = sum(p.numel() for p in model.parameters())
+    noise = torch.randn(numel, generator=generator, device=device, dtype=torch.float32) * scale
+    out, off = {}, 0
+    for k, p in model.named_parameters():
+        out[k] = noise[off:off + p.numel()].view(p.shape)
+        off += p.numel()
+    return out
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_noise_is_added_once_in_float32(device):
+    """.grad = (clipped sum + sigma C N(0, I)) / B with N drawn in float32 from the caller's generator."""
+    torch.manual_seed(0)
+    model = mlp().to(device)
+    x, y = randn(6, 10, device=device), randn(6, 3, device=device)
+    clip_and_accumulate(model, mse_sum, x, y, 1.5, loss_reduction="sum")
+    clean = {k: p.grad.clone() for k, p in model.named_parameters()}
+    gen = torch.Generator(device).manual_seed(7)
+    state = gen.get_state()
+    clip_and_accumulate(model, mse_sum, x, y, 1.5, 0.8, generator=gen, loss_reduction="sum")
+    gen.set_state(state)
+    noise = _flat_noise(model, gen, 0.8 * 1.5, device)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, clean[k] + noise[k] / 6)
+    # a bfloat16 model: float32 noise, one rounding to bfloat16 at the end
+    model_bf16 = copy.deepcopy(model).bfloat16()
+    gen.set_state(state)
+    clip_and_accumulate(model_bf16, mse_sum, x.bfloat16(), y.bfloat16(), 1.5, 50.0, generator=gen)
+    gen.set_state(state)
+    noise = _flat_noise(model_bf16, gen, 50.0 * 1.5, device)
+    for k, p in model_bf16.named_parameters():
+        assert p.grad.dtype == torch.bfloat16
+        # the clipped part is at most C = 1.5 in norm; the noise's entries are ~50 * 1.5 / 6 = 12.5
+        torch.testing.assert_close(p.grad.float(), noise[k] / 6, rtol=1e-2, atol=1.5)
+
+
+def test_default_noise_is_fresh_every_step():
+    model, x, y = mlp(), randn(6, 10), randn(6, 3)
+    torch.manual_seed(0)  # the default generator ignores the global seed: it is reseeded from secrets
+    clip_and_accumulate(model, mse_sum, x, y, 1.0, 1.0)
+    first = model[0].weight.grad.clone()
+    torch.manual_seed(0)
+    clip_and_accumulate(model, mse_sum, x, y, 1.0, 1.0)
+    assert not torch.equal(first, model[0].weight.grad)
+    noise = (first - model[0].weight.grad).flatten() * 6 / math.sqrt(2)  # difference of two N(0, C^2) draws
+    assert 0.7 < noise.std().item() < 1.3  # 160 entries: the estimate's std is ~0.06
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_micro_batches(device):
+    """Virtual steps: three micro-batches (finalize on the last) equal one call on the whole batch; the noise
+    comes once; batch_size replaces the divisor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(9, 4), nn.Flatten(), nn.Linear(12, 3)).to(device)
+    x, y = torch.randint(0, 9, (7, 3), device=device), randn(7, 3, device=device)
+    gen = torch.Generator(device).manual_seed(3)
+    state = gen.get_state()
+    whole_norms = clip_and_accumulate(model, mse_sum, x, y, 1.0, 0.5, generator=gen)
+    whole = {k: p.grad.clone() for k, p in model.named_parameters()}
+    gen.set_state(state)
+    parts = [clip_and_accumulate(model, mse_sum, x[s], y[s], 1.0, 0.5, generator=gen, finalize=s.stop == 7)
+             for s in (slice(0, 2), slice(2, 3), slice(3, 7))]
+    torch.testing.assert_close(torch.cat(parts), whole_norms)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, whole[k])
+    gen.set_state(state)
+    clip_and_accumulate(model, mse_sum, x[:3], y[:3], 1.0, 0.5, generator=gen, finalize=False)
+    clip_and_accumulate(model, mse_sum, x[3:], y[3:], 1.0, 0.5, generator=gen, batch_size=10)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, whole[k] * 7 / 10)
+
+
+def test_micro_batch_errors_discard_the_step():
+    model, x, y = mlp(), randn(6, 10), randn(6, 3)
+    clip_and_accumulate(model, mse_sum, x, y, 1.0, finalize=False)
+    with pytest.raises(ValueError, match="max_norm changed between the micro-batches of one step"):
+        clip_and_accumulate(model, mse_sum, x, y, 2.0)
+    clip_and_accumulate(model, mse_sum, x, y, 2.0)  # a fresh step
+    expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+    clip_and_accumulate(model, mse_sum, x, y, 2.0, finalize=False)
+    with pytest.raises(ValueError, match="inputs and targets must share the batch dim 0"):
+        clip_and_accumulate(model, mse_sum, x, y[:2], 2.0)
+    clip_and_accumulate(model, mse_sum, x, y[:2] if False else y, 2.0)  # the failed step left nothing behind
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k])
+
+
+def test_with_an_optimizer():
+    """.grad is replaced (never added to) and any optimizer steps on it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = randn(16, 4), torch.randint(0, 2, (16,))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e6)  # a non-private gradient left over: must be discarded
+    before = [p.detach().clone() for p in model.parameters()]
+    grads, norms = _reference(model, x, y, F.cross_entropy)
+    clip_and_accumulate(model, F.cross_entropy, x, y, 0.5, loss_reduction="mean")
+    expected = _explicit_clip(grads, norms, 0.5, 16)
+    for (k, p) in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k])
+    opt.step()
+    assert all((p - b).abs().max() < 0.02 for p, b in zip(model.parameters(), before))  # Adam's step: ~lr
+    opt.zero_grad()
+    clip_and_accumulate(model, F.cross_entropy, x, y, 0.5, loss_reduction="mean")
+    opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_clip_factors_at_the_edges(dtype):
+    """A zero gradient (factor 1, no NaN), a sample exactly at C, and a huge one: its norm 1.9e37 is exact in
+    float64; in float32 its square overflows, so the norm reads inf and the sample contributes nothing (the
+    documented limit), never NaN. A NaN input is not silent."""
+    model = nn.Linear(3, 2, bias=False).to(dtype)
+    x = torch.tensor([[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [3e18, 1e18, 0.0]], dtype=dtype)
+    y = torch.zeros(3, 2, dtype=dtype)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    norms = clip_and_accumulate(model, mse_sum, x, y, 2.0)  # sample 1's gradient [[2, 0, 0], [0, 0, 0]]: norm 2
+    assert norms[0] == 0 and norms[1] == 2.0 and torch.isfinite(model.weight.grad).all()
+    sample1 = torch.tensor([[2.0, 0, 0], [0, 0, 0]], dtype=dtype)
+    big = 2 * 3e18 * math.sqrt(10) * 1e18  # sample 2's norm: 2 (w . x) ||x||
+    if dtype == torch.float64:
+        torch.testing.assert_close(norms[2], torch.tensor(big, dtype=dtype), rtol=1e-12, atol=0)
+        g2 = torch.tensor([[3e18, 1e18, 0.0], [0.0, 0.0, 0.0]], dtype=dtype) * 2 * 3e18 * (2.0 / big)
+        torch.testing.assert_close(model.weight.grad, (sample1 + g2) / 3)
+    else:
+        assert norms[2] == float("inf")
+        torch.testing.assert_close(model.weight.grad, sample1 / 3)
+    nan = x.clone()
+    nan[1, 0] = float("nan")
+    norms = clip_and_accumulate(model, mse_sum, nan, y, 2.0)
+    assert norms[1].isnan() and model.weight.grad.isnan().any()
+
+
+def test_clip_bad_arguments():
+    model, x, y = mlp(), randn(4, 10), randn(4, 3)
+    cases = [(dict(max_norm=0.0), "max_norm must be a finite real number > 0, got 0.0"),
+             (dict(max_norm=float("inf")), "max_norm must be a finite real number > 0, got inf"),
+             (dict(max_norm=True), "max_norm must be a finite real number > 0, got True"),
+             (dict(max_norm="1"), "max_norm must be a finite real number > 0, got '1'"),
+             (dict(noise_multiplier=-1.0), "noise_multiplier must be a finite real number >= 0, got -1.0"),
+             (dict(noise_multiplier=float("nan")), "noise_multiplier must be a finite real number >= 0, got nan"),
+             (dict(batch_size=0), "batch_size must be None or an integer > 0, got 0"),
+             (dict(batch_size=2.5), "batch_size must be None or an integer > 0, got 2.5"),
+             (dict(generator=3), "generator must be a torch.Generator or None, got int"),
+             (dict(method="fast"), "method must be 'auto', 'fused' or 'func', got 'fast'"),
+             (dict(loss_reduction="avg"), "loss_reduction must be None, 'sum' or 'mean', got 'avg'")]
+    for kwargs, message in cases:
+        args = dict(max_norm=1.0)
+        args.update(kwargs)
+        with pytest.raises(ValueError, match="torchkern.per_sample: " + message.replace("(", r"\(")):
+            clip_and_accumulate(model, mse_sum, x, y, **args)
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs CUDA inputs and targets, got cpu and cpu"):
+        clip_and_accumulate(model, mse_sum, x, y, 1.0, use_cuda_graph=True)
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="generator must be on cpu, the parameters' device, got cuda"):
+            clip_and_accumulate(model, mse_sum, x, y, 1.0, 1.0, generator=torch.Generator("cuda"))
+
+
+# ------------------------------------------------------------------------------------------------ edges, fallbacks
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.out(self.emb(idx)).mean(1)
+
+
+class _Outside(nn.Module):
+    """a's weight is also used directly by the parent's forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x)) + F.linear(x, self.a.weight)
+
+
+class _Shift(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return torch.tanh(x + self.b)
+
+
+class _InPlaceInput(nn.Module):
+    """The recorded input of a torch.func unit changes after the unit ran (autograd itself does not mind: the
+    add that consumed it saved nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = _Shift()
+
+    def forward(self, x):
+        h = x * 1.0
+        out = self.a(h)
+        h.mul_(2.0)
+        return out + h
+
+
+class _Unbatched(nn.Module):
+    """A position embedding looked up on arange(T): not batched."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos, self.head = nn.Embedding(6, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(x + self.pos(torch.arange(x.shape[1])))
+
+
+@pytest.mark.parametrize("name,make,inputs,message", [
+    ("tied", _Tied, lambda: torch.randint(0, 10, (5, 3)), "tied weights: emb.weight = out.weight"),
+    ("outside", _Outside, lambda: randn(5, 4), "parameter a.weight is used 2 times by the loss's autograd graph"),
+    ("inplace", _InPlaceInput, lambda: randn(5, 4), r"an input of a \(_Shift\) was modified in place"),
+    ("unbatched", _Unbatched, lambda: randn(5, 6, 4), r"pos \(Embedding\): its input \[6\] has no batch dim 0"),
+])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_fallbacks_are_correct_and_fused_is_clear(name, make, inputs, message, autocast):
+    """What the recording pass cannot do: "fused" raises saying why, "auto" gives torch.func's (right) answer.
+    Under autocast (cached casts of the weights) the checks must hold as well."""
+    torch.manual_seed(0)
+    model, x = make(), inputs()
+    y = randn(5, 10 if name == "tied" else (3 if name == "unbatched" else 4))
+    loss = mse_sum if name != "unbatched" else (lambda o, t: mse_sum(o.mean(1), t))
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with context:
+        with pytest.raises(ValueError, match="method='fused' does not apply: .*" + message):
+            per_sample_grad_norms(model, loss, x, y, method="fused")
+        grads, norms = _reference(model, x, y, loss)
+        clip_and_accumulate(model, loss, x, y, norms.median().item())
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else {}
+    torch.testing.assert_close(per_sample_grad_norms(model, loss, x, y), norms, **tol) if not autocast else None
+    expected = _explicit_clip(grads, norms, norms.median().item(), 5)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k].to(p.grad.dtype), **tol)
+
+
+def test_unused_parameter_has_zero_gradient():
+    model = nn.ModuleDict(dict(used=nn.Linear(4, 3), unused=nn.Linear(4, 3)))
+    x, y = randn(5, 4), randn(5, 3)
+
+    def loss(out, t):
+        return mse_sum(out, t)
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x):
+            return self.m["used"](x)
+
+    wrap = Wrap()
+    grads = per_sample_gradients(wrap, loss, x, y, method="fused")
+    assert grads["m.unused.weight"].abs().max() == 0 and grads["m.unused.weight"].shape == (5, 3, 4)
+    _, norms = _reference(wrap, x, y, loss)
+    torch.testing.assert_close(per_sample_grad_norms(wrap, loss, x, y, method="fused"), norms)
+    clip_and_accumulate(wrap, loss, x, y, 1.0)
+    assert wrap.m["unused"].weight.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("method", ["auto", "fused", "func"])
+def test_empty_batch(device, method):
+    """Issue 12 item 9: an empty batch gives empty norms and (0, *shape) gradients on every path, a model with a
+    LayerNorm included; clip_and_accumulate writes zeros (or the noise alone)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3)).to(device)
+    x, y = randn(0, 4, device=device), randn(0, 3, device=device)
+    norms = per_sample_grad_norms(model, mse_sum, x, y, method=method)
+    assert norms.shape == (0,) and norms.dtype == torch.float32 and norms.device == x.device
+    grads = per_sample_gradients(model, mse_sum, x, y, method=method)
+    assert {k: tuple(v.shape) for k, v in grads.items()} == {k: (0, *p.shape) for k, p in model.named_parameters()}
+    assert clip_and_accumulate(model, mse_sum, x, y, 1.0, method=method).shape == (0,)
+    assert all(p.grad.abs().max() == 0 for p in model.parameters())
+    clip_and_accumulate(model, mse_sum, x, y, 1.0, 1.0, method=method, batch_size=4)
+    assert all(0 < p.grad.abs().max() < 10 for p in model.parameters())
+
+
+def test_no_trainable_parameter():
+    """Issue 12 item 9: a clear error, not IndexError."""
+    model = mlp().requires_grad_(False)
+    x, y = randn(4, 10), randn(4, 3)
+    for call in (lambda: per_sample_grad_norms(model, mse_sum, x, y),
+                 lambda: per_sample_gradients(model, mse_sum, x, y, method="func"),
+                 lambda: clip_and_accumulate(model, mse_sum, x, y, 1.0)):
+        with pytest.raises(ValueError, match="torchkern.per_sample: the model has no parameter that requires grad"):
+            call()
+
+
+def test_batchnorm_in_training_mode_raises():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    x, y = randn(5, 4), randn(5, 3)
+    for method in ("auto", "func"):
+        with pytest.raises(ValueError, match="BatchNorm1d in training mode mixes the samples of a batch"):
+            per_sample_grad_norms(model, mse_sum, x, y, method=method)
+    model.eval()  # running statistics: per-sample gradients are defined (a torch.func unit)
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, method="fused"),
+                               _reference(model, x, y)[1])
+
+
+def test_unsupported_embedding_options():
+    for kwargs in (dict(sparse=True), dict(scale_grad_by_freq=True)):
+        model = nn.Sequential(nn.Embedding(5, 3, **kwargs), nn.Flatten(), nn.Linear(6, 3))
+        with pytest.raises(ValueError, match="sparse=True or scale_grad_by_freq=True .* is not supported"):
+            per_sample_grad_norms(model, mse_sum, torch.randint(0, 5, (4, 2)), randn(4, 3), method="fused")
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer", "cnn"])
+def test_agrees_with_opacus(name):
+    """Clipped, averaged gradients equal Opacus 1.6's (ghost clipping; hooks mode for the CNN) to float32
+    rounding on the benchmark's models (small sizes), noise off."""
+    pytest.importorskip("opacus")
+    model, x, y = bench.dp_problem(name, "cpu", quick=True)
+    theirs = copy.deepcopy(model)
+    bench.torchkern_step(model, x, y, noise=0.0)()
+    bench.opacus_step(theirs, x, y, ghost=name != "cnn", noise=0.0)()
+    bench.compare_grads(model, theirs)
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+def test_clip_no_host_sync(device):
+    model = bench.Transformer(64, 16, seq=8).to(device)
+    x, y = torch.randint(0, 64, (4, 8), device=device), torch.randint(0, 2, (4,), device=device)
+    gen = torch.Generator(device).manual_seed(0)
+    clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, 1.0, loss_reduction="mean")  # plan, validation
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, 1.0, gen, loss_reduction="mean")
+        clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, 1.0, loss_reduction="mean", finalize=False)
+        clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, 1.0, loss_reduction="mean")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+@pytest.mark.parametrize("name", ["mlp", "transformer", "cnn"])
+def test_clip_cuda_graph_matches_plain(device, name):
+    """use_cuda_graph=True: the replays read fresh data each call, accumulate micro-batches, and leave .grad
+    owned by the caller (the next replay must not overwrite it)."""
+    model, x, y = bench.dp_problem(name, device, quick=True)
+    grads = []
+    with bench.no_tf32():
+        for i in range(3):
+            xi, yi = (x.roll(i, 0), y.roll(i, 0))
+            plain = clip_and_accumulate(model, F.cross_entropy, xi, yi, 1.0, loss_reduction="mean")
+            expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+            out = clip_and_accumulate(model, F.cross_entropy, xi, yi, 1.0, loss_reduction="mean",
+                                      use_cuda_graph=True)
+            torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
+            grads.append(({k: p.grad for k, p in model.named_parameters()}, expected))
+        for got, expected in grads:
+            for k in expected:
+                torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-6)
+        half = x.shape[0] // 2
+        clip_and_accumulate(model, F.cross_entropy, x[:half], y[:half], 1.0, loss_reduction="mean",
+                            use_cuda_graph=True, finalize=False)
+        clip_and_accumulate(model, F.cross_entropy, x[half:], y[half:], 1.0, loss_reduction="mean",
+                            use_cuda_graph=True)
+        micro = {k: p.grad.clone() for k, p in model.named_parameters()}
+        clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, loss_reduction="mean")
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(micro[k], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_model_converted_in_place():
+    """model.double() keeps the Parameter objects (the cached plan still matches): the accumulators follow the
+    new dtype; a step whose parameters changed dtype between micro-batches is refused."""
+    model, x, y = mlp(), randn(5, 10), randn(5, 3)
+    clip_and_accumulate(model, mse_sum, x, y, 1.0)
+    model.double()
+    x, y = x.double(), y.double()
+    clip_and_accumulate(model, mse_sum, x, y, 1.0)
+    grads, norms = _reference(model, x, y)
+    expected = _explicit_clip(grads, norms, 1.0, 5)
+    for k, p in model.named_parameters():
+        assert p.grad.dtype == torch.float64
+        torch.testing.assert_close(p.grad, expected[k])
+    clip_and_accumulate(model, mse_sum, x, y, 1.0, finalize=False)
+    model.float()
+    with pytest.raises(ValueError, match=r"trainable parameters \(or their devices or dtypes\) or max_norm changed"):
+        clip_and_accumulate(model, mse_sum, x.float(), y.float(), 1.0)

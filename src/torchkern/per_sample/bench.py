@@ -9,15 +9,33 @@
   ``use_cuda_graph=True`` (captured in setup's warm-up, then replayed, as in a DP-SGD loop). The note gives
   each one's peak extra memory: ``torch.cuda.max_memory_allocated`` after a reset, minus the memory allocated
   before the call.
-* ``ghost_norm/...``: the norm op alone on captured (a, g) against the same formula in eager torch and compiled.
+* ``ghost_norm/...``: the norm op alone on captured (a, g) against the same formula in eager torch and compiled;
+  ``b64_t128_256x1024``: the transformer case's widest Gram problem (its fc1 layer).
 * ``linear_grads/...``: per-sample Linear weight gradients from (a, g): ``batched_outer`` (no T; bytes = the
   (B, d_out, d_in) output plus inputs) or a bmm (T; compute-bound); ``per_sample_gradients/...`` end to end
   against torch.func.
+* ``dp_step/...``: one DP-SGD step (forward, per-sample clipping, noise, the averaged ``.grad``; no optimizer
+  step) on issue 15's models, same model, batch, C = 1 and sigma = 1 for every implementation:
+  ``mlp_b256`` (4 Linear layers 1024 wide, B = 256), ``transformer_b64_t128`` (embedding 8k x 256, 2 pre-LN blocks
+  of attention built from nn.Linear + MLP, mean-pooled classifier; B = 64, T = 128), ``cnn_b128`` (3 convolutions
+  + GroupNorm + linear head on 32 x 32 inputs, B = 128). ``torchkern``: ``clip_and_accumulate``;
+  ``torchkern_graph``: the same with ``use_cuda_graph=True`` (CUDA); ``opacus``: Opacus 1.6's ghost clipping
+  (``GradSampleModuleFastGradientClipping`` + ``DPLossFastGradientClipping`` + ``DPOptimizerFastGradientClipping``'s
+  ``pre_step``) for the MLP and the transformer, its hooks mode (``GradSampleModule`` + ``DPOptimizer.pre_step``)
+  for the CNN, skipped where opacus is not installed; ``torch_func``: vmap(grad) per-sample gradients, then
+  clip, sum, noise as a user writes them; ``eager_loop``: one backward per sample. Every implementation starts
+  with ``zero_grad(set_to_none=True)``, as a training loop does. ``check`` compares the ``.grad`` of each with
+  noise off (TF32 off during the check). The note gives each one's peak extra memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import importlib.util
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import torchkern
@@ -117,19 +135,28 @@ def _eager_ghost(a, g):
     return (gram_g * torch.bmm(a, a.transpose(1, 2))).sum((1, 2)) + gram_g.sum((1, 2))
 
 
-def _ghost_case(device: str, seq: int | None, quick: bool) -> Case:
+def _ghost_case(device: str, seq: int | None, quick: bool, fc1: bool = False) -> Case:
+    """``fc1``: the transformer case's widest Gram problem instead (B = 64, T = 128, 256 -> 1024), where the Gram
+    kernel competes with cuBLAS at a longer sequence than T = 32."""
+
     def setup() -> Prepared:
-        _, a, g = _problem(device, seq, quick)
+        if fc1:
+            torch.manual_seed(0)
+            b, t, d_in, d_out = (4, 16, 32, 128) if quick else (64, 128, 256, 1024)
+            a, g = torch.randn(b, t, d_in, device=device), torch.randn(b, t, d_out, device=device)
+        else:
+            _, a, g = _problem(device, seq, quick)
         compiled = torch.compile(_eager_ghost, dynamic=False)
         impls = {"torchkern": lambda: torchkern.per_sample.linear_grad_sq_norms(a, g, True),
                  "eager": lambda: _eager_ghost(a, g), "compile": lambda: compiled(a, g)}
-        t = 1 if seq is None else seq
-        flops = 2 * a.shape[0] * t * t * (a.shape[-1] + g.shape[-1]) if seq else 2 * a.numel() + 2 * g.numel()
+        t = 1 if a.dim() == 2 else a.shape[1]
+        flops = 2 * a.shape[0] * t * t * (a.shape[-1] + g.shape[-1]) if t > 1 else 2 * a.numel() + 2 * g.numel()
         check = lambda: torch.testing.assert_close(impls["torchkern"](), _eager_ghost(a.double(), g.double()).float(),
                                                    rtol=1e-4, atol=1e-3)
         return Prepared(impls, bytes=a.nbytes + g.nbytes, flops=flops, check=check, note=_memory_note(impls, device))
 
-    return Case("per_sample", f"ghost_norm/{_tag(seq)}", setup, device, ("torchkern", "eager", "compile"))
+    name = "ghost_norm/b64_t128_256x1024" if fc1 else f"ghost_norm/{_tag(seq)}"
+    return Case("per_sample", name, setup, device, ("torchkern", "eager", "compile"))
 
 
 def _weight_grads(a, g):
@@ -166,6 +193,214 @@ def _e2e_grads_case(device: str, seq: int | None, quick: bool) -> Case:
     return Case("per_sample", f"per_sample_gradients/{_tag(seq)}", setup, device, ("torchkern", "torch_func"))
 
 
+# ---------------------------------------------------------------------------------------------------- DP-SGD step
+
+HAS_OPACUS = importlib.util.find_spec("opacus") is not None
+MAX_NORM, SIGMA = 1.0, 1.0
+
+
+def mlp(width: int = 1024, depth: int = 4, classes: int = 10) -> nn.Module:
+    """``depth`` Linear layers, ``width`` wide (the last one to ``classes``), ReLU between."""
+    layers: list[nn.Module] = []
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: self-attention from nn.Linear (qkv, proj) and an MLP (4x)."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(att)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Transformer(nn.Module):
+    """Token + position embeddings, ``depth`` blocks, final LayerNorm, mean pooling, a linear classifier.
+    Positions are looked up batched (B, T), as per-sample hooks (torchkern's and Opacus's) need."""
+
+    def __init__(self, vocab: int = 8192, dim: int = 256, depth: int = 2, heads: int = 4, seq: int = 128,
+                 classes: int = 2):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(depth)])
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, idx):
+        b, t = idx.shape
+        # repeat, not expand: Opacus's embedding norm sampler views the ids, which needs them contiguous
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device).repeat(b, 1))
+        return self.head(self.ln(self.blocks(x)).mean(1))
+
+
+def cnn(channels: tuple[int, ...] = (32, 64, 128), classes: int = 10) -> nn.Module:
+    """3 convolutions (3x3; the 2nd and 3rd with stride 2), each with GroupNorm(8) and ReLU, mean pooling and a
+    linear head."""
+    layers: list[nn.Module] = []
+    c_in = 3
+    for i, c in enumerate(channels):
+        layers += [nn.Conv2d(c_in, c, 3, stride=1 if i == 0 else 2, padding=1), nn.GroupNorm(8, c), nn.ReLU()]
+        c_in = c
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, classes))
+
+
+def dp_problem(name: str, device: str, quick: bool):
+    """(model, inputs, targets) of one dp_step case; ``quick``: small sizes."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        b, width = (16, 64) if quick else (256, 1024)
+        return mlp(width).to(device), torch.randn(b, width, device=device), torch.randint(0, 10, (b,), device=device)
+    if name == "transformer":
+        b, t, vocab, dim = (4, 16, 128, 32) if quick else (64, 128, 8192, 256)
+        model = Transformer(vocab, dim, seq=t).to(device)
+        return model, torch.randint(0, vocab, (b, t), device=device), torch.randint(0, 2, (b,), device=device)
+    b, side, channels = (8, 16, (8, 16, 16)) if quick else (128, 32, (32, 64, 128))
+    return (cnn(channels).to(device), torch.randn(b, 3, side, side, device=device),
+            torch.randint(0, 10, (b,), device=device))
+
+
+def torchkern_step(model, x, y, noise: float = SIGMA, graph: bool = False):
+    def step():
+        model.zero_grad(set_to_none=True)
+        return per_sample.clip_and_accumulate(model, F.cross_entropy, x, y, MAX_NORM, noise, loss_reduction="mean",
+                                              use_cuda_graph=graph)
+
+    return step
+
+
+def opacus_step(model, x, y, ghost: bool, noise: float = SIGMA):
+    """Opacus 1.6 as its documentation sets it up: ghost clipping (two backward passes, norms without
+    per-sample gradients for Linear and Embedding) or hooks mode (per-sample gradients); ``pre_step`` clips,
+    accumulates, noises and averages ``.grad`` without the optimizer's own step. Wraps ``model`` (its hooks
+    stay on it: give Opacus a copy of its own)."""
+    from opacus import GradSampleModule
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    batch = x.shape[0]
+    if ghost:
+        gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=MAX_NORM, loss_reduction="mean",
+                                                   use_ghost_clipping=True)
+        opt = DPOptimizerFastGradientClipping(torch.optim.SGD(gsm.parameters(), lr=0.0), noise_multiplier=noise,
+                                              max_grad_norm=MAX_NORM, expected_batch_size=batch,
+                                              loss_reduction="mean")
+        criterion = DPLossFastGradientClipping(gsm, opt, nn.CrossEntropyLoss(), loss_reduction="mean")
+    else:
+        gsm = GradSampleModule(model, loss_reduction="mean")
+        opt = DPOptimizer(torch.optim.SGD(gsm.parameters(), lr=0.0), noise_multiplier=noise, max_grad_norm=MAX_NORM,
+                          expected_batch_size=batch, loss_reduction="mean")
+        criterion = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        criterion(gsm(x), y).backward()
+        opt.pre_step()
+
+    return step
+
+
+def torch_func_step(model, x, y, noise: float = SIGMA):
+    """DP-SGD's gradient from torch.func per-sample gradients, as a user writes it."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_one(p, xi, yi):
+        return F.cross_entropy(torch.func.functional_call(model, p, (xi.unsqueeze(0),)), yi.unsqueeze(0))
+
+    per_sample_grads = torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        grads = per_sample_grads(params, x, y)
+        norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
+        c = (MAX_NORM / norms).clamp(max=1.0)
+        for name, p in model.named_parameters():
+            summed = torch.einsum("i,i...->...", c, grads[name])
+            if noise:
+                summed += torch.randn_like(summed) * (noise * MAX_NORM)
+            p.grad = summed / x.shape[0]
+
+    return step
+
+
+def eager_loop_step(model, x, y, noise: float = SIGMA):
+    """One forward and backward per sample (what DP-SGD costs without per-sample machinery)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        sums = [torch.zeros_like(p) for p in params]
+        for i in range(x.shape[0]):
+            grads = torch.autograd.grad(F.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
+            c = (MAX_NORM / torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))).clamp(max=1.0)
+            for s, g in zip(sums, grads):
+                s.add_(g * c)
+        for p, s in zip(params, sums):
+            if noise:
+                s += torch.randn_like(s) * (noise * MAX_NORM)
+            p.grad = s / x.shape[0]
+
+    return step
+
+
+@contextlib.contextmanager
+def no_tf32():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def compare_grads(ours: nn.Module, theirs: nn.Module, rtol: float = 1e-4) -> None:
+    """Every parameter's .grad agrees to float32 rounding: |diff| <= rtol (|theirs| + the largest |.grad| entry of
+    the model); the absolute part covers gradients that cancel to ~0 (a bias right before a normalization)."""
+    scale = max(q.grad.abs().max().item() for q in theirs.parameters())
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+
+
+def _dp_case(device: str, name: str, quick: bool) -> Case:
+    ghost = name != "cnn"
+    impls = ("torchkern",) + (("torchkern_graph",) if torch.device(device).type == "cuda" else ()) \
+        + (("opacus",) if HAS_OPACUS else ()) + ("torch_func", "eager_loop")
+
+    def setup() -> Prepared:
+        model, x, y = dp_problem(name, device, quick)
+        ours = {"torchkern": lambda: torchkern_step(model, x, y),
+                "torchkern_graph": lambda: torchkern_step(model, x, y, graph=True),
+                "opacus": lambda: opacus_step(copy.deepcopy(model), x, y, ghost),
+                "torch_func": lambda: torch_func_step(copy.deepcopy(model), x, y),
+                "eager_loop": lambda: eager_loop_step(copy.deepcopy(model), x, y)}
+        run = {impl: ours[impl]() for impl in impls}
+
+        def check():
+            with no_tf32():
+                torchkern_step(model, x, y, noise=0.0)()
+                references = [torch_func_step]
+                if HAS_OPACUS:
+                    references.append(lambda m, *a, noise: opacus_step(m, *a, ghost, noise=noise))
+                for make in references:
+                    other = copy.deepcopy(model)
+                    make(other, x, y, noise=0.0)()
+                    compare_grads(model, other)
+
+        return Prepared(run, check=check, note=_memory_note(run, device))
+
+    tag = {"mlp": "mlp_b256", "transformer": "transformer_b64_t128", "cnn": "cnn_b128"}[name]
+    return Case("per_sample", f"dp_step/{tag}", setup, device, impls)
+
+
 def cases(device: str, quick: bool) -> list[Case]:
     out = []
     for seq in (None, SEQ):
@@ -174,4 +409,6 @@ def cases(device: str, quick: bool) -> list[Case]:
     out.append(_norms_case(device, None, quick, mlp=True))
     if torch.device(device).type == "cuda":  # the CUDA-graph replay (use_cuda_graph=True) of the same calls
         out += [_norms_case(device, None, quick, graph=True), _norms_case(device, None, quick, mlp=True, graph=True)]
+    out.append(_ghost_case(device, None, quick, fc1=True))
+    out += [_dp_case(device, name, quick) for name in ("mlp", "transformer", "cnn")]
     return out

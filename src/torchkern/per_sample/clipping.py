@@ -1,0 +1,240 @@
+"""DP-SGD's gradient: per-sample clipping, summing, Gaussian noise, in one forward and one backward.
+
+``clip_and_accumulate`` records each layer's input a and output gradient g once (``engine``), gets every
+sample's total gradient norm from them, the clip factors c_i = min(1, C / ||grad_i||), and for each layer the
+clipped sum as one product: (c * g)^T a for a Linear (sum_i c_i g_i for its bias), the embedding backward of
+c * g, c-weighted sums of small materialized per-sample gradients for norm layers and convolutions. No second
+backward (Opacus's ghost clipping runs two).
+
+Accumulation. The clipped sums of a step are added, in float32 (float64 for float64 parameters) whatever the
+parameters' dtype, into one flat buffer per (device, dtype) group of the trainable parameters. The call that
+finalizes a step (``finalize=True``, the default) adds the noise sigma C N(0, I) once, in that dtype, divides by
+the step's batch size and hands the result to ``.grad`` (views of the buffer where the dtypes agree, else a
+cast copy).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import secrets
+import weakref
+
+import torch
+from torch import nn
+
+from . import engine, graphs
+from .._checks import opmath_dtype
+from .engine import LossFn
+
+
+class Layout:
+    """The trainable parameters packed into one flat accumulator per (device, accumulation dtype) group:
+    ``groups`` is a list of (device, dtype, numel, ((name, parameter, offset), ...))."""
+
+    __slots__ = ("groups", "signature")
+
+    def __init__(self, params: dict[str, nn.Parameter]):
+        self.signature = _signature(params)
+        members: dict[tuple, list] = {}
+        for name, p in params.items():
+            members.setdefault((p.device, opmath_dtype(p.dtype)), []).append((name, p))
+        self.groups = []
+        for (device, dtype), group in members.items():
+            entries, offset = [], 0
+            for name, p in group:
+                entries.append((name, p, offset))
+                offset += p.numel()
+            self.groups.append((device, dtype, offset, tuple(entries)))
+
+    def empty(self) -> list[torch.Tensor]:
+        return [torch.empty(n, device=device, dtype=dtype) for device, dtype, n, _ in self.groups]
+
+    def views(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name: flat[off:off + p.numel()].view(p.shape)
+                for (_, _, _, entries), flat in zip(self.groups, flats) for name, p, off in entries}
+
+
+def _signature(params: dict[str, nn.Parameter]) -> tuple:
+    return tuple((p.device, p.dtype) for p in params.values())
+
+
+def _layout(plan: engine.Plan) -> Layout:
+    """The plan's layout, made anew when a parameter moved or changed dtype in place (``model.to(...)`` keeps
+    the Parameter objects, so the plan itself still matches)."""
+    if plan.layout is None or plan.layout.signature != _signature(plan.params):
+        plan.layout = Layout(plan.params)
+    return plan.layout
+
+
+class _Pending:
+    """A step's clipped sums so far (micro-batches called with ``finalize=False``)."""
+
+    __slots__ = ("layout", "flats", "views", "count", "max_norm")
+
+    def __init__(self, layout, flats, views, count, max_norm):
+        self.layout, self.flats, self.views, self.count, self.max_norm = layout, flats, views, count, max_norm
+
+
+_PENDING: weakref.WeakKeyDictionary[nn.Module, _Pending] = weakref.WeakKeyDictionary()
+_GENERATORS: dict[torch.device, torch.Generator] = {}
+
+
+def _generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """The caller's generator (on ``device``), else one reseeded from 64 bits of ``secrets`` (the OS's
+    cryptographic source) on every call."""
+    if generator is not None:
+        if torch.device(generator.device) != device:
+            engine.fail(f"generator must be on {device}, the parameters' device, got {generator.device}")
+        return generator
+    gen = _GENERATORS.get(device)
+    if gen is None:
+        gen = _GENERATORS[device] = torch.Generator(device=device)
+    gen.manual_seed(secrets.randbits(64))
+    return gen
+
+
+def _real(name: str, value: object, *, positive: bool) -> float:
+    ok = (type(value) in (float, int) or isinstance(value, numbers.Real) and not isinstance(value, bool)) \
+        and math.isfinite(value)
+    if not ok or (value <= 0 if positive else value < 0):
+        engine.fail(f"{name} must be a finite real number {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def _check_args(max_norm, noise_multiplier, generator, batch_size) -> tuple[float, float]:
+    max_norm = _real("max_norm", max_norm, positive=True)
+    noise_multiplier = _real("noise_multiplier", noise_multiplier, positive=False)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        engine.fail(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if batch_size is not None and (not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool)
+                                   or batch_size <= 0):
+        engine.fail(f"batch_size must be None or an integer > 0, got {batch_size!r}")
+    return max_norm, noise_multiplier
+
+
+# Noise is drawn in pieces of at most this many elements: its temporary stays bounded for large models.
+NOISE_CHUNK = 1 << 24
+
+
+def _write_grads(layout: Layout, flats: list[torch.Tensor], views: dict[str, torch.Tensor] | None, divisor: int,
+                 noise_std: float, generator: torch.Generator | None) -> None:
+    """.grad = (flat + noise_std N(0, I)) / divisor for every group, the noise drawn in parameter order.
+    ``views``: the flats' views, given when the flats may be updated in place; None for a CUDA graph's static
+    outputs, which are only read."""
+    results = []
+    for (device, dtype, numel, _), flat in zip(layout.groups, flats):
+        out = flat if views is not None else torch.empty_like(flat)
+        if noise_std > 0:
+            gen = _generator(generator, device)
+            for start in range(0, numel, NOISE_CHUNK):
+                piece = slice(start, min(numel, start + NOISE_CHUNK))
+                noise = torch.randn(piece.stop - start, generator=gen, device=device, dtype=dtype)
+                torch.add(flat[piece], noise, alpha=noise_std, out=out[piece])
+            out.div_(divisor)
+        else:
+            torch.div(flat, divisor, out=out)
+        results.append(out)
+    if views is None:
+        views = layout.views(results)
+    for _, dtype, _, entries in layout.groups:
+        for name, p, _ in entries:
+            view = views[name]
+            p.grad = view if p.dtype == dtype else view.to(p.dtype)
+
+
+def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
+                        max_norm: float, noise_multiplier: float = 0.0, generator: torch.Generator | None = None, *,
+                        loss_reduction: str | None = None, method: str = "auto", batch_size: int | None = None,
+                        finalize: bool = True, use_cuda_graph: bool = False) -> torch.Tensor:
+    """One DP-SGD gradient: every trainable parameter's ``.grad`` becomes
+    ``(sum_i min(1, C / ||grad_i||) grad_i + sigma C N(0, I)) / B`` with C = ``max_norm``, sigma =
+    ``noise_multiplier``, grad_i the gradient of sample i's loss over all trainable parameters (each sample a
+    batch of one, as in :func:`per_sample_gradients`) and B the batch size. Returns the per-sample norms
+    ||grad_i|| (B,), float32 (float64 for float64 models), before clipping.
+
+    One forward and one backward: each layer's input and output gradient, recorded once, give both the norms
+    and the clipped sum (see ``per_sample/layers.py`` for the layers covered without per-sample gradients and
+    the torch.func fallback for other modules). Then use any torch optimizer; ``.grad`` is replaced, not added
+    to (a gradient already there would not be private). ``loss_reduction``, ``method``: as in
+    :func:`per_sample_gradients`; the result is the same whichever reduction the loss uses.
+
+    Noise: float32 (float64 for float64 parameters) whatever the parameters' dtype, drawn once per step from
+    ``generator`` (on the parameters' device) or, by default, from a torch generator reseeded on every step
+    with 64 bits from ``secrets`` (the OS's cryptographic random source). Torch's generators (Philox on CUDA,
+    Mersenne Twister on CPU) are not themselves cryptographic, and the noise gets no protection against
+    floating-point attacks beyond that.
+
+    Micro-batches (virtual steps): call with ``finalize=False`` for every micro-batch but the last and
+    ``finalize=True`` for the last. Clipped sums accumulate in float32 across the calls; the finalizing call
+    adds the noise once and divides by ``batch_size`` if given (e.g. the expected batch size under Poisson
+    sampling) or else by the number of samples of the whole step (an empty step without ``batch_size``
+    divides by 1). ``max_norm`` must stay the same within a step. ``.grad`` is only written by the finalizing
+    call.
+
+    ``torch.autocast``: the forward runs under the caller's autocast; each layer's products use its own
+    compute dtype; sums, norms and noise are float32. ``use_cuda_graph=True`` (CUDA inputs; as for
+    :func:`per_sample_grad_norms`): the norms and clipped sums are captured once per model, loss, shapes and
+    ``max_norm`` and replayed; the noise is drawn outside the graph.
+
+    Raises ValueError for a non-finite or non-positive ``max_norm``, a negative ``noise_multiplier``, a
+    ``generator`` on another device, ``batch_size`` <= 0, mismatched batch sizes, a model without trainable
+    parameters, BatchNorm in training mode, ``method="fused"`` on a model it does not cover, or a step whose
+    ``max_norm`` or trainable parameters changed between micro-batches.
+    """
+    max_norm, noise_multiplier = _check_args(max_norm, noise_multiplier, generator, batch_size)
+    engine.check_method(method, loss_reduction)
+    engine.check_batch(inputs, targets)
+    if use_cuda_graph:
+        graphs.check_cuda(inputs, targets)
+    plan = engine.plan(model)
+    if not plan.params:
+        engine.fail("the model has no parameter that requires grad")
+    layout = _layout(plan)
+    if generator is not None and noise_multiplier > 0:
+        for device, *_ in layout.groups:  # before any work: the noise comes last
+            _generator(generator, device)
+    pending = _PENDING.get(model)
+    if pending is not None and (pending.layout is not layout or pending.max_norm != max_norm):
+        del _PENDING[model]
+        engine.fail("the trainable parameters (or their devices or dtypes) or max_norm changed between the "
+                    "micro-batches of one step (the step's pending sum was discarded)")
+    try:
+        return _step(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, loss_reduction, method,
+                     batch_size, finalize, use_cuda_graph, layout, pending)
+    except BaseException:
+        _PENDING.pop(model, None)  # a half-written sum must not leak into the next step
+        raise
+
+
+def _step(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, loss_reduction, method, batch_size,
+          finalize, use_cuda_graph, layout, pending) -> torch.Tensor:
+    batch = inputs.shape[0]
+    if use_cuda_graph and batch > 0:
+        def compute(x, y):
+            flats = layout.empty()
+            out = engine.clipped(model, loss_fn, x, y, method, loss_reduction, max_norm, layout.views(flats), 0)
+            return out, flats
+
+        norms, flats = graphs.replay(model, loss_fn, inputs, targets, ("clip", method, loss_reduction, max_norm),
+                                     compute)
+        norms, views = norms.clone(), None  # the graph's outputs: read only
+        if pending is not None:
+            for acc, flat in zip(pending.flats, flats):
+                acc.add_(flat)
+            flats, views = pending.flats, pending.views
+    else:
+        flats, views = (pending.flats, pending.views) if pending is not None else (layout.empty(), None)
+        views = views or layout.views(flats)
+        norms = engine.clipped(model, loss_fn, inputs, targets, method, loss_reduction, max_norm, views,
+                               1 if pending is not None else 0)
+    count = batch + (pending.count if pending is not None else 0)
+    if not finalize:
+        if views is None:
+            flats = [f.clone() for f in flats]
+            views = layout.views(flats)
+        _PENDING[model] = _Pending(layout, flats, views, count, max_norm)
+        return norms
+    _PENDING.pop(model, None)
+    _write_grads(layout, flats, views, batch_size or max(count, 1), noise_multiplier * max_norm, generator)
+    return norms

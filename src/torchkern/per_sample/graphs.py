@@ -1,0 +1,83 @@
+"""``use_cuda_graph=True``: a per-sample computation captured once per model, loss, shapes and model state, then
+replayed (a few launches of host time instead of the forward's, autograd's and the rules' own).
+
+The graph reads the parameters and buffers where they are, so in-place updates (optimizers, ``load_state_dict``)
+are seen; a new parameter or buffer tensor, a replaced module, a changed ``requires_grad`` or ``train()``/``eval()``
+flag, or a different autocast state captures anew. Its outputs are static: callers copy what they hand out.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .._cuda_graph import capture, follow
+
+
+class _Capture:
+    """One captured computation: the graph, its static inputs and outputs, and the model state it baked in."""
+
+    __slots__ = ("graph", "inputs", "targets", "out", "loss_fn", "model_state", "stream")
+
+    def __init__(self, compute: Callable, loss_fn, inputs, targets, model_state):
+        self.inputs, self.targets = inputs.detach().clone(), targets.detach().clone()
+        self.loss_fn = loss_fn  # keeps it alive: the cache key holds its id
+        self.model_state = model_state
+        self.stream: torch.cuda.Stream | None = None  # where the last replay ran
+        try:
+            self.graph, self.out = capture(lambda: compute(self.inputs, self.targets), inputs.device)
+        except Exception as exc:
+            raise RuntimeError(f"torchkern.per_sample: use_cuda_graph=True could not capture the computation "
+                               f"({type(exc).__name__}: {exc}); the model and loss must run without waiting for "
+                               "the device (no .item(), .tolist() or data-dependent shapes): use "
+                               "use_cuda_graph=False for this model") from exc
+
+
+CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
+_MAX_CAPTURES = 8  # per model: a caller cycling through batch shapes or fresh loss closures
+
+
+def _model_state(model: nn.Module) -> tuple:
+    """What a capture bakes in from the model: each module (identity, training flag) and the storage and
+    ``requires_grad`` of each parameter and buffer (the graph reads those addresses)."""
+    state = []
+    for m in model.modules():
+        state += (id(m), m.training)
+        state += [(t.data_ptr(), t.requires_grad) if t is not None else None for t in m._parameters.values()]
+        state += [t.data_ptr() if t is not None else None for t in m._buffers.values()]
+    return tuple(state)
+
+
+def check_cuda(inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    if not (inputs.is_cuda and targets.is_cuda):
+        raise ValueError("torchkern.per_sample: use_cuda_graph=True needs CUDA inputs and targets, got "
+                         f"{inputs.device} and {targets.device}")
+
+
+def replay(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, key: tuple,
+           compute: Callable[[torch.Tensor, torch.Tensor], object]) -> object:
+    """``compute(inputs, targets)`` through the capture cached for ``key`` (what else the computation depends
+    on) and the call's loss, shapes, autocast state and model state; returns the graph's static outputs."""
+    device = inputs.device
+    key = (*key, id(loss_fn), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+           *((t.shape, t.stride(), t.dtype, t.device) for t in (inputs, targets)))
+    try:
+        captures = CAPTURES.setdefault(model, {})
+    except TypeError:  # an unhashable Module subclass: no caching, a capture per call
+        captures = {}
+    state = _model_state(model)
+    entry = captures.get(key)
+    if entry is None or entry.model_state != state:
+        captures.pop(key, None)  # its graph and memory go before the new capture allocates
+        if len(captures) >= _MAX_CAPTURES:
+            captures.clear()
+        entry = captures[key] = _Capture(compute, loss_fn, inputs, targets, state)
+    entry.stream = follow(entry.stream, device)
+    entry.inputs.copy_(inputs.detach())
+    entry.targets.copy_(targets.detach())
+    with torch.cuda.device(device):
+        entry.graph.replay()
+    return entry.out

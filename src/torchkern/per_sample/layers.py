@@ -1,0 +1,423 @@
+"""Per-sample gradient rules of the layers real models have.
+
+A rule turns one layer call's recorded input ``x`` (batch dim 0 of size B) and the gradient ``g`` of the summed
+per-sample losses with respect to the layer's output into:
+
+* ``sq_norms``: the squared per-sample gradient norms over the layer's trainable parameters, (B,) in the compute
+  dtype (float32; float64 for float64 layers), and a state that ``clip`` reuses;
+* ``clip``: sum_i c_i grad_i for each trainable parameter, through a :class:`Writer` (one product (c * g)^T a,
+  never a second backward);
+* ``grads``: the per-sample gradients themselves, (B, *param.shape) in the parameter's dtype.
+
+Rules by layer (T: positions per sample, every dim between the batch and the feature dims):
+
+* ``nn.Linear``: weight_i = sum_t g_it a_it^T. Norms without T, or with the Gram form
+  <g_i g_i^T, a_i a_i^T>_F when T (d_in + d_out) <= d_in d_out (``linear_grad_sq_norms``); otherwise the per-sample
+  weight gradients are materialized (in batch chunks of at most :data:`CHUNK_BYTES`) and, when they fit that
+  bound, kept for the clipped sum, which is then one GEMV. Clipped sum otherwise: (c * g)^T a, one GEMM.
+* ``nn.Embedding``: grad_i = sum_t e_{idx_it} g_it^T, so ||grad_i||^2 = sum_{t,s} [idx_it = idx_is] g_it . g_is
+  (duplicates within a sample add up; positions at ``padding_idx`` contribute nothing): a masked T x T Gram matrix
+  when T <= d, else the sorted-segment form (sum the rows of each distinct (sample, index) pair, then square).
+  Clipped sum: the embedding backward of c * g.
+* ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``: weight_i = sum_t g_it * xhat_it, bias_i = sum_t g_it, with
+  xhat recomputed from x; small (B x d), so materialized and reused for the clipped sum.
+* ``nn.Conv1d`` / ``nn.Conv2d``: a Linear over the unfolded input (T = output positions, d_in = C_in / groups x
+  kernel size, d_out = C_out / groups, one such problem per group), unfolded in batch chunks of at most
+  :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear. Clipped sum: the kept per-sample
+  weight gradients (GEMV), else the convolution's own weight gradient of c * g (no unfolding).
+
+Exact module types only (as Opacus): a subclass may change ``forward``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import opmath_dtype
+from ..primitives import batched_outer
+from . import ops, twins
+
+# Bound on the temporaries one layer's rule allocates at a time (unfolded inputs, materialized per-sample weight
+# gradients): larger batches are processed in chunks; materialized gradients are kept for the clipped sum only
+# when all of them fit.
+CHUNK_BYTES = 1 << 28
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """(B, *, d) -> (B, T, d); 2-D stays 2-D."""
+    return x if x.dim() <= 3 else x.flatten(1, -2)
+
+
+def _bcast(c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Clip factors (B,) as like's dtype, shaped to broadcast over like's non-batch dims."""
+    return c.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    return t.flatten(1).square().sum(1)
+
+
+class Writer:
+    """Writes sum_i c_i grad_i of each parameter (by qualified name) into its accumulator view (contiguous,
+    the parameter's shape, float32 or float64): overwriting it (``beta=0``, NaN in the old contents never
+    propagates) or adding to it (``beta=1``)."""
+
+    __slots__ = ("views", "beta")
+
+    def __init__(self, views: dict[str, torch.Tensor], beta: int):
+        self.views, self.beta = views, beta
+
+    def put(self, name: str, value: torch.Tensor) -> None:
+        view = self.views[name]
+        value = value.reshape(view.shape)
+        if self.beta == 0:
+            view.copy_(value)
+        else:
+            view.add_(value)
+
+    def zero(self, name: str) -> None:
+        if self.beta == 0:
+            self.views[name].zero_()
+
+    def mm(self, name: str, m1: torch.Tensor, m2: torch.Tensor) -> None:
+        """view += m1 @ m2 (one GEMM into the view when the dtypes allow, else a product and an add)."""
+        view = self.views[name]
+        if m1.dtype == m2.dtype == view.dtype:
+            (view if view.dim() == 2 else view.view(m1.shape[0], m2.shape[1])).addmm_(m1, m2, beta=self.beta)
+        else:
+            self.put(name, m1 @ m2)
+
+    def mv(self, name: str, mat: torch.Tensor, vec: torch.Tensor) -> None:
+        """view (flattened) += mat @ vec: mat (numel, B), vec (B,)."""
+        view = self.views[name]
+        if mat.dtype == vec.dtype == view.dtype:
+            (view if view.dim() == 1 else view.view(-1)).addmv_(mat, vec, beta=self.beta)
+        else:
+            self.put(name, mat.to(view.dtype) @ vec.to(view.dtype))
+
+
+def _batched(x: object, batch: int, min_dim: int, what: str) -> str | None:
+    if not isinstance(x, torch.Tensor):
+        return f"its input is a {type(x).__name__}, not a tensor"
+    if x.dim() < min_dim or x.shape[0] != batch:
+        return f"its input {list(x.shape)} has no batch dim 0 of size {batch} ({what})"
+    return None
+
+
+class Rule:
+    """Interface of a layer rule; ``names`` maps the layer's trainable parameters' local names ("weight",
+    "bias") to their qualified names."""
+
+    def problem(self, module: nn.Module) -> str | None:
+        """Why this layer's configuration is not supported (checked once per model structure), or None."""
+        return None
+
+    def check(self, module: nn.Module, x: object, batch: int) -> str | None:
+        """Why this call's input cannot be used, or None."""
+        raise NotImplementedError
+
+    def sq_norms(self, module, x, g, names, keep: bool) -> tuple[torch.Tensor, object]:
+        raise NotImplementedError
+
+    def clip(self, module, state, c: torch.Tensor, names: dict[str, str], writer: Writer) -> None:
+        raise NotImplementedError
+
+    def grads(self, module, x, g, names) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class LinearRule(Rule):
+    def check(self, module, x, batch):
+        return _batched(x, batch, 2, "nn.Linear needs (B, ..., in_features)")
+
+    @staticmethod
+    def _inputs(x, g):
+        return _flat(x.to(g.dtype)), _flat(g)
+
+    def sq_norms(self, module, x, g, names, keep):
+        a, g = self._inputs(x, g)
+        ct = opmath_dtype(g.dtype)
+        weight, bias = "weight" in names, "bias" in names
+        if not weight:
+            gb = (g if g.dim() == 2 else g.sum(1, dtype=ct)).to(ct)
+            return _sq(gb), ("bias", gb)
+        if a.dim() == 2 or twins.use_gram(a.shape[1], a.shape[2], g.shape[2]):
+            return ops.linear_grad_sq_norms(a, g, bias), ("gemm", a, g)
+        batch, per_sample = a.shape[0], g.shape[2] * a.shape[2] * ct.itemsize
+        if keep and batch * per_sample <= CHUNK_BYTES:  # materialize once: norms, then a GEMV for the clipped sum
+            w = torch.bmm(g.transpose(1, 2).to(ct), a.to(ct))
+            gb = g.sum(1, dtype=ct) if bias else None
+            sq = _sq(w) if gb is None else _sq(w) + _sq(gb)
+            return sq, ("kept", w, gb)
+        step = max(1, CHUNK_BYTES // per_sample)
+        sq = torch.cat([ops.linear_grad_sq_norms(a[i:i + step], g[i:i + step], bias) for i in range(0, batch, step)])
+        return sq, ("gemm", a, g)
+
+    def clip(self, module, state, c, names, writer):
+        kind = state[0]
+        if kind == "bias":
+            writer.mv(names["bias"], state[1].T, c)
+            return
+        if kind == "kept":
+            _, w, gb = state
+            writer.mv(names["weight"], w.flatten(1).T, c)
+            if gb is not None:
+                writer.mv(names["bias"], gb.T, c)
+            return
+        _, a, g = state
+        # sum_i c_i g_i^T a_i = (c * g)^T a = g^T (c * a): one GEMM over the B T rows, on a scaled copy of the
+        # operand with fewer features (cuBLAS cannot scale along the reduction dim; the copy costs a fraction
+        # of the GEMM)
+        g2, a2 = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
+        if a.shape[-1] < g.shape[-1]:
+            writer.mm(names["weight"], g2.T, (a * _bcast(c, a)).reshape(a2.shape))
+        else:
+            writer.mm(names["weight"], (g * _bcast(c, g)).reshape(g2.shape).T, a2)
+        if "bias" in names:  # sum_i c_i sum_t g_it: a GEMV over the rows, each row's factor its sample's
+            rows = c if g.dim() == 2 else c.unsqueeze(1).expand(g.shape[0], g.shape[1]).reshape(-1)
+            if g2.dtype == writer.views[names["bias"]].dtype:
+                writer.mv(names["bias"], g2.T, rows.to(g2.dtype))
+            else:
+                writer.put(names["bias"], torch.mv(g2.T, rows.to(g2.dtype)))
+
+    def grads(self, module, x, g, names):
+        a, g = self._inputs(x, g)
+        out = {}
+        if "weight" in names:
+            w = batched_outer(g.contiguous(), a.contiguous()) if a.dim() == 2 else torch.bmm(g.transpose(1, 2), a)
+            out["weight"] = w.to(module.weight.dtype)
+        if "bias" in names:
+            out["bias"] = (g if g.dim() == 2 else g.sum(1)).to(module.bias.dtype)
+        return out
+
+
+class EmbeddingRule(Rule):
+    def problem(self, module):
+        if module.sparse or module.scale_grad_by_freq:
+            return ("nn.Embedding with sparse=True or scale_grad_by_freq=True (the batch's index counts would mix "
+                    "the samples) is not supported")
+        return None
+
+    def check(self, module, x, batch):
+        return _batched(x, batch, 1, "nn.Embedding needs (B, ...) indices")
+
+    @staticmethod
+    def _inputs(module, x, g):
+        idx = x.reshape(x.shape[0], -1)
+        return idx, g.reshape(idx.shape[0], idx.shape[1], g.shape[-1])
+
+    @staticmethod
+    def _masked(module, idx, g):
+        if module.padding_idx is None:
+            return g
+        return g.masked_fill((idx == module.padding_idx).unsqueeze(-1), 0)
+
+    def sq_norms(self, module, x, g, names, keep):
+        idx, g = self._inputs(module, x, g)
+        gm = self._masked(module, idx, g.to(opmath_dtype(g.dtype)))
+        batch, positions, dim = gm.shape
+        if positions <= dim:  # a T x T Gram matrix per sample: no more memory than the T x d gradients
+            gram = torch.bmm(gm, gm.transpose(1, 2))
+            sq = gram.masked_fill_(idx.unsqueeze(2) != idx.unsqueeze(1), 0).sum((1, 2))
+        else:
+            sq = _segment_sq_norms(idx, gm, module.num_embeddings)
+        return sq, (idx, g)
+
+    def clip(self, module, state, c, names, writer):
+        idx, g = state
+        pad = -1 if module.padding_idx is None else module.padding_idx
+        grad = torch.ops.aten.embedding_dense_backward(g * _bcast(c, g), idx, module.num_embeddings, pad, False)
+        writer.put(names["weight"], grad)
+
+    def grads(self, module, x, g, names):
+        idx, g = self._inputs(module, x, g)
+        g = self._masked(module, idx, g)
+        batch, positions, dim = g.shape
+        out = g.new_zeros(batch, module.num_embeddings, dim)
+        rows = torch.arange(batch, device=idx.device).unsqueeze(1).expand(batch, positions)
+        out.index_put_((rows, idx), g, accumulate=True)
+        return {"weight": out.to(module.weight.dtype)}
+
+
+def _segment_sq_norms(idx: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.Tensor:
+    """sum over distinct (sample, index) pairs of ||sum of g rows with that pair||^2, per sample (B,). Sorting
+    makes each pair's rows a segment; nothing waits for the device (no unique())."""
+    batch, positions, dim = g.shape
+    keys = (torch.arange(batch, device=idx.device).unsqueeze(1) * vocab + idx).reshape(-1)
+    keys, order = keys.sort()
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    segment = first.cumsum(0) - 1
+    sums = g.new_zeros(batch * positions, dim).index_add_(0, segment, g.reshape(-1, dim)[order])
+    # every position of a segment has the segment's sample: scatter writes one value per segment
+    owner = torch.zeros_like(keys).scatter_(0, segment, keys // vocab)
+    return g.new_zeros(batch).index_add_(0, owner, _sq(sums))
+
+
+class _AffineNormRule(Rule):
+    """weight_i = sum over positions of g * xhat, bias_i = sum of g; xhat recomputed from the input."""
+
+    def _xhat(self, module, x, ct):
+        raise NotImplementedError
+
+    def _reduce(self, module, t):
+        """(B, ...) -> (B, *param.shape): the sum over every position of a sample."""
+        raise NotImplementedError
+
+    def _parts(self, module, x, g, names):
+        ct = opmath_dtype(g.dtype)
+        gt = g.to(ct)
+        parts = {}
+        if "weight" in names:
+            parts["weight"] = self._reduce(module, gt * self._xhat(module, x, ct))
+        if "bias" in names:
+            parts["bias"] = self._reduce(module, gt)
+        return parts
+
+    def sq_norms(self, module, x, g, names, keep):
+        parts = self._parts(module, x, g, names)
+        sqs = [_sq(p) for p in parts.values()]
+        return (sqs[0] if len(sqs) == 1 else sqs[0] + sqs[1]), parts
+
+    def clip(self, module, state, c, names, writer):
+        for local, part in state.items():
+            writer.mv(names[local], part.flatten(1).T, c)
+
+    def grads(self, module, x, g, names):
+        return {k: v.to(getattr(module, k).dtype) for k, v in self._parts(module, x, g, names).items()}
+
+
+class LayerNormRule(_AffineNormRule):
+    def check(self, module, x, batch):
+        return _batched(x, batch, len(module.normalized_shape) + 1, "(B, ..., *normalized_shape)")
+
+    def _xhat(self, module, x, ct):
+        return F.layer_norm(x.to(ct), module.normalized_shape, None, None, module.eps)
+
+    def _reduce(self, module, t):
+        return t.reshape(t.shape[0], -1, *module.normalized_shape).sum(1)
+
+
+class RMSNormRule(LayerNormRule):
+    def _xhat(self, module, x, ct):
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps  # RMSNorm's default
+        return F.rms_norm(x.to(ct), module.normalized_shape, None, eps)
+
+
+class GroupNormRule(_AffineNormRule):
+    def check(self, module, x, batch):
+        return _batched(x, batch, 2, "(B, C, ...)")
+
+    def _xhat(self, module, x, ct):
+        return F.group_norm(x.to(ct), module.num_groups, None, None, module.eps)
+
+    def _reduce(self, module, t):
+        return t.reshape(t.shape[0], t.shape[1], -1).sum(2)
+
+
+class ConvRule(Rule):
+    """nn.Conv1d / nn.Conv2d (``dims`` spatial dims) through unfolded inputs."""
+
+    def __init__(self, dims: int):
+        self.dims = dims
+
+    def check(self, module, x, batch):
+        return _batched(x, batch, self.dims + 2, f"(B, C, {'L' if self.dims == 1 else 'H, W'})")
+
+    def _padded(self, module, x):
+        """The input as the convolution sees it, and the padding left to apply: string paddings ('same',
+        'valid') and non-zero padding modes are applied here, as the module's forward does."""
+        if isinstance(module.padding, str) or module.padding_mode != "zeros":
+            mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+            return F.pad(x, module._reversed_padding_repeated_twice, mode=mode), (0,) * self.dims
+        return x, tuple(module.padding)
+
+    def _unfold(self, module, xp, padding):
+        """F.unfold of a (b, C_in, *spatial) chunk: (b, C_in * K, L)."""
+        k, d, s = module.kernel_size, module.dilation, module.stride
+        if self.dims == 1:
+            return F.unfold(xp.unsqueeze(2), (1, k[0]), (1, d[0]), (0, padding[0]), (1, s[0]))
+        return F.unfold(xp, k, d, padding, s)
+
+    def sq_norms(self, module, x, g, names, keep):
+        return self._norms(module, x, g, names, keep, grads=False)
+
+    def _norms(self, module, x, g, names, keep, grads):
+        batch, groups, c_out = x.shape[0], module.groups, module.out_channels
+        d_in = module.in_channels // groups * math.prod(module.kernel_size)
+        d_out, positions = c_out // groups, math.prod(g.shape[2:])
+        ct = opmath_dtype(g.dtype)
+        g3 = g.reshape(batch, c_out, positions)
+        gb = g3.sum(2, dtype=ct) if "bias" in names else None
+        state = {"g": g, "gb": gb, "w": None}
+        sq = _sq(gb) if gb is not None else None
+        if "weight" not in names:
+            return sq, state
+        xp, padding = self._padded(module, x)
+        state["xp"], state["padding"] = xp, padding
+        gram = not grads and twins.use_gram(positions, d_in, d_out)
+        w_bytes = 0 if gram else c_out * d_in * ct.itemsize
+        kept = grads or (keep and not gram and batch * w_bytes <= CHUNK_BYTES)
+        # per sample: the unfolded input (and its transposed copy for the Gram op) and the materialized gradient
+        unfold_bytes = groups * d_in * positions * g.element_size() * (2 if gram else 1)
+        step = batch if grads else max(1, CHUNK_BYTES // (unfold_bytes + w_bytes))
+        sqs, ws = [], []
+        for i in range(0, batch, step):
+            u = self._unfold(module, xp[i:i + step].to(g.dtype), padding)
+            b = u.shape[0]
+            a = u.view(b, groups, d_in, positions).transpose(2, 3)  # (b, G, L, d_in)
+            gg = g3[i:i + step].reshape(b, groups, d_out, positions)
+            if gram:  # one Linear problem per (sample, group)
+                a3 = a.reshape(b * groups, positions, d_in)
+                gl = gg.transpose(2, 3).reshape(b * groups, positions, d_out)
+                sqs.append(ops.linear_grad_sq_norms(a3, gl).view(b, groups).sum(1))
+            else:
+                w = torch.matmul(gg.to(ct), a.to(ct))  # (b, G, d_out, d_in): per-sample weight gradients
+                sqs.append(_sq(w))
+                if kept:
+                    ws.append(w.reshape(b, -1))
+        wsq = sqs[0] if len(sqs) == 1 else torch.cat(sqs)
+        sq = wsq if sq is None else sq + wsq
+        if kept:
+            state["w"] = ws[0] if len(ws) == 1 else torch.cat(ws)
+        return sq, state
+
+    def clip(self, module, state, c, names, writer):
+        if "weight" in names:
+            if state["w"] is not None:
+                writer.mv(names["weight"], state["w"].T, c)
+            else:  # the convolution's own weight gradient, bilinear in (x, g): scale the smaller of the two
+                g, xp = state["g"], state["xp"].to(state["g"].dtype)
+                if xp.numel() < g.numel():
+                    xp = xp * _bcast(c, xp)
+                else:
+                    g = g * _bcast(c, g)
+                weight_grad = torch.nn.grad.conv1d_weight if self.dims == 1 else torch.nn.grad.conv2d_weight
+                writer.put(names["weight"], weight_grad(xp, module.weight.shape, g, module.stride, state["padding"],
+                                                        module.dilation, module.groups))
+        if state["gb"] is not None:
+            writer.mv(names["bias"], state["gb"].T, c)
+
+    def grads(self, module, x, g, names):
+        _, state = self._norms(module, x, g, names, keep=True, grads=True)
+        out = {}
+        if state["w"] is not None:
+            out["weight"] = state["w"].view(x.shape[0], *module.weight.shape).to(module.weight.dtype)
+        if state["gb"] is not None:
+            out["bias"] = state["gb"].to(module.bias.dtype)
+        return out
+
+
+RULES: dict[type, Rule] = {
+    nn.Linear: LinearRule(),
+    nn.Embedding: EmbeddingRule(),
+    nn.LayerNorm: LayerNormRule(),
+    nn.RMSNorm: RMSNormRule(),
+    nn.GroupNorm: GroupNormRule(),
+    nn.Conv1d: ConvRule(1),
+    nn.Conv2d: ConvRule(2),
+}
