@@ -18,7 +18,7 @@ from testing import assert_close, devices, dtypes, noncontiguous, randn, require
 
 import torchkern
 from torchkern import ebm
-from torchkern.ebm import twins
+from torchkern.ebm import constants as ebm_constants, diagnostics, mlp as ebm_mlp, twins
 
 ANALYTIC = {
     "double_well": lambda: ebm.DoubleWellEnergy(2.0, 1.0),
@@ -614,3 +614,734 @@ def test_distributed_gloo_two_processes():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_distributed_nccl_two_gpus():
     _check_distributed(_distributed_run("nccl"))
+
+
+# ============================================================================================ MLP energies
+# MLPEnergy's fused kernel (csrc/ebm/mlp_chain_kernel.cuh) against its twin and the generic autograd path. On CPU
+# the ops are the twins (closed-form gradient with the kernel's operand roundings), so these tests check the
+# formulas, wiring and statistics; on CUDA they check the kernel.
+
+
+ACTIVATIONS = list(ebm_constants.ACTIVATION_NAMES)
+PRECISIONS = list(ebm_constants.PRECISION_NAMES)
+# Unit roundoff of each precision's product operands (bf16: 8 significant bits; TF32: 11; FP32: exact operands).
+OPERAND_U = {"bf16": 2.0 ** -8, "tf32": 2.0 ** -11, "fp32": 0.0}
+# Widths [d, hidden...]: widths off the 32-multiple padding, 1 to 3 hidden layers, narrow and two-pass outputs.
+MLP_SHAPES = [(3, [20, 16]), (40, [64]), (33, [48, 40, 24])]
+
+
+def _mlp_energy(widths, activation="silu", device="cpu", dtype=torch.float32, seed=0, bias=True):
+    torch.manual_seed(seed)
+    energy = ebm.MLPEnergy(widths[0], widths[1:], activation, negative_slope=0.1, bias=bias)
+    with torch.no_grad():
+        for lin in energy.layers:
+            if lin.bias is not None:
+                lin.bias.uniform_(-0.5, 0.5)  # nonzero biases: every term of the epilogue matters
+    return energy.to(device=device, dtype=dtype)
+
+
+def _autograd_energy_and_grad(energy, x):
+    """The generic path: the module's forward and autograd's input gradient, in x's dtype."""
+    e, s = energy.to(x.dtype).energy_and_score(x)
+    return e, -s
+
+
+def _second_derivative(h, activation, slope):
+    hg = h.detach().requires_grad_(True)
+    (d2,) = torch.autograd.grad(twins.activation_math(hg, activation, slope)[1].sum(), hg)
+    return d2
+
+
+def _gradient_error_bound(energy, x, precision):
+    """First-order bound on |g_precision - g_exact| per element (float64), propagated layer by layer.
+
+    With operand unit roundoff u (OPERAND_U) and FP32 accumulation over K terms (gamma = K 2^-24), a product
+    A B^T of rounded operands is off by at most (2u + gamma) |A| |B|^T plus |B| applied to A's own error. An
+    activation passes errors on by |phi'(h)|, its derivative by |phi''(h)|; bf16 stores phi'(h) and D rounded
+    (u |.| each). The backward products mirror the forward ones. Terms of order u^2 are left out.
+    """
+    u = OPERAND_U[precision]
+    u_store = u if precision == "bf16" else 0.0
+    weights, biases, act, slope = energy.kernel_args()
+    ws = [w.double() for w in weights]
+    bs = [b.double() for b in biases]
+    a, ea = x.double(), torch.zeros_like(x, dtype=torch.float64)
+    hs, ehs = [], []
+    for w, b in zip(ws[:-1], bs[:-1]):
+        gamma = w.shape[1] * 2.0 ** -24
+        h = a @ w.T + b
+        eh = ea @ w.abs().T + (2 * u + gamma) * (a.abs() @ w.abs().T)
+        phi, dphi = twins.activation_math(h, act, slope)
+        hs.append(h)
+        ehs.append(eh)
+        a, ea = phi, dphi.abs() * eh
+    w_last = ws[-1][0]
+    _, dphi = twins.activation_math(hs[-1], act, slope)
+    d = dphi * w_last
+    ed = _second_derivative(hs[-1], act, slope).abs() * ehs[-1] * w_last.abs() + u_store * d.abs()
+    for l in range(len(ws) - 2, -1, -1):
+        w = ws[l]
+        gamma = w.shape[0] * 2.0 ** -24
+        g = d @ w
+        eg = ed @ w.abs() + (2 * u + gamma) * (d.abs() @ w.abs())
+        if l == 0:
+            return eg
+        _, dphi = twins.activation_math(hs[l - 1], act, slope)
+        e_dphi = _second_derivative(hs[l - 1], act, slope).abs() * ehs[l - 1] + u_store * dphi.abs()
+        d = g * dphi
+        ed = eg * dphi.abs() + g.abs() * e_dphi + u_store * d.abs()
+
+
+def _layouts(energy, x, precision, hmc):
+    """Every fused-kernel configuration that fits this device: rows 16/32, resident/streamed weights."""
+    limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
+    widths = [energy.dim, *energy.hidden]
+    code = PRECISIONS.index(precision)
+    out = []
+    for rows in (16, 32):
+        for resident in (True, False):
+            layout = ebm_mlp.shared_memory_layout(widths, code, hmc, rows, resident)
+            if layout[-1] <= limit:
+                out.append(layout)
+    return out
+
+
+# --------------------------------------------------------------------------- the module
+
+
+def test_mlp_energy_module_and_from_sequential():
+    seq = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.SiLU(), torch.nn.Linear(16, 8), torch.nn.SiLU(),
+                              torch.nn.Linear(8, 1), torch.nn.Flatten(0))
+    energy = ebm.MLPEnergy.from_sequential(seq)
+    assert energy.dim == 5 and energy.hidden == [16, 8] and energy.activation == "silu"
+    x = randn(7, 5)
+    assert_close(energy(x), seq(x))
+    # the layers are shared: training the energy trains the model (ordinary autograd on the parameters)
+    assert energy.layers[0] is seq[0]
+    loss = energy(x).mean()
+    loss.backward()
+    assert seq[0].weight.grad is not None and torch.isfinite(seq[0].weight.grad).all()
+    leaky = ebm.MLPEnergy.from_sequential(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LeakyReLU(0.2),
+                                                              torch.nn.Linear(4, 1)))
+    assert leaky.activation == "leaky_relu" and leaky.negative_slope == pytest.approx(0.2)
+    assert leaky(randn(2, 3)).shape == (2,)
+    with pytest.raises(RuntimeError, match=r"x must have shape \[B, 5\]"):
+        energy(randn(3, 4))
+
+
+@pytest.mark.parametrize("modules, match", [
+    (lambda: [torch.nn.Linear(3, 4), torch.nn.Linear(4, 1)], "with at least one hidden layer"),
+    (lambda: [torch.nn.Linear(3, 4), torch.nn.Sigmoid(), torch.nn.Linear(4, 1)], "module 1 must be one of"),
+    (lambda: [torch.nn.Linear(3, 4), torch.nn.SiLU(), torch.nn.Linear(5, 1)], "module 2 takes 5 inputs"),
+    (lambda: [torch.nn.Linear(3, 4), torch.nn.SiLU(), torch.nn.Linear(4, 2)], "must have 1 output"),
+    (lambda: [torch.nn.Linear(3, 4), torch.nn.SiLU(), torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)],
+     "module 3 must be SiLU"),
+    (lambda: [torch.nn.Linear(3, 4), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(4, 1)], "exact form"),
+    (lambda: [torch.nn.Linear(3, 4), torch.nn.Softplus(beta=2.0), torch.nn.Linear(4, 1)], "beta=1, threshold=20"),
+    (lambda: [torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.ReLU(), torch.nn.Linear(4, 1)], "module 2 must be"),
+], ids=["no_hidden", "sigmoid", "widths", "outputs", "mixed", "gelu_tanh", "softplus_beta", "two_acts"])
+def test_mlp_from_sequential_rejects(modules, match):
+    with pytest.raises(ValueError, match=match):
+        ebm.MLPEnergy.from_sequential(torch.nn.Sequential(*modules()))
+
+
+def test_mlp_energy_bad_arguments():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        ebm.MLPEnergy(3, [4], "swish")
+    with pytest.raises(ValueError, match="hidden must be one or more ints"):
+        ebm.MLPEnergy(3, [])
+    with pytest.raises(ValueError, match="dim must be an int >= 1"):
+        ebm.MLPEnergy(0, [4])
+    with pytest.raises(ValueError, match="precision must be one of 'bf16', 'tf32', 'fp32', got 'fp16'"):
+        ebm.LangevinDynamics(ebm.MLPEnergy(3, [4]), 0.1, precision="fp16")
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_mlp_closed_form_gradient_is_autograd(activation, device):
+    # The twins' (and kernels') closed-form input gradient against autograd through the module, float64;
+    # inputs spread so every branch of every activation is taken (softplus past its threshold, relu < 0).
+    energy = _mlp_energy([4, 12, 9], activation, device, torch.float64)
+    x = randn(13, 4, dtype=torch.float64, device=device, scale=8.0)
+    e, g = _autograd_energy_and_grad(energy, x)
+    e2, s2 = twins.mlp_energy_and_score(x, *energy.kernel_args(), ebm_constants.FP32)
+    assert_close(e2, e)
+    assert_close(-s2, g)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("widths", MLP_SHAPES, ids=str)
+def test_mlp_energy_and_score_within_operand_bound(widths, precision, device):
+    # Fused energy and score against a float64 run: within the first-order bound of the operand precision
+    # (_gradient_error_bound), and at most 2x the error of the twin's float32 emulation of the same roundings
+    # (plus float32 rounding of the result).
+    energy = _mlp_energy(list(widths[:1]) + list(widths[1]), "silu", device, seed=3)
+    x = randn(37, widths[0], device=device)
+    e, s = energy.energy_and_score_fused(x, precision)
+    assert e.shape == (37,) and s.shape == (37, widths[0]) and e.dtype == s.dtype == torch.float32
+    e64, g64 = _autograd_energy_and_grad(energy.double(), x.double())
+    bound = _gradient_error_bound(energy.double(), x, precision)
+    err = (-s.double() - g64).abs()
+    tiny = 4 * 2.0 ** -24 * (g64.abs() + 1)
+    assert (err <= 1.05 * bound + tiny).all(), (err - bound).max()
+    e_tw, s_tw = twins.mlp_energy_and_score(x.cpu(), *energy.cpu().float().kernel_args(), PRECISIONS.index(precision))
+    base = (-s_tw.double() - g64.cpu()).abs().max().item()
+    assert err.max().item() <= 2 * base + 1e-5 * (g64.abs().max().item() + 1)
+    e_err, e_base = (e.double() - e64).abs().max().item(), (e_tw.double() - e64.cpu()).abs().max().item()
+    assert e_err <= 2 * e_base + 1e-5 * (e64.abs().max().item() + 1)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_mlp_energy_and_score_extremes(device):
+    # Huge inputs stay finite (softplus takes its linear branch, silu's exp overflows to inf harmlessly), a NaN
+    # input row gives NaN in that row only, empty batches give empty results.
+    for activation in ACTIVATIONS:
+        energy = _mlp_energy([3, 8], activation, device)
+        x = torch.tensor([[1e4, -1e4, 3e3], [0.0, 0.0, 0.0], [float("nan"), 1.0, 1.0]], device=device)
+        e, s = energy.energy_and_score_fused(x, "fp32")
+        assert torch.isfinite(e[:2]).all() and torch.isfinite(s[:2]).all(), activation
+        assert torch.isnan(e[2]), activation  # (the score may be 0 there, as autograd's: relu'(NaN) = 0)
+        e0, s0 = energy.energy_and_score_fused(x[:0], "fp32")
+        assert e0.shape == (0,) and s0.shape == (0, 3)
+
+
+# --------------------------------------------------------------------------- the fused Langevin chain
+
+
+def _generic_mlp_chain(energy, x, step, sigma, lo, hi, n_steps, thin, noise):
+    """The generic path step by step in x's dtype: autograd's gradient, the step formula, the given noise."""
+    state, traj, energies = x.clone(), [], []
+    for t in range(n_steps):
+        e, g = _autograd_energy_and_grad(energy, state)
+        if t > 0 and t % thin == 0:
+            energies.append(e)
+        state = twins.step_math(state, g, step, sigma, lo, hi, noise[t].to(x.dtype))
+        if (t + 1) % thin == 0:
+            traj.append(state)
+    if n_steps % thin == 0:
+        energies.append(energy.to(x.dtype)(state).detach())
+    return state, torch.stack(traj, 1), torch.stack(energies, 1)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("widths", MLP_SHAPES, ids=str)
+def test_mlp_langevin_chain_fp32_equals_generic_path(widths, device):
+    # The exact path against the generic autograd path with the same injected noise: equal to float32 rounding.
+    energy = _mlp_energy(list(widths[:1]) + list(widths[1]), "tanh", device, seed=5)
+    n_steps, thin, step, sigma = 6, 2, 0.05, 0.7
+    x = randn(37, widths[0], device=device)
+    noise = randn(n_steps, 37, widths[0], device=device)
+    state = x.clone()
+    layout = ebm_mlp.plan(energy, x, ebm_constants.FP32, hmc=False)
+    traj, energies = torch.ops.torchkern.mlp_langevin_chain_(
+        state, *energy.kernel_args(), step, sigma, -2.0, 2.5, n_steps, thin, True, True, 0.0, None, None,
+        ebm_constants.FP32, layout, None, noise)
+    want, want_traj, want_e = _generic_mlp_chain(energy, x, step, sigma, -2.0, 2.5, n_steps, thin, noise)
+    assert traj.shape == (37, 3, widths[0]) and energies.shape == (37, 3)
+    torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(traj, want_traj, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(energies, want_e, rtol=1e-5, atol=1e-5)
+    assert state.min() >= -2.0 and state.max() <= 2.5
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_mlp_langevin_chain_low_precision_error(precision, device):
+    # Tensor-core operands: after a few steps the chain is at most 2x as far from a float64 generic run as the
+    # twin's float32 emulation of the same roundings (the kernel differs from it only in summation order).
+    energy = _mlp_energy([8, 64, 32], "silu", device, seed=6)
+    n_steps, step = 5, 0.05
+    x = randn(50, 8, device=device)
+    noise = randn(n_steps, 50, 8, device=device)
+    code = PRECISIONS.index(precision)
+    state = x.clone()
+    torch.ops.torchkern.mlp_langevin_chain_(state, *energy.kernel_args(), step, 1.0, None, None, n_steps, 1, False,
+                                            False, 0.0, None, None, code, ebm_mlp.plan(energy, x, code, False), None,
+                                            noise)
+    want = _generic_mlp_chain(energy.double(), x.double(), step, 1.0, None, None, n_steps, 1, noise)[0]
+    emulated = x.cpu().clone()
+    twins.mlp_langevin_chain_(emulated, *energy.cpu().float().kernel_args(), step, 1.0, None, None, n_steps, 1,
+                              noise=noise.cpu(), precision=code)
+    err = (state.double() - want).abs().max().item()
+    base = (emulated.double() - want.cpu()).abs().max().item()
+    assert 0 < base and err <= 2 * base + 1e-6, (err, base)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_mlp_chain_seed_matches_step_by_step(device):
+    # The noise contract of the analytic chains: with the same generator state, the fused chain draws what
+    # n_steps calls of langevin_step draw (Philox counters on CUDA, the torch.randn sequence on CPU).
+    energy = _mlp_energy([6, 24, 24], "softplus", device, seed=7)
+    x = randn(45, 6, device=device)
+    sampler = ebm.LangevinDynamics(energy, 0.02, 0.9, clamp=(-3.0, 3.0), precision="fp32")
+    torch.manual_seed(11)
+    a = sampler.sample(x, n_steps=9)
+    torch.manual_seed(11)
+    assert torch.equal(sampler.sample(x, n_steps=9), a)
+    torch.manual_seed(11)
+    state = x.clone()
+    for _ in range(9):
+        ebm.langevin_step(state, _autograd_energy_and_grad(energy, state)[1], 0.02, 0.9, clamp=(-3.0, 3.0), out=state)
+    torch.testing.assert_close(a, state, rtol=1e-5, atol=1e-5)
+    gen = torch.Generator(device=device).manual_seed(3)
+    b = sampler.sample(x, n_steps=9, generator=gen)
+    assert torch.equal(b, sampler.sample(x, n_steps=9, generator=torch.Generator(device=device).manual_seed(3)))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("kind", ["mlp", "analytic", "generic"])
+def test_replay_buffer_in_place_and_restarts(kind, device):
+    energy = {"mlp": lambda: _mlp_energy([4, 16], "silu", device), "analytic": lambda: ebm.HarmonicEnergy(),
+              "generic": lambda: torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Flatten(0)).to(device)}[kind]()
+    sampler = ebm.LangevinDynamics(energy, 0.01)
+    n = 4000 if device == "cpu" else 20000
+    buffer = torch.full((n, 4), 7.0, device=device)
+    ptr = buffer.data_ptr()
+    torch.manual_seed(0)
+    out = sampler.sample(buffer, n_steps=0, restart_fraction=0.25, restart_range=(-1.0, 1.0), inplace=True)
+    assert out is buffer and buffer.data_ptr() == ptr
+    restarted = (buffer != 7.0).all(1)
+    assert ((buffer == 7.0).all(1) | restarted).all()  # a row is redrawn whole or not at all
+    frac = restarted.double().mean().item()
+    assert abs(frac - 0.25) < 5 * math.sqrt(0.25 * 0.75 / n)
+    fresh = buffer[restarted].double()
+    assert fresh.min() >= -1.0 and fresh.max() <= 1.0
+    assert abs(fresh.mean().item()) < 5 * math.sqrt(1 / 3 / fresh.numel())  # U(-1, 1): variance 1/3
+    # N(0, I) restarts without a range; seeds reproduce; fraction 0 changes nothing but the steps
+    normal = torch.full((n, 4), 7.0, device=device)
+    torch.manual_seed(1)
+    sampler.sample(normal, n_steps=0, restart_fraction=1.0, inplace=True)
+    assert abs(normal.double().var().item() - 1) < 5 * math.sqrt(2 / normal.numel())
+    again = torch.full((n, 4), 7.0, device=device)
+    torch.manual_seed(1)
+    sampler.sample(again, n_steps=0, restart_fraction=1.0, inplace=True)
+    assert torch.equal(again, normal)
+    x = randn(16, 4, device=device)
+    kept = sampler.sample(x, n_steps=3, restart_fraction=0.0)
+    assert not torch.equal(kept, x) and (kept - x).abs().max() < 1.0  # moved a little, not redrawn
+    with pytest.raises(ValueError, match=r"restart_fraction must be in \[0, 1\]"):
+        sampler.sample(x, restart_fraction=1.5)
+    with pytest.raises(ValueError, match="inplace=True updates the chains of x"):
+        sampler.sample(n_samples=3, dim=4, inplace=True)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_mlp_fused_and_generic_paths_agree_statistically(device):
+    # After 1000 steps from the same start, the fused chain (bf16 operands) and the generic autograd path (the
+    # same module wrapped so the sampler cannot recognise it) agree on the marginal moments and on the energy
+    # trace within Monte-Carlo error (independent noise; two-sample 5 sigma on chain averages).
+    energy = _mlp_energy([2, 32, 32], "silu", device, seed=8)
+    n_chains = 400 if device == "cpu" else 4096
+    x0 = randn(n_chains, 2, device=device)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = energy
+
+        def forward(self, x):
+            return self.inner(x)
+
+    results = []
+    for seed, e in ((1, energy), (2, Wrapped())):
+        torch.manual_seed(seed)
+        sampler = ebm.LangevinDynamics(e, 0.02, precision="bf16")
+        results.append(sampler.sample(x0, n_steps=1000, thin=250, return_energy=True))
+    (xa, ea), (xb, eb) = results
+    for sa, sb in ((xa, xb), (xa * xa, xb * xb), (ea, eb)):
+        diff = (sa.double().mean(0) - sb.double().mean(0)).abs()
+        se = ((sa.double().var(0) + sb.double().var(0)) / n_chains).sqrt()
+        assert (diff <= 5 * se + 1e-3).all(), (diff, se)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_langevin_energy_trace_is_energy_of_trajectory(device):
+    for energy in (_mlp_energy([3, 16], "gelu", device), ebm.DoubleWellEnergy(), ebm.GaussianEnergy(torch.zeros(3))):
+        energy = energy.to(device)
+        x = randn(20, 3, device=device)
+        _, traj, trace = ebm.LangevinDynamics(energy, 0.01, precision="fp32").sample(
+            x, n_steps=12, thin=4, return_trajectory=True, return_energy=True)
+        assert traj.shape == (20, 3, 3) and trace.shape == (20, 3)
+        want = torch.stack([energy(traj[:, k]) for k in range(3)], 1).detach()
+        torch.testing.assert_close(trace, want, rtol=1e-4, atol=1e-4)
+
+
+def test_sampler_arguments_named():
+    energy = ebm.HarmonicEnergy()
+    with pytest.raises(TypeError, match="step_size must be a real number, got str '0.1'"):
+        ebm.LangevinDynamics(energy, "0.1")
+    with pytest.raises(TypeError, match="noise_scale must be a real number"):
+        ebm.LangevinDynamics(energy, 0.1, "1")
+    with pytest.raises(TypeError, match=r"clamp\[0\] must be a real number"):
+        ebm.LangevinDynamics(energy, 0.1, clamp=("a", 1.0))
+    with pytest.raises(ValueError, match="step_size must be a finite number > 0, got nan"):
+        ebm.HamiltonianMonteCarlo(energy, float("nan"), 5)
+    with pytest.raises(ValueError, match="n_leapfrog_steps must be >= 1, got 0"):
+        ebm.HamiltonianMonteCarlo(energy, 0.1, 0)
+    with pytest.raises(TypeError, match="n_steps must be an int"):
+        ebm.LangevinDynamics(energy, 0.1).sample(randn(3, 2), n_steps=2.5)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("mean", [0.0, float("nan")], "mean must be finite"),
+    ("precision", [[1.0, 0.0], [0.0, float("inf")]], "precision must be finite"),
+    ("covariance", [[1.0, float("nan")], [float("nan"), 1.0]], "covariance must be finite"),
+])
+def test_gaussian_rejects_non_finite(field, value, match):
+    kwargs = {"mean": torch.zeros(2)}
+    kwargs[field] = torch.tensor(value)
+    with pytest.raises(ValueError, match=match):
+        ebm.GaussianEnergy(**kwargs)
+
+
+# --------------------------------------------------------------------------- the ops: checks, opcheck, kernels
+
+
+def _mlp_op_args(device, widths=(5, 12, 7)):
+    energy = _mlp_energy(list(widths), "silu", device)
+    return energy, energy.kernel_args()
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_mlp_ops_bad_inputs(device):
+    energy, (ws, bs, act, slope) = _mlp_op_args(device)
+    x = randn(4, 5, device=device)
+    op = torch.ops.torchkern.mlp_langevin_chain_
+    layout = ebm_mlp.plan(energy, x, 2, False)
+    base = dict(step_size=0.1, noise_scale=1.0, clamp_min=None, clamp_max=None, n_steps=2, layout=layout)
+    with pytest.raises(RuntimeError, match=r"weights\[1\] must have shape \[n, 12\], got \[7, 11\]"):
+        op(x, [ws[0], ws[1][:, :11], ws[2]], bs, act, slope, **base)
+    with pytest.raises(RuntimeError, match=r"weights\[2\] must have shape \[1, 7\], got \[2, 7\]"):
+        op(x, [ws[0], ws[1], ws[2].expand(2, 7)], bs, act, slope, **base)
+    with pytest.raises(RuntimeError, match=r"biases\[0\] must have shape \[12\] like weights\[0\]'s rows"):
+        op(x, ws, [bs[0][:5], bs[1], bs[2]], act, slope, **base)
+    with pytest.raises(RuntimeError, match="weights must hold 2 to 9 matrices"):
+        op(x, ws[-1:], bs[-1:], act, slope, **base)
+    with pytest.raises(RuntimeError, match=r"activation must be in \[0, 6\), got 6"):
+        op(x, ws, bs, 6, slope, **base)
+    with pytest.raises(RuntimeError, match=r"precision must be in \[0, 3\), got 5"):
+        op(x, ws, bs, act, slope, **base, precision=5)
+    with pytest.raises(RuntimeError, match=r"restart_fraction must be in \[0, 1\]"):
+        op(x, ws, bs, act, slope, **base, restart_fraction=2.0)
+    with pytest.raises(RuntimeError, match="restart_low and restart_high must be given together"):
+        op(x, ws, bs, act, slope, **base, restart_fraction=0.5, restart_low=0.0)
+    with pytest.raises(RuntimeError, match=r"noise must have shape \[2, 4, 5\]"):
+        op(x, ws, bs, act, slope, **base, noise=randn(2, 4, 4, device=device))
+    with pytest.raises(RuntimeError, match="n_leapfrog must be >= 1, got 0"):
+        torch.ops.torchkern.mlp_hmc_chain_(x, ws, bs, act, slope, 0.1, 0, 3, layout=layout)
+    with pytest.raises(RuntimeError, match=r"uniform must have shape \[3, 4\] \(\[n_steps, B\]\)"):
+        torch.ops.torchkern.hmc_chain_(x, 1, [1.0, 0.0, 0.0], 0.1, 2, 3, uniform=randn(3, 5, device=device))
+
+
+def _mlp_opcheck_cases(device):
+    energy, (ws, bs, act, slope) = _mlp_op_args(device)
+    x = randn(6, 5, device=device)
+    def lay(hmc):
+        return ebm_mlp.plan(energy, x, 2, hmc)
+
+    noise, uniform = randn(4, 6, 5, device=device), torch.rand(4, 6, device=device)
+    return [
+        (torch.ops.torchkern.mlp_energy_and_score, (x, ws, bs, act, slope, 2, lay(False))),
+        (torch.ops.torchkern.mlp_langevin_chain_, (x.clone(), ws, bs, act, slope, 0.05, 1.0, -2.0, 2.0, 4, 2, True,
+                                                   True, 0.0, None, None, 2, lay(False), None, noise)),
+        (torch.ops.torchkern.mlp_hmc_chain_, (x.clone(), ws, bs, act, slope, 0.1, 3, 4, 2, True, True, True, 2,
+                                              lay(True), None, noise, uniform)),
+        (torch.ops.torchkern.hmc_chain_, (x.clone(), 0, [2.0, 1.0, 0.0], 0.05, 3, 4, 2, True, True, True, None, noise,
+                                          uniform)),
+    ]
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_opcheck_mlp_and_hmc(device):
+    for op, args in _mlp_opcheck_cases(device):
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_opcheck_mlp_and_hmc_random(device):
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    energy, (ws, bs, act, slope) = _mlp_op_args(device)
+    x = randn(6, 5, device=device)
+    def lay(hmc):
+        return ebm_mlp.plan(energy, x, 0, hmc)
+
+    torch.library.opcheck(torch.ops.torchkern.mlp_langevin_chain_,
+                          (x.clone(), ws, bs, act, slope, 0.05, 1.0, None, None, 3, 1, False, False, 0.1, -1.0, 1.0,
+                           0, lay(False)), test_utils=utils)
+    torch.library.opcheck(torch.ops.torchkern.mlp_hmc_chain_, (x.clone(), ws, bs, act, slope, 0.1, 2, 3, 1, False,
+                                                               False, False, 0, lay(True)), test_utils=utils)
+    torch.library.opcheck(torch.ops.torchkern.hmc_chain_, (x.clone(), 1, [1.0, 0.0, 0.0], 0.1, 2, 3),
+                          test_utils=utils)
+
+
+def test_shared_memory_layout():
+    # The planner's buffers ascend in 128-byte steps and fit what csrc/ebm/mlp_chain.cuh reads; the benchmark's
+    # MLP (32 -> 256 -> 256 -> 1) keeps its bf16 weights resident with 32 chains per block within an H100's or
+    # H200's 227 KiB, and its TF32 weights stream.
+    h100_optin = 227 * 1024
+    for precision in range(3):
+        for hmc in (False, True):
+            for rows in (16, 32):
+                for resident in (False, True):
+                    layout = ebm_mlp.shared_memory_layout([33, 300, 70], precision, hmc, rows, resident)
+                    assert layout[:2] == [rows, int(resident)] and len(layout) == 2 + len(ebm_constants.MLP_SLOTS)
+                    offsets = layout[2:]
+                    assert offsets == sorted(offsets) and all(o % 128 == 0 for o in offsets)
+    bf16 = ebm_mlp.shared_memory_layout([32, 256, 256], ebm_constants.BF16, False, 32, True)
+    assert bf16[-1] <= h100_optin
+    tf32 = ebm_mlp.shared_memory_layout([32, 256, 256], ebm_constants.TF32, False, 32, True)
+    assert tf32[-1] > h100_optin  # 256 KiB of float weights: streamed
+    assert ebm_mlp.shared_memory_layout([32, 256, 256], ebm_constants.TF32, False, 32, False)[-1] <= h100_optin
+    # widths up to 512 and inputs up to 1024 fit the bf16 kernel (streamed, 16 chains per block)
+    assert ebm_mlp.shared_memory_layout([1024, 512, 512], ebm_constants.BF16, False, 16, False)[-1] <= h100_optin
+    assert ebm_mlp.plan(ebm.MLPEnergy(3, [4]), torch.zeros(2, 3), 0, False) == []  # CPU: the twin
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("widths", [(3, [20]), (33, [300, 70]), (64, [96, 64, 32, 48]), (200, [512, 256])], ids=str)
+def test_mlp_kernel_every_configuration(widths, precision):
+    # Every layout the device takes (16 or 32 chains per block, resident or streamed weights), narrow and
+    # multi-pass products, 1 to 4 hidden layers, a batch that leaves a partial block: the fused energy and
+    # score and a Langevin chain against the twin with the same injected noise (fp32: float32 rounding;
+    # bf16/tf32: the twin emulates the roundings, so only summation order and its rare effect on a rounding
+    # differ).
+    energy = _mlp_energy([widths[0], *widths[1]], "silu", "cuda", seed=9)
+    x = randn(45, widths[0], device="cuda")
+    noise = randn(3, 45, widths[0], device="cuda")
+    code = PRECISIONS.index(precision)
+    args = energy.kernel_args()
+    e_tw, s_tw = twins.mlp_energy_and_score(x, *args, code)
+    traj_state = x.clone()
+    twins.mlp_langevin_chain_(traj_state, *args, 0.02, 1.0, None, None, 3, 1, noise=noise, precision=code)
+    tol = dict(rtol=2e-5, atol=2e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
+    layouts = _layouts(energy, x, precision, hmc=False)
+    assert layouts, "no configuration fits"
+    for layout in layouts:
+        e, s = torch.ops.torchkern.mlp_energy_and_score(x, *args, code, layout)
+        torch.testing.assert_close(e, e_tw, **tol)
+        torch.testing.assert_close(s, s_tw, **tol)
+        state = x.clone()
+        torch.ops.torchkern.mlp_langevin_chain_(state, *args, 0.02, 1.0, None, None, 3, 1, False, False, 0.0, None,
+                                                None, code, layout, None, noise)
+        torch.testing.assert_close(state, traj_state, **tol)
+
+
+# --------------------------------------------------------------------------- Hamiltonian Monte Carlo
+
+
+# Leapfrog steps that reject a fair share of trajectories from 0.5 N(0, I) starts (both branches get tested).
+HMC_STEP = {"double_well": 0.25, "harmonic": 1.0, "rastrigin": 0.07, "rosenbrock": 0.05, "ackley": 0.4}
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("name", list(ANALYTIC))
+def test_hmc_chain_matches_twin(name, dtype, device):
+    # The fused analytic HMC against the generic HMC loop on the same energy with injected momenta and uniforms.
+    energy = _analytic(name)
+    step = HMC_STEP[name]
+    n_steps, thin = 6, 3
+    x = randn(9, 7, dtype=dtype, device=device, scale=0.5)
+    noise = randn(n_steps, 9, 7, dtype=dtype, device=device)
+    uniform = torch.rand(n_steps, 9, dtype=dtype, device=device)
+    got = x.clone()
+    traj, e, acc, count = torch.ops.torchkern.hmc_chain_(got, energy.kind, energy.params, step, 4, n_steps, thin,
+                                                         True, True, True, None, noise, uniform)
+    want = x.clone()
+
+    def energy_and_grad(s):
+        e_, score_ = twins.analytic_math(s, energy.kind, energy.params)
+        return e_, -score_
+
+    w_traj, w_e, w_acc, w_count = twins.hmc_loop(want, energy_and_grad, step, 4, n_steps, thin, True, True, True,
+                                                 None, noise, uniform)
+    scale = 20.0 if dtype == torch.float32 else 1e3
+    assert torch.equal(acc, w_acc) and torch.equal(count, w_count)
+    assert_close(got, want, scale=scale)
+    assert_close(traj, w_traj, scale=scale)
+    assert_close(e, w_e, scale=scale)
+    assert traj.shape == (9, 2, 7) and acc.shape == (9, n_steps) and 0 < count.sum() < 9 * n_steps
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_mlp_hmc_chain_fp32_matches_twin(device):
+    energy = _mlp_energy([5, 24, 16], "tanh", device, seed=10)
+    with torch.no_grad():
+        energy.layers[-1].weight.mul_(30.0)  # curvature enough to reject some trajectories at this step
+    n_steps = 5
+    x = randn(37, 5, device=device)
+    noise = randn(n_steps, 37, 5, device=device)
+    uniform = torch.rand(n_steps, 37, device=device)
+    got = x.clone()
+    out = torch.ops.torchkern.mlp_hmc_chain_(got, *energy.kernel_args(), 1.2, 4, n_steps, 1, True, True, True, 2,
+                                             ebm_mlp.plan(energy, x, 2, True), None, noise, uniform)
+    want = x.clone()
+    w_out = twins.hmc_loop(want, lambda s: _autograd_energy_and_grad(energy, s), 1.2, 4, n_steps, 1, True, True,
+                           True, None, noise, uniform)
+    assert torch.equal(out[2], w_out[2]) and torch.equal(out[3], w_out[3])
+    # float32 rounding, grown by 20 large leapfrog steps on a curved energy
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(out[0], w_out[0], rtol=2e-4, atol=2e-4)
+    torch.testing.assert_close(out[1], w_out[1], rtol=2e-4, atol=2e-4)
+    assert 0 < out[3].sum() < 37 * n_steps
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("kind", ["harmonic", "gaussian"])
+def test_hmc_leaves_gaussian_invariant(kind, device):
+    # HMC is exact: started from the target (a Harmonic well N(0, I / k) by the fused kernel; a correlated
+    # Gaussian by the generic path), the chains keep its mean and covariance within Monte-Carlo error.
+    n = 3000 if device == "cpu" else 50000
+    d = 3
+    torch.manual_seed(4)
+    if kind == "harmonic":
+        k = 1.7
+        energy, mean, cov = ebm.HarmonicEnergy(k), torch.zeros(d, dtype=torch.float64), torch.eye(d) / k
+        cov = cov.double()
+    else:
+        energy, cov = _gaussian(d, device, torch.float64, seed=2)
+        mean = energy.mean.cpu()
+    chol = torch.linalg.cholesky(cov)
+    x0 = (mean + torch.randn(n, d, dtype=torch.float64) @ chol.T).to(device)
+    sampler = ebm.HamiltonianMonteCarlo(energy, 0.3, 5)
+    x = sampler.sample(x0, n_steps=20).cpu()
+    rate = sampler.acceptance_rate.mean().item()
+    assert 0.3 < rate < 1.0
+    diag = cov.diagonal()
+    assert ((x.mean(0) - mean).abs() <= 5 * (diag / n).sqrt()).all()
+    cov_tol = 5 * ((diag[:, None] * diag[None, :] + cov ** 2) / n).sqrt()
+    assert ((torch.cov(x.T) - cov).abs() <= cov_tol).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["double_well", "mlp"])
+def test_hmc_acceptance_rate_matches_twin(kind):
+    # The fused kernels' acceptance rate against the generic path's on the same chains (independent noise):
+    # equal within binomial error (5 sigma, two-sample).
+    n = 8192
+    if kind == "mlp":
+        energy = _mlp_energy([4, 64, 64], "silu", "cuda", seed=12)
+        step = 0.2
+    else:
+        energy, step = ebm.DoubleWellEnergy(1.0, 1.0), 0.25
+    x0 = randn(n, 4, device="cuda")
+    rates = []
+    for fused in (True, False):
+        torch.manual_seed(5)
+        sampler = ebm.HamiltonianMonteCarlo(energy, step, 6, precision="fp32")
+        if fused:
+            sampler.sample(x0, n_steps=10)
+            rates.append(sampler.acceptance_rate.mean().item())
+        else:
+            state = x0.clone()
+            count = twins.hmc_loop(state, lambda s: _autograd_energy_and_grad(energy, s) if kind == "mlp"
+                                   else (energy.energy(s), -energy.score(s)), step, 6, 10)[3]
+            rates.append(count.double().mean().item() / 10)
+    p = sum(rates) / 2
+    assert 0.05 < p < 0.98
+    assert abs(rates[0] - rates[1]) < 5 * math.sqrt(2 * p * (1 - p) / (n * 10)) * 2  # chains' trajectories correlate
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_hmc_rejects_divergent_trajectories(device):
+    # A step far too large for the double well: proposals blow up to inf/NaN energies and are all rejected;
+    # the chains stay where they were, finite.
+    x = randn(64, 5, device=device)
+    sampler = ebm.HamiltonianMonteCarlo(ebm.DoubleWellEnergy(2.0, 1.0), 5.0, 10)
+    out, accepted = sampler.sample(x, n_steps=3, return_acceptance=True)
+    assert not accepted.any() and torch.equal(out, x) and (sampler.acceptance_rate == 0).all()
+
+
+# --------------------------------------------------------------------------- diagnostics
+
+
+def _np_split(chains):
+    import numpy as np
+    c = np.asarray(chains, dtype=np.float64)
+    half = c.shape[1] // 2
+    return np.concatenate([c[:, :half], c[:, c.shape[1] - half:]])
+
+
+def _np_rhat(chains):
+    import numpy as np
+    c = _np_split(chains)
+    n = c.shape[1]
+    w = c.var(1, ddof=1).mean()
+    var_plus = (n - 1) / n * w + c.mean(1).var(ddof=1)
+    return np.sqrt(var_plus / w)
+
+
+def _np_ess(chains):
+    """The documented ESS formula with direct sums (no FFT), one scalar chain set (M, N)."""
+    import numpy as np
+    c = _np_split(chains)
+    m, n = c.shape
+    w = c.var(1, ddof=1).mean()
+    var_plus = (n - 1) / n * w + c.mean(1).var(ddof=1)
+    xc = c - c.mean(1, keepdims=True)
+    acov = np.array([[np.dot(xc[j, :n - t], xc[j, t:]) / n for t in range(n)] for j in range(m)])
+    rho = 1 - (w - acov.mean(0)) / var_plus
+    tau, prev = -1.0, np.inf
+    for k in range(n // 2):
+        pk = rho[2 * k] + rho[2 * k + 1]
+        if pk <= 0:
+            break
+        prev = min(prev, pk)
+        tau += 2 * prev
+    return m * n / max(tau, 1 / np.log10(m * n))
+
+
+def _ar1(m, n, phi, seed):
+    g = torch.Generator().manual_seed(seed)
+    eps = torch.randn(m, n, generator=g, dtype=torch.float64)
+    x = torch.empty(m, n, dtype=torch.float64)
+    x[:, 0] = eps[:, 0]
+    for t in range(1, n):
+        x[:, t] = phi * x[:, t - 1] + math.sqrt(1 - phi * phi) * eps[:, t]
+    return x
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_diagnostics_match_numpy_reference(device):
+    chains = _ar1(4, 301, 0.6, seed=1)  # odd length: the middle draw is dropped
+    both = torch.stack([chains, _ar1(4, 301, -0.3, seed=2) + 0.05], -1).to(device)  # two event elements
+    ess, rhat = diagnostics.effective_sample_size(both), diagnostics.split_rhat(both)
+    assert ess.shape == (2,) and rhat.shape == (2,) and ess.device == both.device
+    for j in range(2):
+        assert ess[j].item() == pytest.approx(_np_ess(both[..., j].cpu().numpy()), rel=1e-9)
+        assert rhat[j].item() == pytest.approx(_np_rhat(both[..., j].cpu().numpy()), rel=1e-12)
+    with pytest.raises(ValueError, match="at least 4 draws"):
+        diagnostics.effective_sample_size(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("phi", [0.0, 0.5, 0.9])
+def test_ess_of_ar1_chains_and_rhat(phi):
+    # AR(1) with coefficient phi: integrated autocorrelation time (1 + phi) / (1 - phi), so ESS = M N (1 - phi) /
+    # (1 + phi) (M N for independent draws); 8 chains x 4000 draws estimate it within 15%.
+    m, n = 8, 4000
+    chains = _ar1(m, n, phi, seed=3)
+    ess = diagnostics.effective_sample_size(chains).item()
+    assert ess == pytest.approx(m * n * (1 - phi) / (1 + phi), rel=0.15)
+    assert abs(diagnostics.split_rhat(chains).item() - 1) < 0.01
+    shifted = chains.clone()
+    shifted[: m // 2] += 1.0  # half the chains stuck elsewhere
+    assert diagnostics.split_rhat(shifted).item() > 1.1
+
+
+# --------------------------------------------------------------------------- the example
+
+
+def test_example_two_moons_runs_on_cpu(tmp_path):
+    pytest.importorskip("matplotlib", reason="the example draws its figure with matplotlib (torchkern[bench])")
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "ebm_two_moons.py"
+    spec = importlib.util.spec_from_file_location("ebm_two_moons", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "moons.png"
+    stats = example.main(["--small", "--iterations", "30", "--out", str(out)])
+    assert out.exists() and out.stat().st_size > 1000
+    assert math.isfinite(stats["loss"])

@@ -154,7 +154,8 @@ class GaussianEnergy(Energy):
     Give exactly one of ``precision`` P (symmetric) or ``covariance`` (symmetric positive
     definite; P = covariance^-1); with neither, P = I. ``mean`` (d,) and ``precision`` (d, d)
     are buffers (they move with ``.to()``). Raises ValueError for a mean that is not 1-D, a
-    matrix of the wrong size, a non-symmetric matrix or a covariance that is not positive definite.
+    matrix of the wrong size, a NaN or infinite entry, a non-symmetric matrix or a covariance that
+    is not positive definite.
     """
 
     def __init__(self, mean: torch.Tensor, precision: torch.Tensor | None = None,
@@ -165,12 +166,14 @@ class GaussianEnergy(Energy):
             mean = mean.to(torch.get_default_dtype())
         if mean.dim() != 1 or mean.shape[0] == 0:
             raise ValueError(f"GaussianEnergy: mean must have shape [d] with d >= 1, got {list(mean.shape)}")
+        _check_finite("mean", mean)
         d = mean.shape[0]
         if precision is not None and covariance is not None:
             raise ValueError("GaussianEnergy: give precision or covariance, not both")
         if covariance is not None:
             covariance = torch.as_tensor(covariance, dtype=mean.dtype, device=mean.device)
             _check_square("covariance", covariance, d)
+            _check_finite("covariance", covariance)
             _check_symmetric("covariance", covariance)
             chol, info = torch.linalg.cholesky_ex(covariance.double())
             if int(info) != 0:
@@ -182,6 +185,7 @@ class GaussianEnergy(Energy):
         else:
             precision = torch.as_tensor(precision, dtype=mean.dtype, device=mean.device)
             _check_square("precision", precision, d)
+            _check_finite("precision", precision)
             _check_symmetric("precision", precision)
         self.register_buffer("mean", mean.contiguous())
         self.register_buffer("precision", precision.contiguous())
@@ -201,6 +205,11 @@ class GaussianEnergy(Energy):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"GaussianEnergy: {name} must be finite, got a NaN or infinite entry")
 
 
 def _check_symmetric(name: str, m: torch.Tensor) -> None:

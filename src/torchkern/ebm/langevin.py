@@ -5,32 +5,32 @@ x <- x - eta grad E(x) + sigma sqrt(2 eta) eps, eps ~ N(0, I), optionally clampe
 
 from __future__ import annotations
 
-import copy
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .._cuda_graph import capture, follow
-from . import distributed as _dist
-from .energies import AnalyticEnergy, Energy, GaussianEnergy, score
+from . import mlp, twins
+from .energies import AnalyticEnergy, score
+from .sampler import ChainSampler, non_negative, positive, real, trace_energies
 
 __all__ = ["LangevinDynamics", "langevin_step"]
 
 Clamp = tuple[float | None, float | None]
 
 
-def _clamp_bounds(clamp) -> Clamp:
+def _clamp_bounds(clamp, name: str = "clamp") -> Clamp:
     if clamp is None:
         return None, None
     try:
         lo, hi = clamp
     except (TypeError, ValueError):
-        raise ValueError(f"clamp must be None or a pair (min, max) (either may be None), got {clamp!r}") from None
-    lo = None if lo is None else float(lo)
-    hi = None if hi is None else float(hi)
+        raise ValueError(f"{name} must be None or a pair (min, max) (either may be None), got {clamp!r}") from None
+    lo = None if lo is None else real(f"{name}[0]", lo)
+    hi = None if hi is None else real(f"{name}[1]", hi)
     if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"clamp must satisfy min <= max, got ({lo}, {hi})")
+        raise ValueError(f"{name} must satisfy min <= max, got ({lo}, {hi})")
     return lo, hi
 
 
@@ -58,150 +58,99 @@ def langevin_step(x: torch.Tensor, grad: torch.Tensor, step_size: float, noise_s
     return out.copy_(result)
 
 
-class LangevinDynamics:
+class LangevinDynamics(ChainSampler):
     """Unadjusted Langevin sampler for an energy (any module mapping (B, d) to (B,)).
 
-    Analytic energies (DoubleWell, Harmonic, Rastrigin, Rosenbrock, Ackley) run a whole
-    chain in ONE kernel launch with the state in registers; the Gaussian uses its fused
-    score kernel plus the fused step per step; other energies take autograd's gradient plus
-    the fused step, and with ``use_cuda_graph=True`` (CUDA inputs) capture one such step in
-    a CUDA graph and replay it (for small batches, where launch overhead dominates).
+    Analytic energies (DoubleWell, Harmonic, Rastrigin, Rosenbrock, Ackley) run a whole chain in ONE kernel
+    launch with the state in registers. ``MLPEnergy`` runs its whole chain in one fused kernel on CUDA (states,
+    activations and, when they fit, weights in shared memory; products on tensor cores): ``precision`` picks the
+    operands, "bf16" (bfloat16 operands, FP32 accumulation: fastest), "tf32" (TF32 tensor cores, FP32
+    accumulation) or "fp32" (exact FP32 FMAs: for checks). States, the update and the noise are FP32 in every
+    case. The Gaussian uses its fused score kernel plus the fused step per step; other energies (and MLPs the
+    fused kernel does not take: other dtypes, more than 8 hidden layers, shared memory exceeded) take autograd's
+    gradient plus the fused step, and with ``use_cuda_graph=True`` (CUDA inputs) capture one such step in a CUDA
+    graph and replay it.
 
-    ``devices=[...]`` splits the chains across devices (each on its own CUDA stream, with its
-    own generator seeded from the caller's) and gathers the result on ``devices[0]``. When
-    ``torch.distributed`` is initialised with more than one rank, each rank samples its share
-    of the chains (``tensor_split`` order) and ``gather=True`` all-gathers every rank's chains
-    onto every rank (``gather=False`` returns the local share).
+    ``devices=[...]`` splits the chains across devices (each on its own CUDA stream, with its own generator
+    seeded from the caller's) and gathers the result on ``devices[0]``. When ``torch.distributed`` is
+    initialised with more than one rank, each rank samples its share of the chains (``tensor_split`` order) and
+    ``gather=True`` all-gathers every rank's chains onto every rank (``gather=False`` returns the local share).
+    Raises TypeError for a non-number step size, noise scale or clamp bound, ValueError for out-of-range ones.
     """
 
     def __init__(self, energy, step_size: float, noise_scale: float = 1.0, clamp: Clamp | None = None, *,
-                 use_cuda_graph: bool = False, devices: Sequence[torch.device | str | int] | None = None,
-                 gather: bool = True) -> None:
-        if not (step_size > 0 and math.isfinite(step_size)):
-            raise ValueError(f"step_size must be a finite number > 0, got {step_size}")
-        if not (noise_scale >= 0 and math.isfinite(noise_scale)):
-            raise ValueError(f"noise_scale must be a finite number >= 0, got {noise_scale}")
-        if not callable(energy):
-            raise TypeError(f"energy must be a module or callable mapping [B, d] to [B], got {type(energy).__name__}")
-        self.energy = energy
-        self.step_size, self.noise_scale = float(step_size), float(noise_scale)
+                 precision: str = "tf32", use_cuda_graph: bool = False,
+                 devices: Sequence[torch.device | str | int] | None = None, gather: bool = True) -> None:
+        self.step_size = positive("step_size", step_size)
+        self.noise_scale = non_negative("noise_scale", noise_scale)
         self.clamp = _clamp_bounds(clamp)
+        super().__init__(energy, precision=precision, devices=devices, gather=gather)
         self.use_cuda_graph = bool(use_cuda_graph)
-        self.devices = None if devices is None else [torch.device(_as_device(d)) for d in devices]
-        if self.devices is not None and not self.devices:
-            raise ValueError("devices must name at least one device")
-        self.gather = bool(gather)
-        self._energies: dict[torch.device, object] = {}
         self._graphs: dict[tuple, list] = {}  # key -> [graph, static state, stream of the last replay]
 
     # ----------------------------------------------------------------------- public
 
     def sample(self, x: torch.Tensor | None = None, n_samples: int | None = None, dim: int | None = None,
-               n_steps: int = 100, thin: int = 1, return_trajectory: bool = False, *,
-               generator: torch.Generator | None = None, device: torch.device | str | None = None,
-               dtype: torch.dtype | None = None):
+               n_steps: int = 100, thin: int = 1, return_trajectory: bool = False, *, return_energy: bool = False,
+               restart_fraction: float = 0.0, restart_range: tuple[float, float] | None = None,
+               inplace: bool = False, generator: torch.Generator | None = None,
+               device: torch.device | str | None = None, dtype: torch.dtype | None = None):
         """Run ``n_steps`` steps from ``x`` (B, d), or from N(0, I) draws of shape (n_samples, dim).
 
-        Returns the final states (B, d), and with ``return_trajectory=True`` also the trajectory
-        (B, n_steps // thin, d): the state after every ``thin``-th step. ``dim`` defaults to a
-        GaussianEnergy's dimension; ``device`` to ``devices[0]``, else the energy's buffers' device,
-        else the CPU. Raises ValueError for n_steps < 0, thin < 1 or missing sizes.
+        Returns the final states (B, d) alone, or a tuple of them followed by what is asked for, in this order:
+        ``return_trajectory``: the states after every ``thin``-th step (B, n_steps // thin, d);
+        ``return_energy``: their energies (B, n_steps // thin).
+        ``restart_fraction``: before the first step, each chain is redrawn with this probability (replay-buffer
+        restarts, e.g. 0.05), from U(restart_range) when given, else N(0, I). ``inplace=True`` updates ``x``
+        and returns it (an ``MLPEnergy`` chain on one device runs in x's own storage). ``dim`` defaults to a
+        GaussianEnergy's dimension; ``device`` to ``devices[0]``, else the energy's buffers' device, else the
+        CPU. Raises ValueError for n_steps < 0, thin < 1, missing sizes or a bad restart setting.
         """
-        if n_steps < 0:
-            raise ValueError(f"n_steps must be >= 0, got {n_steps}")
-        if thin < 1:
-            raise ValueError(f"thin must be >= 1, got {thin}")
-        if x is not None:
-            if x.dim() != 2:
-                raise ValueError(f"x must have shape [B, d] (2 dims), got {list(x.shape)}")
-            n_total, dim = x.shape
-        else:
-            if n_samples is None or n_samples < 0:
-                raise ValueError(f"give x, or n_samples >= 0 (got {n_samples}) and dim")
-            dim = dim if dim is not None else (self.energy.dim if isinstance(self.energy, GaussianEnergy) else None)
-            if dim is None or dim < 1:
-                raise ValueError(f"give x, or dim >= 1 with n_samples (got dim={dim})")
-            n_total = n_samples
-        device = torch.device(device) if device is not None else self._default_device(x)
-        dtype = dtype or (x.dtype if x is not None else torch.get_default_dtype())
-        run = dict(n_steps=n_steps, thin=thin, return_trajectory=return_trajectory)
-
-        world = _dist.world()
-        if world is None:
-            x_out, traj = self._sample_devices(x, n_total, dim, device, dtype, generator, shard_base=0,
-                                               shard_total=len(self.devices or [device]), **run)
-        else:
-            rank, size = world
-            sizes = _dist.share_sizes(n_total, size)
-            local_x = None if x is None else x.tensor_split(size)[rank]
-            per_rank = len(self.devices or [device])
-            x_out, traj = self._sample_devices(local_x, sizes[rank], dim, device, dtype, generator,
-                                               shard_base=rank * per_rank, shard_total=size * per_rank, **run)
-            if self.gather:
-                x_out = _dist.all_gather_rows(x_out, sizes)
-                if return_trajectory:
-                    traj = _dist.all_gather_rows(traj, sizes)
-        return (x_out, traj) if return_trajectory else x_out
-
-    # ----------------------------------------------------------------------- sharding
-
-    def _default_device(self, x: torch.Tensor | None) -> torch.device:
-        if self.devices:
-            return self.devices[0]
-        if x is not None:
-            return x.device
-        if isinstance(self.energy, torch.nn.Module):
-            for t in [*self.energy.buffers(), *self.energy.parameters()]:
-                return t.device
-        return torch.device("cpu")
-
-    def _energy_on(self, device: torch.device):
-        if not isinstance(self.energy, torch.nn.Module) or isinstance(self.energy, AnalyticEnergy):
-            return self.energy
-        if device not in self._energies:
-            tensors = [*self.energy.buffers(), *self.energy.parameters()]
-            self._energies[device] = self.energy if all(t.device == device for t in tensors) else \
-                copy.deepcopy(self.energy).to(device)
-        return self._energies[device]
-
-    def _sample_devices(self, x, n, dim, device, dtype, generator, *, shard_base, shard_total, n_steps, thin,
-                        return_trajectory):
-        devices = self.devices or [device]
-        if shard_total == 1:  # one chain group: the caller's generator as given, so manual_seed reproduces it
-            gens = [generator]
-        else:
-            gens = _dist.shard_generators(devices, generator, shard_base)
-        sizes = _dist.share_sizes(n, len(devices))
-        xs = x.tensor_split(len(devices)) if x is not None else [None] * len(devices)
-        outs = []
-        for dev, x_i, n_i, gen in zip(devices, xs, sizes, gens):
-            with _dist.on_device(dev) as stream:
-                if x_i is None:
-                    x_i = torch.randn(n_i, dim, generator=gen, device=dev, dtype=dtype)
-                else:
-                    x_i = x_i.to(dev, dtype, non_blocking=True)
-                outs.append((self._chain(self._energy_on(dev), x_i, n_steps, thin, return_trajectory, gen), stream))
-        target = devices[0]
-        x_parts, traj_parts = [], []
-        for (x_i, traj_i), stream in outs:
-            _dist.join_stream(stream, x_i, traj_i)
-            x_parts.append(x_i.to(target))
-            traj_parts.append(traj_i.to(target))
-        if len(devices) == 1:
-            return x_parts[0], traj_parts[0]
-        return torch.cat(x_parts), torch.cat(traj_parts)
+        fraction = real("restart_fraction", restart_fraction)
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"restart_fraction must be in [0, 1], got {restart_fraction}")
+        low, high = _clamp_bounds(restart_range, "restart_range")
+        if (low is None) != (high is None) or (low is not None and not (math.isfinite(low) and math.isfinite(high))):
+            raise ValueError(f"restart_range must be None or a finite pair (low, high), got {restart_range!r}")
+        want = dict(trajectory=bool(return_trajectory), energy=bool(return_energy), restart=(fraction, low, high))
+        out = self._run(x, n_samples, dim, n_steps, thin, want, inplace=inplace, generator=generator,
+                        device=device, dtype=dtype)
+        extras = [out[k] for k in ("trajectory", "energy") if want[k]]
+        return (out["x"], *extras) if extras else out["x"]
 
     # ----------------------------------------------------------------------- one chain group
 
-    def _chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, return_trajectory: bool, generator):
+    def _chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, want: dict, generator, inplace: bool):
         lo, hi = self.clamp
+        fraction, low, high = want["restart"]
+        if isinstance(energy, mlp.MLPEnergy):
+            layout = mlp.plan(energy, x, self._precision, hmc=False)
+            if layout is not None:
+                state = x.detach() if inplace else x.detach().clone()  # sampling is not differentiated
+                traj, energies = torch.ops.torchkern.mlp_langevin_chain_(
+                    state, *energy.kernel_args(x.device), self.step_size, self.noise_scale, lo, hi, n_steps, thin,
+                    want["trajectory"], want["energy"], fraction, low, high, self._precision, layout, generator)
+                return {"x": state, "trajectory": traj, "energy": energies}
+        x = twins.restart_rows(x, fraction, low, high, generator)
+        keep = want["trajectory"] or want["energy"]
         if isinstance(energy, AnalyticEnergy):
-            return torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, self.step_size, self.noise_scale,
-                                                      lo, hi, n_steps, thin, return_trajectory, generator)
-        kept = n_steps // thin if return_trajectory else 0
+            state, traj = torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, self.step_size,
+                                                             self.noise_scale, lo, hi, n_steps, thin, keep, generator)
+        else:
+            state, traj = self._generic_chain(energy, x, n_steps, thin, keep, generator)
+        out = {"x": state}
+        if want["trajectory"]:
+            out["trajectory"] = traj
+        if want["energy"]:
+            out["energy"] = trace_energies(energy, traj)
+        return out
+
+    def _generic_chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, keep: bool, generator):
+        kept = n_steps // thin if keep else 0
         traj = x.new_empty((x.shape[0], kept, x.shape[1]))
         state = x.contiguous().clone()
-        if self.use_cuda_graph and x.is_cuda:
+        graphed = self.use_cuda_graph and x.is_cuda
+        if graphed:
             advance = self._graphed_step(energy, state, generator)
             state = advance.output
         else:
@@ -209,9 +158,9 @@ class LangevinDynamics:
                 self._step(energy, state, generator)
         for t in range(n_steps):
             advance()
-            if return_trajectory and (t + 1) % thin == 0:
+            if keep and (t + 1) % thin == 0:
                 traj[:, (t + 1) // thin - 1] = state
-        return state.clone() if self.use_cuda_graph and x.is_cuda else state, traj
+        return state.clone() if graphed else state, traj
 
     def _step(self, energy, state: torch.Tensor, generator) -> None:
         grad = torch.neg(score(energy, state))
@@ -241,6 +190,3 @@ class _Replay:
     def __call__(self) -> None:
         self.graph.replay()
 
-
-def _as_device(d) -> torch.device:
-    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)

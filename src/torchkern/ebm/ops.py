@@ -1,4 +1,5 @@
-"""Registration of the ebm ops: analytic and Gaussian energies and scores, the Langevin step and chain.
+"""Registration of the ebm ops: analytic and Gaussian energies and scores, the Langevin step and chain, MLP energies
+(energy and score, Langevin and HMC chains), HMC chains on analytic energies.
 
 Analytic energies take the energy's kind (``constants.KIND_NAMES``) and three numbers; energy ops
 differentiate through the score op (dE/dx = -score), so autograd through an energy costs one more
@@ -8,13 +9,12 @@ fused pass. Ops that draw random numbers carry ``Tag.nondeterministic_seeded``; 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from .._library import define, save_inputs
 from . import twins
-
 
 _ANALYTIC_ARGS = "Tensor x, int kind, float[] params"
 
@@ -114,3 +114,68 @@ def _langevin_chain_fake(x, kind, params, step_size, noise_scale, clamp_min, cla
 define(f"langevin_chain({_ANALYTIC_ARGS}, float step_size, float noise_scale, float? clamp_min, float? clamp_max, "
        "int n_steps, int thin=1, bool return_trajectory=False, Generator? generator=None, Tensor? noise=None) "
        "-> (Tensor x, Tensor trajectory)", twin=twins.langevin_chain, fake=_langevin_chain_fake, tags=_RANDOM)
+
+
+# --------------------------------------------------------------------------- MLP energies and HMC
+# The chains update x in place (replay buffers keep their storage) and return their traces. Precision is an
+# int (constants.PRECISION_NAMES); `layout` is the fused kernel's shared-memory plan (ebm.mlp.plan), unused
+# by the twins.
+
+_MLP_ARGS = "Tensor[] weights, Tensor[] biases, int activation, float negative_slope"
+_HMC_RUN = ("int n_steps, int thin=1, bool return_trajectory=False, bool return_energy=False, "
+            "bool return_acceptance=False")
+_HMC_OUT = "(Tensor trajectory, Tensor energy, Tensor accepted, Tensor accept_count)"
+
+
+def _mlp_energy_and_score_fake(x, weights, biases, activation, negative_slope, precision=2, layout=()):
+    twins.check_mlp("mlp_energy_and_score", x, weights, biases, activation, precision)
+    return x.new_empty((x.shape[0],)), x.new_empty(x.shape)
+
+
+def _mlp_langevin_chain_fake(x, weights, biases, activation, negative_slope, step_size, noise_scale, clamp_min,
+                             clamp_max, n_steps, thin=1, return_trajectory=False, return_energy=False,
+                             restart_fraction=0.0, restart_low=None, restart_high=None, precision=2, layout=(),
+                             generator=None, noise=None):
+    twins.check_mlp_langevin(x, weights, biases, activation, step_size, noise_scale, clamp_min, clamp_max, n_steps,
+                             thin, restart_fraction, restart_low, restart_high, precision, noise)
+    traj, energy = twins.trace_shapes(x, n_steps, thin, return_trajectory, return_energy)
+    return x.new_empty(traj), x.new_empty(energy)
+
+
+def _hmc_fake(check: Callable) -> Callable:
+    def fake(x, *args):
+        n_steps, thin, return_trajectory, return_energy, return_acceptance = check(x, *args)
+        outs = twins.hmc_outputs(x, n_steps, thin, return_trajectory, return_energy, return_acceptance)
+        return tuple(torch.empty_like(t) for t in outs)
+
+    return fake
+
+
+def _check_mlp_hmc(x, weights, biases, activation, negative_slope, step_size, n_leapfrog, n_steps, thin=1,
+                   return_trajectory=False, return_energy=False, return_acceptance=False, precision=2, layout=(),
+                   generator=None, noise=None, uniform=None):
+    twins.check_mlp("mlp_hmc_chain_", x, weights, biases, activation, precision)
+    twins.check_hmc("mlp_hmc_chain_", x, step_size, n_leapfrog, n_steps, thin, noise, uniform)
+    return n_steps, thin, return_trajectory, return_energy, return_acceptance
+
+
+def _check_analytic_hmc(x, kind, params, step_size, n_leapfrog, n_steps, thin=1, return_trajectory=False,
+                        return_energy=False, return_acceptance=False, generator=None, noise=None, uniform=None):
+    twins.check_analytic("hmc_chain_", x, kind, params)
+    twins.check_hmc("hmc_chain_", x, step_size, n_leapfrog, n_steps, thin, noise, uniform)
+    return n_steps, thin, return_trajectory, return_energy, return_acceptance
+
+
+define(f"mlp_energy_and_score(Tensor x, {_MLP_ARGS}, int precision=2, int[] layout=[]) "
+       "-> (Tensor energy, Tensor score)", twin=twins.mlp_energy_and_score, fake=_mlp_energy_and_score_fake)
+define(f"mlp_langevin_chain_(Tensor(a!) x, {_MLP_ARGS}, float step_size, float noise_scale, float? clamp_min, "
+       "float? clamp_max, int n_steps, int thin=1, bool return_trajectory=False, bool return_energy=False, "
+       "float restart_fraction=0., float? restart_low=None, float? restart_high=None, int precision=2, "
+       "int[] layout=[], Generator? generator=None, Tensor? noise=None) -> (Tensor trajectory, Tensor energy)",
+       twin=twins.mlp_langevin_chain_, fake=_mlp_langevin_chain_fake, tags=_RANDOM)
+define(f"mlp_hmc_chain_(Tensor(a!) x, {_MLP_ARGS}, float step_size, int n_leapfrog, {_HMC_RUN}, int precision=2, "
+       f"int[] layout=[], Generator? generator=None, Tensor? noise=None, Tensor? uniform=None) -> {_HMC_OUT}",
+       twin=twins.mlp_hmc_chain_, fake=_hmc_fake(_check_mlp_hmc), tags=_RANDOM)
+define(f"hmc_chain_(Tensor(a!) x, int kind, float[] params, float step_size, int n_leapfrog, {_HMC_RUN}, "
+       f"Generator? generator=None, Tensor? noise=None, Tensor? uniform=None) -> {_HMC_OUT}",
+       twin=twins.hmc_chain_, fake=_hmc_fake(_check_analytic_hmc), tags=_RANDOM)

@@ -1,0 +1,120 @@
+// The fused MLP-energy chain: what the host entries (mlp_langevin_chain.cu, mlp_hmc_chain.cu,
+// mlp_energy_and_score.cu) share with the kernel (mlp_chain_kernel.cuh, one instantiation per operand
+// precision in mlp_chain_{bf16,tf32,fp32}.cu, compiled in parallel).
+//
+// The energy: E(x) = w^T phi(h_H) + b, h_1 = W_0 x + b_0, h_{l+1} = W_l phi(h_l) + b_l (H hidden layers).
+// Its input gradient: D_{H-1} = phi'(h_H) * w, D_{l-1} = (D_l W_l) * phi'(h_l), dE/dx = D_0 W_0.
+// A block owns `rows` (32 or 16) chains for the whole run: their states, activations and phi' values stay
+// in shared memory, every step is 2H matrix products (H forward, H backward) on tensor cores (bf16 16x16x16
+// or tf32 16x16x8 wmma, FP32 accumulation) or on FP32 FMAs (the exact path), each followed by an
+// elementwise epilogue (bias + activation, the chain rule, or the sampler's update).
+//
+// Geometry: every width is padded with zeros to a multiple of kAlign. A warp owns a unit of output tiles:
+// `rows/16 x 2` tiles (32 columns; a pass covers kWidePass columns) or, for narrow outputs, 1 x 1 tiles.
+// Weights either stay resident in shared memory (copied once) or are streamed per product in chunks of
+// kKChunk input rows/columns through two stages of cp.async (the chunk after the one being multiplied is
+// in flight, across product and step boundaries: the sequence of chunks repeats every evaluation).
+// The planner in ebm/mlp.py chooses rows and residency and lays out shared memory: it hands the kernel the
+// byte offset of each buffer (Slot order below = constants.MLP_SLOTS).
+#pragma once
+
+#include <ATen/cuda/PhiloxUtils.cuh>
+
+#include <cstdint>
+
+#if !defined(TORCHKERN_MLP_SLOTS) || !defined(TORCHKERN_ACT_KINDS) || !defined(TORCHKERN_PREC_FP32)
+#error "build through torchkern's loader: it defines the TORCHKERN_MLP_* constants (ebm/constants.py)"
+#endif
+
+namespace torchkern {
+namespace mlp {
+
+constexpr int kWarps = TORCHKERN_MLP_WARPS;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kKChunk = TORCHKERN_MLP_K_CHUNK;
+constexpr int kAlign = TORCHKERN_MLP_ALIGN;
+constexpr int kMaxHidden = TORCHKERN_MLP_MAX_HIDDEN;
+constexpr int kWidePass = TORCHKERN_MLP_WIDE_PASS;
+constexpr int kScratchLd = TORCHKERN_MLP_SCRATCH_LD;
+constexpr int kRowValues = TORCHKERN_MLP_ROW_VALUES;
+constexpr int kSlots = TORCHKERN_MLP_SLOTS;
+static_assert(kWidePass == 32 * kWarps, "a wide pass: 32 columns per warp");
+static_assert(kAlign % kKChunk == 0 && kKChunk % 16 == 0, "chunks tile every padded width");
+
+enum Slot : int {
+  kSlotXs = TORCHKERN_MLP_SLOT_XS,          // float [rows, d0 + 4]: the states
+  kSlotXb = TORCHKERN_MLP_SLOT_XB,          // bf16 [rows, d0 + 8]: their operand copy (bf16 only)
+  kSlotP = TORCHKERN_MLP_SLOT_P,            // float [rows, d0 + 4]: HMC momenta
+  kSlotAct0 = TORCHKERN_MLP_SLOT_ACT0,      // T [rows, ld_act]: activations of hidden layer l (l < H - 1) ...
+  kSlotAct1 = TORCHKERN_MLP_SLOT_ACT1,      // ... in act[l % 2]
+  kSlotDeriv0 = TORCHKERN_MLP_SLOT_DERIV0,  // T [rows, n_{l+1} + pad]: phi'(h), then D_l, of hidden layer l
+  kSlotW0 = TORCHKERN_MLP_SLOT_W0,          // T [n_{l+1}, n_l + pad]: resident weights of hidden layer l
+  kSlotStage = TORCHKERN_MLP_SLOT_STAGE,    // T [2, stage elements]: streamed weight chunks
+  kSlotScratch = TORCHKERN_MLP_SLOT_SCRATCH,  // float [warps, 16, kScratchLd]: accumulator tiles
+  kSlotEpart = TORCHKERN_MLP_SLOT_EPART,    // float [rows, n_H / 16]: energy partial sums per column tile
+  kSlotRows = TORCHKERN_MLP_SLOT_ROWS,      // float [kRowValues, rows]: per-row scalars (RowValue)
+  kSlotEnd = TORCHKERN_MLP_SLOT_END,        // total bytes
+};
+static_assert(kSlotEnd + 1 == kSlots, "Slot mirrors constants.MLP_SLOTS");
+static_assert(kSlotW0 == kSlotDeriv0 + kMaxHidden && kSlotStage == kSlotW0 + kMaxHidden, "one slot per layer");
+
+enum RowValue : int { kRowE = 0, kRowE0, kRowK0, kRowK1, kRowAccept, kRowRestart, kRowCount };
+static_assert(kRowCount < kRowValues, "room for every per-row scalar");
+
+enum Mode : int { kEval = 0, kLangevin = 1, kHmc = 2 };
+
+enum Activation : int {
+  kSilu = TORCHKERN_ACT_SILU,
+  kSoftplus = TORCHKERN_ACT_SOFTPLUS,
+  kTanh = TORCHKERN_ACT_TANH,
+  kGelu = TORCHKERN_ACT_GELU,
+  kRelu = TORCHKERN_ACT_RELU,
+  kLeakyRelu = TORCHKERN_ACT_LEAKY_RELU,
+  kActivations = TORCHKERN_ACT_KINDS,
+};
+
+enum Precision : int { kBf16 = TORCHKERN_PREC_BF16, kTf32 = TORCHKERN_PREC_TF32, kFp32 = TORCHKERN_PREC_FP32 };
+
+struct Params {
+  // Tensors (float32, contiguous). x is updated in place.
+  float* x;                 // [B, d]
+  float* traj;              // [B, kept, d] or null
+  float* energy;            // Langevin/HMC: [B, kept] or null; eval: [B]
+  float* score;             // eval: [B, d]
+  bool* accepted;           // HMC: [B, n_steps] or null
+  int64_t* accept_count;    // HMC: [B]
+  const void* weights;      // packed operands (bf16 or float): W_l [dims[l+1], dims[l]] at w_off[l]
+  const float* vecs;        // packed float: b_l [dims[l+1]] at b_off[l]; w [dims[H]] at wlast_off; b at blast_off
+  const float* noise;       // injected [n_steps, B, d] (Langevin eps, HMC momenta) or null
+  const float* uniform;     // injected [n_steps, B] (HMC) or null
+  int64_t batch;
+  int d;
+  int rows;                 // chains per block: 16 or 32
+  bool resident;            // weights in shared memory (else streamed)
+  int n_hidden;             // H
+  int dims[kMaxHidden + 1];  // padded widths: dims[0] = d rounded up, dims[l + 1] = hidden layer l's
+  int64_t w_off[kMaxHidden];
+  int b_off[kMaxHidden];
+  int wlast_off, blast_off;
+  int activation;
+  float slope;              // LeakyReLU
+  int mode;
+  // Langevin: x' = x - step g + noise_coef eps, clamped to [lo, hi] when clamp; HMC: step = leapfrog step.
+  float step, noise_coef, lo, hi;
+  bool clamp;
+  float restart_fraction;   // Langevin: rows redrawn before the first step
+  bool restart_uniform;     // redrawn from U(restart_lo, restart_hi), else N(0, 1)
+  float restart_lo, restart_hi;
+  bool use_philox;
+  int n_leapfrog;
+  int n_steps, thin, kept;  // kept: n_steps // thin where a trace is asked for
+  int smem[kSlots];         // byte offsets (the planner's layout)
+};
+
+// Launches the kernel for one precision (mlp_chain_<precision>.cu): grid ceil(batch / rows), kThreads
+// threads, smem_bytes of dynamic shared memory.
+template <int kPrecision>
+void launch(const Params& p, const at::PhiloxCudaState& philox, size_t smem_bytes);
+
+}  // namespace mlp
+}  // namespace torchkern

@@ -1,0 +1,732 @@
+// The fused MLP-energy chain kernel (see mlp_chain.cuh for the math, the geometry and the layout).
+// Included once per operand precision by mlp_chain_{bf16,tf32,fp32}.cu.
+//
+// One evaluation (energy and input gradient of the block's rows) is 2H products in this order:
+// forward of hidden layers 0..H-1, backward of layers H-1..0. Product g's epilogue:
+//   forward l < H-1: a = phi(acc + b_l) -> act[l % 2], phi'(.) -> deriv[l]
+//   forward H-1:     D = phi'(acc + b) * w -> deriv[H-1]; energy partials phi(.) . w per 16-column tile
+//   backward l > 0:  deriv[l-1] = acc * deriv[l-1] (the chain rule, in place)
+//   backward 0:      acc = dE/dx: the sampler's update (Langevin step, HMC kick/drift) or the score.
+// Every product reads a buffer that its epilogue does not write, so a warp runs its epilogue as soon as its
+// own tiles are done; a __syncthreads separates products.
+//
+// Noise: Langevin step t draws eps of element i = row * d + col from Philox call (draw t, group i / 4),
+// component i % 4: the counters of t separate langevin_step calls, as the analytic chains. Restarts use
+// draws n_steps (row decision, group = row) and n_steps + 1 (new values); HMC trajectory t draws momenta at
+// 2t and its acceptance uniform at 2t + 1 (group = row).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_pipeline.h>
+#include <mma.h>
+
+#include <type_traits>
+
+#include "energies.cuh"
+#include "mlp_chain.cuh"
+#include "torchkern/launch.h"
+#include "torchkern/philox.cuh"
+#include "torchkern/reduce.cuh"
+
+namespace torchkern {
+namespace mlp {
+
+namespace wmma = nvcuda::wmma;
+
+// ------------------------------------------------------------------------------------------ operand policies
+// T: how operands are kept in shared memory; store() rounds a float into it. Tensor-core policies also name
+// the wmma fragments and round() converts loaded fragments (tf32 needs it, bf16 is stored rounded).
+
+struct Bf16Op {
+  using T = __nv_bfloat16;
+  static constexpr bool kTensorCores = true;
+  static constexpr int kK = 16;
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
+  template <bool kFwd>
+  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16,
+                               std::conditional_t<kFwd, wmma::col_major, wmma::row_major>>;
+  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+  template <class Frag>
+  __device__ static void round(Frag&) {}
+  __device__ static T store(float v) { return __float2bfloat16_rn(v); }
+  __device__ static float load(T v) { return __bfloat162float(v); }
+};
+
+struct Tf32Op {
+  using T = float;
+  static constexpr bool kTensorCores = true;
+  static constexpr int kK = 8;
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
+  template <bool kFwd>
+  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32,
+                               std::conditional_t<kFwd, wmma::col_major, wmma::row_major>>;
+  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
+  template <class Frag>
+  __device__ static void round(Frag& f) {
+#pragma unroll
+    for (int t = 0; t < f.num_elements; ++t) {
+      // cvt.rna.tf32.f32, as wmma::__float_to_tf32 (whose inline asm made nvcc 13.0's cicc crash with -lineinfo)
+      uint32_t bits;
+      asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(f.x[t]));
+      f.x[t] = __uint_as_float(bits);
+    }
+  }
+  __device__ static T store(float v) { return v; }
+  __device__ static float load(T v) { return v; }
+};
+
+struct Fp32Op {  // the exact path: FP32 FMAs, each lane owning the elements its epilogue handles
+  using T = float;
+  static constexpr bool kTensorCores = false;
+  __device__ static T store(float v) { return v; }
+  __device__ static float load(T v) { return v; }
+};
+
+template <class Op, bool kTC = Op::kTensorCores>
+struct Accum;  // the accumulators of a warp's unit of at most 2 x 2 tiles
+
+template <class Op>
+struct Accum<Op, true> {
+  typename Op::FragC f[2][2];
+};
+
+template <class Op>
+struct Accum<Op, false> {
+  float v[2][2][8];  // tile (i, j): row 16 i + (lane & 15), columns 16 j + 8 (lane >> 4) + [0, 8)
+};
+
+// ------------------------------------------------------------------------------------------ small helpers
+
+// (phi(h), phi'(h)) by the formulas of torch's kernels (forward and backward), so the twins agree to rounding.
+// Not inlined: eight inlined copies per epilogue, in every product variant, made nvcc 13.0's cicc crash
+// (intermittently); a call per element costs little beside the products.
+static __device__ __noinline__ float2 activate(int act, float slope, float h) {
+  switch (act) {
+    case kSilu: {
+      const float s = 1.f / (1.f + expf(-h));
+      return make_float2(h / (1.f + expf(-h)), s * (1.f + h * (1.f - s)));
+    }
+    case kSoftplus: {
+      const float z = expf(h);
+      return h > static_cast<float>(TORCHKERN_SOFTPLUS_THRESHOLD) ? make_float2(h, 1.f)
+                                                                   : make_float2(log1pf(z), z / (z + 1.f));
+    }
+    case kTanh: {
+      const float a = tanhf(h);
+      return make_float2(a, 1.f - a * a);
+    }
+    case kGelu: {
+      const float cdf = 0.5f * (1.f + erff(h * 0.70710678118654752f));
+      return make_float2(h * cdf, cdf + h * expf(-0.5f * h * h) * 0.39894228040143268f);  // 1 / sqrt(2 pi)
+    }
+    case kRelu:
+      return make_float2(h < 0.f ? 0.f : h, h > 0.f ? 1.f : 0.f);  // NaN stays NaN
+    default:  // kLeakyRelu
+      return h > 0.f ? make_float2(h, 1.f) : make_float2(h * slope, slope);
+  }
+}
+
+// 8 consecutive elements (16-byte aligned) of T in shared memory, as floats.
+template <class Op>
+__device__ __forceinline__ void load8(const typename Op::T* src, float (&v)[8]) {
+  if constexpr (sizeof(typename Op::T) == 2) {
+    const uint4 bits = *reinterpret_cast<const uint4*>(src);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&bits);
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float2 f = __bfloat1622float2(h[q]);
+      v[2 * q] = f.x;
+      v[2 * q + 1] = f.y;
+    }
+  } else {
+    const float4 a = reinterpret_cast<const float4*>(src)[0], b = reinterpret_cast<const float4*>(src)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+}
+
+template <class Op>
+__device__ __forceinline__ void store8(typename Op::T* dst, const float (&v)[8]) {
+  if constexpr (sizeof(typename Op::T) == 2) {
+    uint4 bits;
+    __nv_bfloat16* h = reinterpret_cast<__nv_bfloat16*>(&bits);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) h[q] = __float2bfloat16_rn(v[q]);
+    *reinterpret_cast<uint4*>(dst) = bits;
+  } else {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+// 8 consecutive floats of global memory (32-byte aligned: offsets are multiples of kAlign, columns of 8).
+__device__ __forceinline__ void load8_global(const float* src, float (&v)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(src)), b = __ldg(reinterpret_cast<const float4*>(src) + 1);
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+__device__ __forceinline__ uint4 philox_bits(const PhiloxKey& key, uint64_t draw, uint64_t group) {
+  const uint64_t ctr = key.draw + draw;
+  return philox4x32_10(make_uint4(static_cast<uint32_t>(ctr), static_cast<uint32_t>(ctr >> 32),
+                                  static_cast<uint32_t>(group), static_cast<uint32_t>(group >> 32)),
+                       static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32));
+}
+
+__device__ __forceinline__ uint32_t bits_component(const uint4& b, int c) {
+  return c == 0 ? b.x : c == 1 ? b.y : c == 2 ? b.z : b.w;
+}
+
+// Standard normal of flat element i at `draw` (the langevin_step layout).
+__device__ __forceinline__ float normal_at(const PhiloxKey& key, uint64_t draw, int64_t i) {
+  return component(normal4(key, draw, static_cast<uint64_t>(i) / 4), static_cast<int>(i % 4));
+}
+
+// Uniform in (0, 1] of flat element i at `draw`.
+__device__ __forceinline__ float uniform_at(const PhiloxKey& key, uint64_t draw, int64_t i) {
+  return uniform_open0(bits_component(philox_bits(key, draw, static_cast<uint64_t>(i) / 4), static_cast<int>(i % 4)));
+}
+
+__host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// ------------------------------------------------------------------------------------------ one product
+
+struct Gemm {
+  bool fwd;
+  int layer, K, N;
+  int ur, uc;      // a warp's unit: ur x uc tiles of 16 x 16
+  int ru;          // row units (warps along the rows); warps along the columns: kWarps / ru
+  int pw, passes;  // columns per pass, passes
+  int chunks;      // streamed K chunks per pass (1 when resident: the whole K at once)
+};
+
+// Product g of an evaluation (g < H: forward of layer g; else backward of layer 2H - 1 - g).
+__device__ __forceinline__ Gemm gemm_info(const Params& p, int g, int rt) {
+  Gemm G;
+  const int H = p.n_hidden;
+  G.fwd = g < H;
+  G.layer = G.fwd ? g : 2 * H - 1 - g;
+  const int in = p.dims[G.layer], out = p.dims[G.layer + 1];
+  G.K = G.fwd ? in : out;
+  G.N = G.fwd ? out : in;
+  // Wide units (rt x 2 tiles) reuse each loaded fragment most; narrow ones (1 x 1) keep every warp busy on
+  // narrow outputs. Cost in tile-products per warp: wide passes x 2 rt, narrow passes x 1; ties go wide.
+  const int wide_passes = ceil_div(G.N, kWidePass);
+  const int narrow_pw = kWarps / rt * 16;
+  const int narrow_passes = ceil_div(G.N, narrow_pw);
+  if (narrow_passes < wide_passes * 2 * rt) {
+    G.ur = 1, G.uc = 1, G.ru = rt, G.pw = narrow_pw, G.passes = narrow_passes;
+  } else {
+    G.ur = rt, G.uc = 2, G.ru = 1, G.pw = kWidePass, G.passes = wide_passes;
+  }
+  G.chunks = p.resident ? 1 : G.K / kKChunk;
+  return G;
+}
+
+template <class Op>
+struct Ctx {
+  using T = typename Op::T;
+  static constexpr int kPad = 16 / sizeof(T);  // 16 bytes of padding per row: no bank conflicts on tiles
+  static constexpr int kSeg = 16 / sizeof(T);  // elements per 16-byte copy
+
+  const Params* p;
+  char* smem;
+  int tid, warp, lane, rt, nvalid;
+  int64_t row0;
+  PhiloxKey key;
+  float* xs;   // [rows, ld_xs]
+  T* xop;      // the first product's operand: xb (bf16) or xs
+  float* pm;   // HMC momenta [rows, ld_xs]
+  float* scratch;
+  float* epart;
+  float* rowv;
+  T* stage;
+  int ld_xs, ld_xop, ld_act, ld_epart, stage_elems;
+  // what the last product's epilogue does
+  bool need_energy;
+  int t;          // Langevin step
+  bool keep;      // Langevin: write the trajectory slot `slot`
+  int slot;
+  float kick;     // HMC: p -= kick g, then (drift) x += step p
+  bool drift;
+  // the streaming schedule: the next chunk to issue, and counts
+  int s_g, s_pass, s_chunk;
+  unsigned issued, consumed;
+
+  __device__ T* act(int i) const { return reinterpret_cast<T*>(smem + p->smem[kSlotAct0 + i]); }
+  __device__ T* deriv(int l) const { return reinterpret_cast<T*>(smem + p->smem[kSlotDeriv0 + l]); }
+  __device__ int ld_deriv(int l) const { return p->dims[l + 1] + kPad; }
+  __device__ T* w_res(int l) const { return reinterpret_cast<T*>(smem + p->smem[kSlotW0 + l]); }
+  __device__ float* row_value(int which) const { return rowv + which * p->rows; }
+};
+
+// Issues the next chunk of the schedule into its stage and advances the cursor.
+template <class Op>
+__device__ void issue_chunk(Ctx<Op>& c) {
+  using T = typename Op::T;
+  constexpr int kPad = Ctx<Op>::kPad, kSeg = Ctx<Op>::kSeg;
+  const Params& p = *c.p;
+  const Gemm G = gemm_info(p, c.s_g, c.rt);
+  const int n0 = c.s_pass * G.pw, k0 = c.s_chunk * kKChunk;
+  const int pw_eff = min(G.pw, G.N - n0);
+  T* dst = c.stage + (c.issued & 1u) * c.stage_elems;
+  const T* w = static_cast<const T*>(p.weights) + p.w_off[G.layer];  // [dims[l+1], dims[l]]
+  const int ld_w = p.dims[G.layer];
+  if (G.fwd) {  // B = W^T (column-major): W rows n0 + [0, pw_eff), columns k0 + [0, kKChunk)
+    constexpr int kSegsRow = kKChunk / kSeg;
+    for (int s = c.tid; s < pw_eff * kSegsRow; s += kThreads) {
+      const int r = s / kSegsRow, q = s % kSegsRow;
+      __pipeline_memcpy_async(dst + r * (kKChunk + kPad) + q * kSeg,
+                              w + static_cast<int64_t>(n0 + r) * ld_w + k0 + q * kSeg, 16);
+    }
+  } else {  // B = W (row-major): W rows k0 + [0, kKChunk), columns n0 + [0, pw_eff)
+    const int segs_row = pw_eff / kSeg;
+    for (int s = c.tid; s < kKChunk * segs_row; s += kThreads) {
+      const int r = s / segs_row, q = s % segs_row;
+      __pipeline_memcpy_async(dst + r * (G.pw + kPad) + q * kSeg,
+                              w + static_cast<int64_t>(k0 + r) * ld_w + n0 + q * kSeg, 16);
+    }
+  }
+  __pipeline_commit();
+  ++c.issued;
+  if (++c.s_chunk == G.chunks) {
+    c.s_chunk = 0;
+    if (++c.s_pass == G.passes) {
+      c.s_pass = 0;
+      if (++c.s_g == 2 * p.n_hidden) c.s_g = 0;
+    }
+  }
+}
+
+// acc(unit) += A[r0 + [0, 16 kUR), ka + [0, kc)] x B[[0, kc), c0 + [0, 16 kUC)], where B(k, n) is
+// B[n * ldb + k] (kFwd: column-major) or B[k * ldb + n].
+template <class Op, int kUR, int kUC, bool kFwd>
+__device__ __forceinline__ void mma_range(Accum<Op>& acc, const typename Op::T* A, int lda, int r0, int ka,
+                                          const typename Op::T* B, int ldb, int c0, int kc, int lane) {
+  if constexpr (Op::kTensorCores) {
+#pragma unroll 2
+    for (int k = 0; k < kc; k += Op::kK) {
+      typename Op::FragA a[kUR];
+      typename Op::template FragB<kFwd> b[kUC];
+#pragma unroll
+      for (int i = 0; i < kUR; ++i) {
+        wmma::load_matrix_sync(a[i], A + (r0 + 16 * i) * lda + ka + k, lda);
+        Op::round(a[i]);
+      }
+#pragma unroll
+      for (int j = 0; j < kUC; ++j) {
+        wmma::load_matrix_sync(b[j], kFwd ? B + (c0 + 16 * j) * ldb + k : B + k * ldb + c0 + 16 * j, ldb);
+        Op::round(b[j]);
+      }
+#pragma unroll
+      for (int i = 0; i < kUR; ++i) {
+#pragma unroll
+        for (int j = 0; j < kUC; ++j) wmma::mma_sync(acc.f[i][j], a[i], b[j], acc.f[i][j]);
+      }
+    }
+  } else {
+    const int rr = lane & 15, cc = (lane >> 4) * 8;
+#pragma unroll 4
+    for (int k = 0; k < kc; ++k) {
+      float a[kUR];
+#pragma unroll
+      for (int i = 0; i < kUR; ++i) a[i] = A[(r0 + 16 * i + rr) * lda + ka + k];
+#pragma unroll
+      for (int j = 0; j < kUC; ++j) {
+        float b[8];
+        if constexpr (kFwd) {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) b[q] = B[(c0 + 16 * j + cc + q) * ldb + k];
+        } else {
+          load8<Op>(B + k * ldb + c0 + 16 * j + cc, b);
+        }
+#pragma unroll
+        for (int i = 0; i < kUR; ++i) {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc.v[i][j][q] = fmaf(a[i], b[q], acc.v[i][j][q]);
+        }
+      }
+    }
+  }
+}
+
+// The sampler's use of dE/dx for the lane's 8 columns [col, col + 8) of block row `row`.
+template <class Op>
+__device__ void update(Ctx<Op>& c, int row, int col, const float (&g)[8]) {
+  const Params& p = *c.p;
+  if (row >= c.nvalid || col >= p.d) return;
+  const int64_t r = c.row0 + row, base = r * p.d + col;
+  float* xs = c.xs + row * c.ld_xs + col;
+  typename Op::T* xop = c.xop + row * c.ld_xop + col;
+  const int n = min(8, p.d - col);
+  if (p.mode == kEval) {
+    for (int q = 0; q < n; ++q) p.score[base + q] = -g[q];
+  } else if (p.mode == kLangevin) {
+    float eps[8];
+    if (p.noise) {
+      const float* nz = p.noise + static_cast<int64_t>(c.t) * p.batch * p.d + base;
+      for (int q = 0; q < n; ++q) eps[q] = nz[q];
+    } else if (p.d % 4 == 0) {  // base is a multiple of 4: two whole Philox groups
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (4 * h < n) {
+          const float4 e = normal4(c.key, static_cast<uint64_t>(c.t), static_cast<uint64_t>(base / 4 + h));
+          eps[4 * h] = e.x, eps[4 * h + 1] = e.y, eps[4 * h + 2] = e.z, eps[4 * h + 3] = e.w;
+        }
+      }
+    } else {
+      for (int q = 0; q < n; ++q) eps[q] = normal_at(c.key, static_cast<uint64_t>(c.t), base + q);
+    }
+    const StepParams<float> s{p.step, p.noise_coef, p.lo, p.hi};
+    for (int q = 0; q < n; ++q) {
+      const float v = langevin_update(xs[q], g[q], eps[q], s, p.clamp);
+      xs[q] = v;
+      if constexpr (sizeof(typename Op::T) == 2) xop[q] = Op::store(v);
+      if (c.keep) p.traj[(r * p.kept + c.slot) * p.d + col + q] = v;
+    }
+  } else {  // HMC: kick, then drift
+    float* pm = c.pm + row * c.ld_xs + col;
+    for (int q = 0; q < n; ++q) {
+      const float m = pm[q] - c.kick * g[q];
+      pm[q] = m;
+      if (c.drift) {
+        const float v = xs[q] + p.step * m;
+        xs[q] = v;
+        if constexpr (sizeof(typename Op::T) == 2) xop[q] = Op::store(v);
+      }
+    }
+  }
+}
+
+// Product g's epilogue for the lane's 8 outputs v at (row, [col, col + 8)).
+template <class Op>
+__device__ __forceinline__ void epilogue(Ctx<Op>& c, const Gemm& G, int row, int col, float (&v)[8]) {
+  const Params& p = *c.p;
+  const int l = G.layer;
+  if (G.fwd) {
+    float bias[8];
+    load8_global(p.vecs + p.b_off[l] + col, bias);
+    if (l < p.n_hidden - 1) {
+      float a[8], d[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float2 ad = activate(p.activation, p.slope, v[q] + bias[q]);
+        a[q] = ad.x;
+        d[q] = ad.y;
+      }
+      store8<Op>(c.act(l & 1) + row * c.ld_act + col, a);
+      store8<Op>(c.deriv(l) + row * c.ld_deriv(l) + col, d);
+    } else {
+      float w[8], d[8], e = 0.f;
+      load8_global(p.vecs + p.wlast_off + col, w);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float2 ad = activate(p.activation, p.slope, v[q] + bias[q]);
+        d[q] = ad.y * w[q];
+        e += ad.x * w[q];
+      }
+      store8<Op>(c.deriv(l) + row * c.ld_deriv(l) + col, d);
+      if (c.need_energy) {  // warp-uniform; lanes l and l ^ 16 hold the two halves of the tile's row
+        e += __shfl_xor_sync(0xffffffffu, e, 16);
+        if (c.lane < 16) c.epart[row * c.ld_epart + col / 16] = e;
+      }
+    }
+  } else if (l > 0) {
+    typename Op::T* dst = c.deriv(l - 1) + row * c.ld_deriv(l - 1) + col;
+    float s[8];
+    load8<Op>(dst, s);
+#pragma unroll
+    for (int q = 0; q < 8; ++q) s[q] *= v[q];
+    store8<Op>(dst, s);
+  } else {
+    update(c, row, col, v);
+  }
+}
+
+template <class Op, int kUR, int kUC, bool kFwd>
+__device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
+  using T = typename Op::T;
+  constexpr int kPad = Ctx<Op>::kPad;
+  const Params& p = *c.p;
+  const int l = G.layer;
+  const T* A;
+  int lda;
+  if (kFwd) {
+    A = l == 0 ? c.xop : c.act((l - 1) & 1);
+    lda = l == 0 ? c.ld_xop : c.ld_act;
+  } else {
+    A = c.deriv(l);
+    lda = c.ld_deriv(l);
+  }
+  const int r0 = (c.warp % G.ru) * kUR * 16;
+  const int c0 = (c.warp / G.ru) * kUC * 16;  // the unit's first column within a pass
+  const int rr = c.lane & 15, cc = (c.lane >> 4) * 8;
+  for (int pass = 0; pass < G.passes; ++pass) {
+    const int n0 = pass * G.pw;
+    const bool active = n0 + c0 < G.N;  // warp-uniform; units never straddle N (widths are multiples of 32)
+    Accum<Op> acc;
+    if constexpr (Op::kTensorCores) {
+#pragma unroll
+      for (int i = 0; i < kUR; ++i) {
+#pragma unroll
+        for (int j = 0; j < kUC; ++j) wmma::fill_fragment(acc.f[i][j], 0.f);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kUR; ++i) {
+#pragma unroll
+        for (int j = 0; j < kUC; ++j) {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc.v[i][j][q] = 0.f;
+        }
+      }
+    }
+    if (p.resident) {
+      const int ldw = p.dims[l] + kPad;
+      const T* B = kFwd ? c.w_res(l) + n0 * ldw : c.w_res(l) + n0;
+      if (active) mma_range<Op, kUR, kUC, kFwd>(acc, A, lda, r0, 0, B, ldw, c0, G.K, c.lane);
+    } else {
+      for (int ch = 0; ch < G.chunks; ++ch) {
+        issue_chunk(c);  // the chunk after this one, into the other stage
+        __pipeline_wait_prior(1);
+        __syncthreads();  // this chunk is in shared memory, from every thread's copies
+        const T* B = c.stage + (c.consumed & 1u) * c.stage_elems;
+        const int ldb = kFwd ? kKChunk + kPad : G.pw + kPad;
+        if (active) mma_range<Op, kUR, kUC, kFwd>(acc, A, lda, r0, ch * kKChunk, B, ldb, c0, kKChunk, c.lane);
+        __syncthreads();  // every warp is done with this stage before the next issue overwrites it
+        ++c.consumed;
+      }
+    }
+    if (!active) continue;
+#pragma unroll
+    for (int i = 0; i < kUR; ++i) {
+#pragma unroll
+      for (int j = 0; j < kUC; ++j) {
+        float v[8];
+        if constexpr (Op::kTensorCores) {
+          wmma::store_matrix_sync(c.scratch, acc.f[i][j], kScratchLd, wmma::mem_row_major);
+          __syncwarp();
+          const float4 a = *reinterpret_cast<const float4*>(c.scratch + rr * kScratchLd + cc);
+          const float4 b = *reinterpret_cast<const float4*>(c.scratch + rr * kScratchLd + cc + 4);
+          __syncwarp();  // read before the next tile's store
+          v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+        } else {
+#pragma unroll
+          for (int q = 0; q < 8; ++q) v[q] = acc.v[i][j][q];
+        }
+        epilogue(c, G, r0 + 16 * i + rr, n0 + c0 + 16 * j + cc, v);
+      }
+    }
+  }
+}
+
+// Per-row sums by one warp per row, in a fixed order (reproducible): sum_{j < n} src[row * ld + j] * scale
+// (squared when kSquare) into row value `which`, plus `offset`.
+template <class Op, bool kSquare>
+__device__ void row_sums(Ctx<Op>& c, const float* src, int ld, int n, float scale, float offset, int which) {
+  for (int row = c.warp; row < c.p->rows; row += kWarps) {
+    float s = 0.f;
+    for (int j = c.lane; j < n; j += 32) {
+      const float v = src[row * ld + j];
+      s += kSquare ? v * v : v;
+    }
+    s = warp_sum(s);
+    if (c.lane == 0) c.row_value(which)[row] = s * scale + offset;
+  }
+}
+
+// Energy (when `energy`) and gradient of the block's rows; full = false: the forward products only.
+// Ends after a __syncthreads; row value kRowE holds the energies.
+template <class Op>
+__device__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
+  const Params& p = *c.p;
+  const int H = p.n_hidden;
+  c.need_energy = energy;
+  for (int g = 0; g < (full ? 2 * H : H); ++g) {
+    const Gemm G = gemm_info(p, g, c.rt);
+    if (G.ur == 2) {
+      if (G.fwd) run_gemm<Op, 2, 2, true>(c, G); else run_gemm<Op, 2, 2, false>(c, G);
+    } else if (G.uc == 2) {
+      if (G.fwd) run_gemm<Op, 1, 2, true>(c, G); else run_gemm<Op, 1, 2, false>(c, G);
+    } else {
+      if (G.fwd) run_gemm<Op, 1, 1, true>(c, G); else run_gemm<Op, 1, 1, false>(c, G);
+    }
+    __syncthreads();
+    if (energy && g == H - 1) {
+      row_sums<Op, false>(c, c.epart, c.ld_epart, p.dims[H] / 16, 1.f, p.vecs[p.blast_off], kRowE);
+      __syncthreads();
+    }
+  }
+}
+
+template <class Op>
+__global__ void __launch_bounds__(kThreads, 1)
+mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::PhiloxCudaState philox) {
+  using T = typename Op::T;
+  constexpr int kPad = Ctx<Op>::kPad;
+  extern __shared__ __align__(128) char smem[];
+  Ctx<Op> c;
+  c.p = &p;
+  c.smem = smem;
+  c.tid = threadIdx.x;
+  c.warp = threadIdx.x / 32;
+  c.lane = threadIdx.x % 32;
+  c.rt = p.rows / 16;
+  c.row0 = static_cast<int64_t>(blockIdx.x) * p.rows;
+  c.nvalid = static_cast<int>(p.batch - c.row0 < p.rows ? p.batch - c.row0 : p.rows);
+  c.key = p.use_philox ? unpack_key(philox) : PhiloxKey{};
+  const int d = p.d, d0 = p.dims[0], H = p.n_hidden;
+  c.ld_xs = d0 + 4;
+  c.xs = reinterpret_cast<float*>(smem + p.smem[kSlotXs]);
+  c.pm = reinterpret_cast<float*>(smem + p.smem[kSlotP]);
+  if constexpr (sizeof(T) == 2) {
+    c.xop = reinterpret_cast<T*>(smem + p.smem[kSlotXb]);
+    c.ld_xop = d0 + kPad;
+  } else {
+    c.xop = c.xs;
+    c.ld_xop = c.ld_xs;
+  }
+  int widest = 0;  // activations are kept for hidden layers 0..H-2
+  for (int l = 0; l + 1 < H; ++l) widest = max(widest, p.dims[l + 1]);
+  c.ld_act = widest + kPad;
+  c.scratch = reinterpret_cast<float*>(smem + p.smem[kSlotScratch]) + c.warp * 16 * kScratchLd;
+  c.epart = reinterpret_cast<float*>(smem + p.smem[kSlotEpart]);
+  c.ld_epart = p.dims[H] / 16;
+  c.rowv = reinterpret_cast<float*>(smem + p.smem[kSlotRows]);
+  c.stage = reinterpret_cast<T*>(smem + p.smem[kSlotStage]);
+  c.stage_elems = max(kWidePass * (kKChunk + kPad), kKChunk * (kWidePass + kPad));
+  c.s_g = c.s_pass = c.s_chunk = 0;
+  c.issued = c.consumed = 0;
+  c.need_energy = c.keep = c.drift = false;
+  c.t = c.slot = 0;
+  c.kick = 0.f;
+
+  // Zero the states (padding rows and columns must be finite zeros: they enter the first product) and
+  // the per-row scalars; copy resident weights; start the weight stream.
+  for (int i = c.tid; i < p.rows * c.ld_xs; i += kThreads) {
+    c.xs[i] = 0.f;
+    if (p.mode == kHmc) c.pm[i] = 0.f;
+  }
+  if constexpr (sizeof(T) == 2) {
+    for (int i = c.tid; i < p.rows * c.ld_xop; i += kThreads) c.xop[i] = Op::store(0.f);
+  }
+  for (int i = c.tid; i < kRowValues * p.rows; i += kThreads) c.rowv[i] = 0.f;
+  if (p.resident) {
+    constexpr int kSeg = Ctx<Op>::kSeg;
+    for (int l = 0; l < H; ++l) {
+      const int in = p.dims[l], segs_row = in / kSeg;
+      const T* src = static_cast<const T*>(p.weights) + p.w_off[l];
+      T* dst = c.w_res(l);
+      for (int s = c.tid; s < p.dims[l + 1] * segs_row; s += kThreads) {
+        const int r = s / segs_row, q = s % segs_row;
+        *reinterpret_cast<uint4*>(dst + r * (in + kPad) + q * kSeg) =
+            __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r) * in + q * kSeg));
+      }
+    }
+  } else {
+    issue_chunk(c);
+  }
+  __syncthreads();  // the row scalars are zero before the restart flags are set
+  const bool restart = p.mode == kLangevin && p.restart_fraction > 0.f;
+  if (restart && c.tid < c.nvalid) {
+    const float u = uniform_open0(philox_bits(c.key, p.n_steps, c.row0 + c.tid).x);
+    c.row_value(kRowRestart)[c.tid] = u < p.restart_fraction ? 1.f : 0.f;
+  }
+  __syncthreads();
+  for (int i = c.tid; i < c.nvalid * d; i += kThreads) {
+    const int row = i / d, col = i % d;
+    const int64_t flat = c.row0 * d + i;
+    float v = p.x[flat];
+    if (restart && c.row_value(kRowRestart)[row] != 0.f) {
+      v = p.restart_uniform
+              ? p.restart_lo + (p.restart_hi - p.restart_lo) * uniform_at(c.key, p.n_steps + 1, flat)
+              : normal_at(c.key, p.n_steps + 1, flat);
+    }
+    c.xs[row * c.ld_xs + col] = v;
+    if constexpr (sizeof(T) == 2) c.xop[row * c.ld_xop + col] = Op::store(v);
+  }
+  __syncthreads();
+
+  if (p.mode == kEval) {
+    evaluate(c, true, true);
+    if (c.tid < c.nvalid) p.energy[c.row0 + c.tid] = c.row_value(kRowE)[c.tid];
+  } else if (p.mode == kLangevin) {
+    for (int t = 0;; ++t) {
+      // the energy of the state after t steps: trace slot t / thin - 1
+      const bool record = p.energy && t > 0 && t % p.thin == 0;
+      if (t == p.n_steps) {
+        if (record) evaluate(c, false, true);
+      } else {
+        c.t = t;
+        c.keep = p.traj && (t + 1) % p.thin == 0;
+        c.slot = (t + 1) / p.thin - 1;
+        evaluate(c, true, record);
+      }
+      if (record && c.tid < c.nvalid) {
+        p.energy[(c.row0 + c.tid) * p.kept + t / p.thin - 1] = c.row_value(kRowE)[c.tid];
+      }
+      if (t == p.n_steps) break;
+    }
+    for (int i = c.tid; i < c.nvalid * d; i += kThreads) p.x[c.row0 * d + i] = c.xs[(i / d) * c.ld_xs + i % d];
+  } else {  // HMC
+    const float* e_row = c.row_value(kRowE);
+    for (int t = 0; t < p.n_steps; ++t) {
+      for (int i = c.tid; i < c.nvalid * d; i += kThreads) {
+        const int64_t flat = c.row0 * d + i;
+        c.pm[(i / d) * c.ld_xs + i % d] = p.noise ? p.noise[static_cast<int64_t>(t) * p.batch * d + flat]
+                                                  : normal_at(c.key, 2 * static_cast<uint64_t>(t), flat);
+      }
+      __syncthreads();
+      row_sums<Op, true>(c, c.pm, c.ld_xs, d, 0.5f, 0.f, kRowK0);
+      for (int i = 0; i <= p.n_leapfrog; ++i) {
+        c.kick = i == 0 || i == p.n_leapfrog ? 0.5f * p.step : p.step;
+        c.drift = i < p.n_leapfrog;
+        evaluate(c, true, i == 0 || i == p.n_leapfrog);
+        if (i == 0 && c.tid < p.rows) c.row_value(kRowE0)[c.tid] = e_row[c.tid];
+      }
+      row_sums<Op, true>(c, c.pm, c.ld_xs, d, 0.5f, 0.f, kRowK1);
+      __syncthreads();
+      const bool keep = (t + 1) % p.thin == 0;
+      const int slot = (t + 1) / p.thin - 1;
+      if (c.tid < c.nvalid) {
+        const int row = c.tid;
+        const int64_t r = c.row0 + row;
+        const float u = p.uniform ? p.uniform[static_cast<int64_t>(t) * p.batch + r]
+                                  : uniform_open0(philox_bits(c.key, 2 * static_cast<uint64_t>(t) + 1, r).x);
+        const float h0 = c.row_value(kRowE0)[row] + c.row_value(kRowK0)[row];
+        const float h1 = e_row[row] + c.row_value(kRowK1)[row];
+        const bool accept = logf(u) < h0 - h1;  // false for a NaN or infinite h1: a diverged proposal
+        c.row_value(kRowAccept)[row] = accept ? 1.f : 0.f;
+        c.row_value(kRowCount)[row] += accept ? 1.f : 0.f;
+        if (p.accepted) p.accepted[r * p.n_steps + t] = accept;
+        if (p.energy && keep) p.energy[r * p.kept + slot] = accept ? e_row[row] : c.row_value(kRowE0)[row];
+      }
+      __syncthreads();
+      for (int i = c.tid; i < c.nvalid * d; i += kThreads) {
+        const int row = i / d, col = i % d;
+        const int64_t flat = c.row0 * d + i;
+        float* xv = c.xs + row * c.ld_xs + col;
+        if (c.row_value(kRowAccept)[row] != 0.f) {
+          p.x[flat] = *xv;
+        } else {
+          *xv = p.x[flat];
+          if constexpr (sizeof(T) == 2) c.xop[row * c.ld_xop + col] = Op::store(*xv);
+        }
+        if (p.traj && keep) p.traj[((c.row0 + row) * p.kept + slot) * d + col] = *xv;
+      }
+      __syncthreads();
+    }
+    if (c.tid < c.nvalid) p.accept_count[c.row0 + c.tid] = static_cast<int64_t>(c.row_value(kRowCount)[c.tid]);
+  }
+  if (!p.resident) __pipeline_wait_prior(0);  // the schedule's last prefetch
+}
+
+template <int kPrecision, class Op>
+void launch_op(const Params& p, const at::PhiloxCudaState& philox, size_t smem_bytes) {
+  static int opted_in[kCachedDevices] = {};
+  opt_in_smem(opted_in, mlp_chain_kernel<Op>, smem_optin_bytes());
+  const unsigned grid = static_cast<unsigned>((p.batch + p.rows - 1) / p.rows);
+  mlp_chain_kernel<Op><<<grid, kThreads, smem_bytes, current_stream()>>>(p, philox);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace mlp
+}  // namespace torchkern

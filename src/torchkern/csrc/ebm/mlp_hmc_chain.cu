@@ -1,0 +1,71 @@
+// mlp_hmc_chain_: Hamiltonian Monte Carlo on an MLP energy in ONE launch (mlp_chain.cuh), x updated in place.
+// Trajectory t: momenta from Philox draw 2t (the langevin_step layout), n_leapfrog + 1 gradient evaluations
+// (half kick, drifts and kicks, half kick), the acceptance uniform from draw 2t + 1 (group = row).
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "mlp_host.h"
+#include "torchkern/philox.cuh"
+
+namespace torchkern {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_hmc_chain_cuda(
+    at::Tensor& x, at::TensorList weights, at::TensorList biases, int64_t activation, double negative_slope,
+    double step_size, int64_t n_leapfrog, int64_t n_steps, int64_t thin, bool return_trajectory, bool return_energy,
+    bool return_acceptance, int64_t precision, at::IntArrayRef layout, std::optional<at::Generator> generator,
+    const std::optional<at::Tensor>& noise, const std::optional<at::Tensor>& uniform) {
+  TORCHKERN_OP("mlp_hmc_chain_");
+  mlp::check_mlp(torchkern_op_name, x, weights, biases, activation, precision);
+  TORCHKERN_CHECK(step_size > 0 && std::isfinite(step_size), "step_size must be a finite number > 0, got ", step_size);
+  TORCHKERN_CHECK(n_leapfrog >= 1, "n_leapfrog must be >= 1, got ", n_leapfrog);
+  mlp::check_chain_run(torchkern_op_name, x, n_steps, thin, noise);
+  const int64_t batch = x.size(0), d = x.size(1), kept = n_steps / thin;
+  if (uniform.has_value()) {
+    const at::Tensor& uniform_ = *uniform;
+    TORCHKERN_CHECK_FLOAT(uniform_);
+    TORCHKERN_CHECK(uniform_.device() == x.device(), "uniform must be on ", x.device().str(), " like x, got ",
+                    uniform_.device().str());
+    TORCHKERN_CHECK(uniform_.dim() == 2 && uniform_.size(0) == n_steps && uniform_.size(1) == batch,
+                    "uniform must have shape [", n_steps, ", ", batch, "] ([n_steps, B]), got ", uniform_.sizes());
+  }
+  TORCHKERN_CHECK(n_leapfrog <= (1 << 20), "n_leapfrog must be <= 2^20, got ", n_leapfrog);
+  TORCHKERN_CHECK_CUDA(x);
+  const at::cuda::OptionalCUDAGuard guard(x.device());
+  at::Tensor traj = at::empty({batch, return_trajectory ? kept : 0, d}, x.options().dtype(at::kFloat));
+  at::Tensor energy = at::empty({batch, return_energy ? kept : 0}, x.options().dtype(at::kFloat));
+  at::Tensor accepted = at::zeros({batch, return_acceptance ? n_steps : 0}, x.options().dtype(at::kBool));
+  at::Tensor count = at::zeros({batch}, x.options().dtype(at::kLong));
+  if (batch > 0 && n_steps > 0) {
+    at::Tensor work = mlp::work_copy(x);
+    const at::Tensor nz = noise.has_value() ? noise->to(at::kFloat).contiguous() : at::Tensor();
+    const at::Tensor un = uniform.has_value() ? uniform->to(at::kFloat).contiguous() : at::Tensor();
+    mlp::Params p = mlp::blank_params();
+    p.mode = mlp::kHmc;
+    p.traj = return_trajectory && kept ? traj.mutable_data_ptr<float>() : nullptr;
+    p.energy = return_energy && kept ? energy.mutable_data_ptr<float>() : nullptr;
+    p.accepted = return_acceptance ? accepted.mutable_data_ptr<bool>() : nullptr;
+    p.accept_count = count.mutable_data_ptr<int64_t>();
+    p.noise = nz.defined() ? nz.const_data_ptr<float>() : nullptr;
+    p.uniform = un.defined() ? un.const_data_ptr<float>() : nullptr;
+    p.step = static_cast<float>(step_size);
+    p.n_leapfrog = static_cast<int>(n_leapfrog);
+    p.n_steps = static_cast<int>(n_steps);
+    p.thin = static_cast<int>(std::min<int64_t>(thin, 1 << 30));
+    p.kept = static_cast<int>(kept);
+    p.use_philox = !(noise.has_value() && uniform.has_value());
+    const at::PhiloxCudaState philox =
+        p.use_philox ? reserve_philox(generator, 2 * static_cast<uint64_t>(n_steps)) : at::PhiloxCudaState();
+    mlp::run(torchkern_op_name, p, work, weights, biases, activation, negative_slope, precision, layout, philox);
+    if (!work.is_same(x)) x.copy_(work);
+  }
+  return {traj.to(x.scalar_type()), energy.to(x.scalar_type()), accepted, count};
+}
+
+}  // namespace
+}  // namespace torchkern
+
+TORCH_LIBRARY_IMPL(torchkern, CUDA, m) { m.impl("mlp_hmc_chain_", &torchkern::mlp_hmc_chain_cuda); }

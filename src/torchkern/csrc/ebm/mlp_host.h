@@ -1,0 +1,157 @@
+// Host side of the fused MLP-energy ops (mlp_energy_and_score.cu, mlp_langevin_chain.cu, mlp_hmc_chain.cu):
+// argument checks (the words of ebm/twins.py), packing the weights into the kernel's padded layout, the
+// planner's layout, and the launch.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "mlp_chain.cuh"
+#include "torchkern/checks.h"
+#include "torchkern/launch.h"
+
+namespace torchkern {
+namespace mlp {
+
+inline int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+inline void check_mlp(const char* torchkern_op_name, const at::Tensor& x, at::TensorList weights,
+                      at::TensorList biases, int64_t activation, int64_t precision) {
+  TORCHKERN_CHECK_FLOAT(x);
+  TORCHKERN_CHECK_DIM(x, 2, "[B, d]");
+  const int64_t n = static_cast<int64_t>(weights.size());
+  TORCHKERN_CHECK(n >= 2 && n <= kMaxHidden + 1, "weights must hold 2 to ", kMaxHidden + 1,
+                  " matrices (hidden layers and the output layer), got ", n);
+  TORCHKERN_CHECK(static_cast<int64_t>(biases.size()) == n, "biases must hold one vector per weight (", n, "), got ",
+                  biases.size());
+  int64_t width = x.size(1);
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& w = weights[i];
+    const at::Tensor& b = biases[i];
+    const std::string wi = detail::message("weights[", i, "]"), bi = detail::message("biases[", i, "]");
+    const bool last = i == n - 1;
+    TORCHKERN_CHECK(is_supported_float(w.scalar_type()), wi, " must be float32, float64, float16 or bfloat16, got ",
+                    w.scalar_type());
+    TORCHKERN_CHECK(w.device() == x.device(), wi, " must be on ", x.device().str(), " like x, got ", w.device().str());
+    TORCHKERN_CHECK(w.dim() == 2 && w.size(1) == width && w.size(0) >= 1 && (!last || w.size(0) == 1), wi,
+                    " must have shape [", last ? "1" : "n", ", ", width, "], got ", w.sizes());
+    TORCHKERN_CHECK(is_supported_float(b.scalar_type()), bi, " must be float32, float64, float16 or bfloat16, got ",
+                    b.scalar_type());
+    TORCHKERN_CHECK(b.device() == x.device(), bi, " must be on ", x.device().str(), " like x, got ", b.device().str());
+    TORCHKERN_CHECK(b.dim() == 1 && b.size(0) == w.size(0), bi, " must have shape [", w.size(0), "] like ", wi,
+                    "'s rows, got ", b.sizes());
+    width = w.size(0);
+  }
+  TORCHKERN_CHECK(activation >= 0 && activation < kActivations, "activation must be in [0, ",
+                  static_cast<int>(kActivations), "), got ", activation);
+  TORCHKERN_CHECK(precision >= 0 && precision < 3, "precision must be in [0, 3), got ", precision);
+}
+
+inline void check_chain_run(const char* torchkern_op_name, const at::Tensor& x, int64_t n_steps, int64_t thin,
+                            const std::optional<at::Tensor>& noise) {
+  TORCHKERN_CHECK(n_steps >= 0, "n_steps must be >= 0, got ", n_steps);
+  TORCHKERN_CHECK(thin >= 1, "thin must be >= 1, got ", thin);
+  if (noise.has_value()) {
+    const at::Tensor& noise_ = *noise;
+    TORCHKERN_CHECK_FLOAT(noise_);
+    TORCHKERN_CHECK(noise_.device() == x.device(), "noise must be on ", x.device().str(), " like x, got ",
+                    noise_.device().str());
+    TORCHKERN_CHECK(noise_.dim() == 3 && noise_.size(0) == n_steps && noise_.size(1) == x.size(0) &&
+                        noise_.size(2) == x.size(1),
+                    "noise must have shape [", n_steps, ", ", x.size(0), ", ", x.size(1), "] ([n_steps, B, d]), got ",
+                    noise_.sizes());
+  }
+  TORCHKERN_CHECK(n_steps <= (1 << 30), "n_steps must be < 2^30, got ", n_steps);
+}
+
+// The planner's layout [rows, resident, byte offsets in Slot order] (ebm/mlp.py), checked against this device.
+inline void apply_layout(const char* torchkern_op_name, Params& p, at::IntArrayRef layout) {
+  TORCHKERN_CHECK(static_cast<int>(layout.size()) == kSlots + 2, "layout must hold ", kSlots + 2,
+                  " numbers from torchkern.ebm.mlp.plan(), got ", layout.size());
+  TORCHKERN_CHECK(layout[0] == 16 || layout[0] == 32, "layout[0] (rows per block) must be 16 or 32, got ", layout[0]);
+  p.rows = static_cast<int>(layout[0]);
+  p.resident = layout[1] != 0;
+  for (int s = 0; s < kSlots; ++s) {
+    const int64_t off = layout[2 + s];
+    TORCHKERN_CHECK(off % 128 == 0 && off >= (s ? layout[1 + s] : 0),
+                    "layout offsets must ascend in multiples of 128 bytes, got ", off, " for slot ", s);
+    p.smem[s] = static_cast<int>(off);
+  }
+  const int64_t optin = static_cast<int64_t>(smem_optin_bytes());
+  TORCHKERN_CHECK(layout[1 + kSlots] <= optin, "layout needs ", layout[1 + kSlots],
+                  " bytes of shared memory per block, the device allows ", optin);
+}
+
+// Packs the network into p's padded geometry (widths rounded up to kAlign, zeros in the padding): the
+// hidden layers' weights as operands (bf16, else float32), biases, the output row and its bias as float32.
+inline std::pair<at::Tensor, at::Tensor> pack(Params& p, const at::Tensor& x, at::TensorList weights,
+                                              at::TensorList biases, int64_t precision) {
+  const int H = static_cast<int>(weights.size()) - 1;
+  p.n_hidden = H;
+  p.dims[0] = static_cast<int>(round_up(x.size(1), kAlign));
+  int64_t woff = 0, voff = 0;
+  for (int l = 0; l < H; ++l) {
+    p.dims[l + 1] = static_cast<int>(round_up(weights[l].size(0), kAlign));
+    p.w_off[l] = woff;
+    woff += static_cast<int64_t>(p.dims[l + 1]) * p.dims[l];
+    p.b_off[l] = static_cast<int>(voff);
+    voff += p.dims[l + 1];
+  }
+  p.wlast_off = static_cast<int>(voff);
+  p.blast_off = static_cast<int>(voff + p.dims[H]);
+  const at::ScalarType op_type = precision == kBf16 ? at::kBFloat16 : at::kFloat;
+  at::Tensor wpack = at::zeros({woff}, x.options().dtype(op_type));
+  at::Tensor vpack = at::zeros({p.blast_off + kAlign}, x.options().dtype(at::kFloat));
+  for (int l = 0; l < H; ++l) {
+    wpack.narrow(0, p.w_off[l], static_cast<int64_t>(p.dims[l + 1]) * p.dims[l])
+        .view({p.dims[l + 1], p.dims[l]})
+        .narrow(0, 0, weights[l].size(0))
+        .narrow(1, 0, weights[l].size(1))
+        .copy_(weights[l]);
+    vpack.narrow(0, p.b_off[l], biases[l].size(0)).copy_(biases[l]);
+  }
+  vpack.narrow(0, p.wlast_off, weights[H].size(1)).copy_(weights[H].reshape({-1}));
+  vpack.narrow(0, p.blast_off, 1).copy_(biases[H]);
+  p.weights = wpack.const_data_ptr();
+  p.vecs = vpack.const_data_ptr<float>();
+  return {wpack, vpack};
+}
+
+// Fills what every mode shares and launches; `work` is x as float32, contiguous (updated in place).
+inline void run(const char* torchkern_op_name, Params& p, const at::Tensor& work, at::TensorList weights,
+                at::TensorList biases, int64_t activation, double negative_slope, int64_t precision,
+                at::IntArrayRef layout, const at::PhiloxCudaState& philox) {
+  apply_layout(torchkern_op_name, p, layout);
+  p.x = work.mutable_data_ptr<float>();
+  p.batch = work.size(0);
+  p.d = static_cast<int>(work.size(1));
+  p.activation = static_cast<int>(activation);
+  p.slope = static_cast<float>(negative_slope);
+  const auto packed = pack(p, work, weights, biases, precision);  // kept alive until the launch is queued
+  const size_t smem = static_cast<size_t>(p.smem[kSlotEnd]);
+  switch (precision) {
+    case kBf16: launch<kBf16>(p, philox, smem); break;
+    case kTf32: launch<kTf32>(p, philox, smem); break;
+    default: launch<kFp32>(p, philox, smem);
+  }
+}
+
+// x as the kernel's float32 contiguous state (x itself when it already is one), and the empty parameters.
+inline at::Tensor work_copy(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+}
+
+inline Params blank_params() {
+  Params p{};
+  p.thin = 1;
+  return p;
+}
+
+}  // namespace mlp
+}  // namespace torchkern

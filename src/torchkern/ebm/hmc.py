@@ -1,0 +1,91 @@
+"""Hamiltonian Monte Carlo: leapfrog trajectories with a Metropolis correction (identity mass).
+
+Per trajectory: p ~ N(0, I); half kick p -= eps/2 dE/dx, then n_leapfrog x (drift x += eps p, kick p -= eps dE/dx)
+with the last kick halved; accept the end point where log u < H(x, p) - H(x', p'), H = E + |p|^2 / 2,
+u ~ U(0, 1]; else keep x. The target exp(-E) is left invariant exactly (no discretisation bias).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import mlp, twins
+from .energies import AnalyticEnergy, Energy, _autograd_energy_and_score
+from .sampler import ChainSampler, integer, positive
+
+__all__ = ["HamiltonianMonteCarlo"]
+
+_FUSED_MAX_DIM = 1024  # hmc_chain_'s one-warp-per-row kernel
+
+
+def _energy_and_grad(energy):
+    if isinstance(energy, Energy):
+        def f(x):
+            e, s = energy.energy_and_score(x)
+            return e, -s
+    else:
+        def f(x):
+            e, s = _autograd_energy_and_score(energy, x)
+            return e, -s
+    return f
+
+
+class HamiltonianMonteCarlo(ChainSampler):
+    """HMC sampler for an energy (any module mapping (B, d) to (B,)).
+
+    Analytic energies run all trajectories in ONE kernel launch (a warp per chain, d <= 1024); ``MLPEnergy``
+    runs them in the fused MLP kernel on CUDA (``precision`` as in ``LangevinDynamics``: "bf16", "tf32" or
+    "fp32" operands, FP32 states, momenta and energies); other energies take the generic path (autograd's
+    gradient in torch ops), which is also the twin. Noise: momenta and acceptance uniforms from Philox inside
+    the kernels (torch.manual_seed reproduces a run), ``torch.randn`` / ``torch.rand`` on the generic path.
+    After ``sample``, ``acceptance_rate`` holds each chain's fraction of accepted trajectories (B,).
+    ``devices`` and ``gather`` split chains across devices and ranks as in ``LangevinDynamics``. Raises
+    TypeError / ValueError for a step size that is not a finite number > 0 or n_leapfrog_steps < 1.
+    """
+
+    def __init__(self, energy, step_size: float, n_leapfrog_steps: int = 10, *, precision: str = "tf32",
+                 devices: Sequence[torch.device | str | int] | None = None, gather: bool = True) -> None:
+        self.step_size = positive("step_size", step_size)
+        self.n_leapfrog_steps = integer("n_leapfrog_steps", n_leapfrog_steps, 1)
+        super().__init__(energy, precision=precision, devices=devices, gather=gather)
+        self.acceptance_rate: torch.Tensor | None = None
+
+    def sample(self, x: torch.Tensor | None = None, n_samples: int | None = None, dim: int | None = None,
+               n_steps: int = 100, thin: int = 1, return_trajectory: bool = False, *, return_energy: bool = False,
+               return_acceptance: bool = False, inplace: bool = False, generator: torch.Generator | None = None,
+               device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        """Run ``n_steps`` trajectories from ``x`` (B, d), or from N(0, I) draws of shape (n_samples, dim).
+
+        Returns the final states (B, d) alone, or a tuple of them followed by what is asked for, in this order:
+        ``return_trajectory``: the states after every ``thin``-th trajectory (B, n_steps // thin, d);
+        ``return_energy``: their energies (B, n_steps // thin); ``return_acceptance``: whether each trajectory
+        was accepted (B, n_steps) bool. Sets ``acceptance_rate`` (B,). ``inplace``, ``dim``, ``device`` as in
+        ``LangevinDynamics.sample``.
+        """
+        want = dict(trajectory=bool(return_trajectory), energy=bool(return_energy),
+                    accepted=bool(return_acceptance))
+        out = self._run(x, n_samples, dim, n_steps, thin, want, inplace=inplace, generator=generator,
+                        device=device, dtype=dtype)
+        n = integer("n_steps", n_steps, 0)
+        self.acceptance_rate = out["accept_count"].to(out["x"].dtype) / max(n, 1)
+        extras = [out[k] for k in ("trajectory", "energy", "accepted") if want[k]]
+        return (out["x"], *extras) if extras else out["x"]
+
+    def _chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, want: dict, generator, inplace: bool):
+        state = x.detach() if inplace else x.detach().clone()  # sampling is not differentiated
+        run = (self.step_size, self.n_leapfrog_steps, n_steps, thin, want["trajectory"], want["energy"],
+               want["accepted"])
+        outs = None
+        if isinstance(energy, mlp.MLPEnergy):
+            layout = mlp.plan(energy, x, self._precision, hmc=True)
+            if layout is not None:
+                outs = torch.ops.torchkern.mlp_hmc_chain_(state, *energy.kernel_args(x.device), *run, self._precision,
+                                                          layout, generator)
+        elif isinstance(energy, AnalyticEnergy) and not (x.is_cuda and x.shape[1] > _FUSED_MAX_DIM):
+            outs = torch.ops.torchkern.hmc_chain_(state, energy.kind, energy.params, *run, generator)
+        if outs is None:
+            outs = twins.hmc_loop(state, _energy_and_grad(energy), *run, generator)
+        traj, energies, accepted, count = outs
+        return {"x": state, "trajectory": traj, "energy": energies, "accepted": accepted, "accept_count": count}

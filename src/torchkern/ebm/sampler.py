@@ -1,0 +1,176 @@
+"""What the chain samplers (``LangevinDynamics``, ``HamiltonianMonteCarlo``) share: argument checks, starting
+states, splitting chains across devices and ``torch.distributed`` ranks, in-place runs, and their outputs."""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+from . import distributed as _dist
+from .energies import AnalyticEnergy, GaussianEnergy
+from .mlp import precision_code
+
+# Outputs of a chain group, all with the chains as dim 0: "x" always, then those asked for.
+OUTPUTS = ("trajectory", "energy", "accepted", "accept_count")
+
+
+def real(name: str, value) -> float:
+    """``value`` as a float; raises TypeError naming ``name`` for anything but a real number."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def positive(name: str, value) -> float:
+    v = real(name, value)
+    if not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return v
+
+
+def non_negative(name: str, value) -> float:
+    v = real(name, value)
+    if not (v >= 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    return v
+
+
+def integer(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+def as_device(d) -> torch.device:
+    return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+
+def energy_values(energy, x: torch.Tensor) -> torch.Tensor:
+    """E(x) of a (N, d) batch without autograd, in chunks of 2^16 rows (bounded memory for long traces)."""
+    with torch.no_grad():
+        return torch.cat([energy(part) for part in x.split(1 << 16)]) if x.shape[0] else x.new_empty(0)
+
+
+def trace_energies(energy, traj: torch.Tensor) -> torch.Tensor:
+    """E of every state of a (B, kept, d) trajectory: (B, kept)."""
+    b, kept, d = traj.shape
+    return energy_values(energy, traj.reshape(b * kept, d)).reshape(b, kept)
+
+
+class ChainSampler:
+    """Base of the samplers: ``sample`` validates, builds the starting states, splits them across ``devices``
+    (and ranks), runs ``_chain`` on each group and gathers the outputs. Subclasses implement ``_chain``."""
+
+    def __init__(self, energy, *, precision: str, devices: Sequence[torch.device | str | int] | None,
+                 gather: bool) -> None:
+        if not callable(energy):
+            raise TypeError(f"energy must be a module or callable mapping [B, d] to [B], got {type(energy).__name__}")
+        self.energy = energy
+        self.precision = precision
+        self._precision = precision_code(precision)
+        self.devices = None if devices is None else [torch.device(as_device(d)) for d in devices]
+        if self.devices is not None and not self.devices:
+            raise ValueError("devices must name at least one device")
+        self.gather = bool(gather)
+        self._energies: dict[torch.device, object] = {}
+
+    def _chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, want: dict, generator,
+               inplace: bool) -> dict[str, torch.Tensor]:
+        """Run the chains from x (B, d) on x's device; returns {"x": final states, and what ``want`` asks for}.
+        May update x in place only when ``inplace``."""
+        raise NotImplementedError
+
+    def _run(self, x, n_samples, dim, n_steps, thin, want: dict, *, inplace: bool, generator, device,
+             dtype) -> dict[str, torch.Tensor]:
+        n_steps = integer("n_steps", n_steps, 0)
+        thin = integer("thin", thin, 1)
+        if x is not None:
+            if not isinstance(x, torch.Tensor) or x.dim() != 2:
+                raise ValueError(f"x must be a tensor of shape [B, d] (2 dims), got "
+                                 f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            n_total, dim = x.shape
+        else:
+            if inplace:
+                raise ValueError("inplace=True updates the chains of x: give x")
+            if n_samples is None or n_samples < 0:
+                raise ValueError(f"give x, or n_samples >= 0 (got {n_samples}) and dim")
+            dim = dim if dim is not None else (self.energy.dim if isinstance(self.energy, GaussianEnergy) else None)
+            if dim is None or dim < 1:
+                raise ValueError(f"give x, or dim >= 1 with n_samples (got dim={dim})")
+            n_total = n_samples
+        device = torch.device(device) if device is not None else self._default_device(x)
+        dtype = dtype or (x.dtype if x is not None else torch.get_default_dtype())
+        run = dict(n_steps=n_steps, thin=thin, want=want)
+        world = _dist.world()
+        # In place on one device: the chain group updates x itself (no copy when x already has the device and
+        # dtype); otherwise the result is copied into x at the end.
+        direct = inplace and world is None and len(self.devices or [device]) == 1
+        if world is None:
+            out = self._sample_devices(x, n_total, dim, device, dtype, generator, shard_base=0,
+                                       shard_total=len(self.devices or [device]), inplace=direct, **run)
+        else:
+            rank, size = world
+            sizes = _dist.share_sizes(n_total, size)
+            local_x = None if x is None else x.tensor_split(size)[rank]
+            per_rank = len(self.devices or [device])
+            out = self._sample_devices(local_x, sizes[rank], dim, device, dtype, generator,
+                                       shard_base=rank * per_rank, shard_total=size * per_rank, inplace=False, **run)
+            if self.gather:
+                out = {k: _dist.all_gather_rows(v, sizes) for k, v in out.items()}
+        if inplace and out["x"] is not x:
+            target = x if world is None or self.gather else x.tensor_split(world[1])[world[0]]
+            out["x"] = target.copy_(out["x"])
+        return out
+
+    def _default_device(self, x: torch.Tensor | None) -> torch.device:
+        if self.devices:
+            return self.devices[0]
+        if x is not None:
+            return x.device
+        if isinstance(self.energy, torch.nn.Module):
+            for t in [*self.energy.buffers(), *self.energy.parameters()]:
+                return t.device
+        return torch.device("cpu")
+
+    def _energy_on(self, device: torch.device):
+        if not isinstance(self.energy, torch.nn.Module) or isinstance(self.energy, AnalyticEnergy):
+            return self.energy
+        if device not in self._energies:
+            tensors = [*self.energy.buffers(), *self.energy.parameters()]
+            self._energies[device] = self.energy if all(t.device == device for t in tensors) else \
+                copy.deepcopy(self.energy).to(device)
+        return self._energies[device]
+
+    def _sample_devices(self, x, n, dim, device, dtype, generator, *, shard_base, shard_total, inplace, n_steps,
+                        thin, want):
+        devices = self.devices or [device]
+        if shard_total == 1:  # one chain group: the caller's generator as given, so manual_seed reproduces it
+            gens = [generator]
+        else:
+            gens = _dist.shard_generators(devices, generator, shard_base)
+        sizes = _dist.share_sizes(n, len(devices))
+        xs = [None] * len(devices) if x is None else [x] if len(devices) == 1 else x.tensor_split(len(devices))
+        outs = []
+        for dev, x_i, n_i, gen in zip(devices, xs, sizes, gens):
+            with _dist.on_device(dev) as stream:
+                fresh = x_i is None
+                if fresh:
+                    x_i = torch.randn(n_i, dim, generator=gen, device=dev, dtype=dtype)
+                else:
+                    x_i = x_i.to(dev, dtype, non_blocking=True)
+                result = self._chain(self._energy_on(dev), x_i, n_steps, thin, want, gen,
+                                     inplace=fresh or (inplace and x_i is x))
+                outs.append((result, stream))
+        target = devices[0]
+        parts: dict[str, list[torch.Tensor]] = {}
+        for result, stream in outs:
+            _dist.join_stream(stream, *result.values())
+            for k, v in result.items():
+                parts.setdefault(k, []).append(v.to(target))
+        return {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in parts.items()}
