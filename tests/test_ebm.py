@@ -1157,7 +1157,9 @@ def test_hmc_chain_matches_twin(name, dtype, device):
 
     w_traj, w_e, w_acc, w_count = twins.hmc_loop(want, energy_and_grad, step, 4, n_steps, thin, True, True, True,
                                                  None, noise, uniform)
-    scale = 20.0 if dtype == torch.float32 else 1e3
+    # float32: Ackley's gradient (exp, cos(2 pi x), 1/r) differs from the twin's by a few ulps per evaluation, and
+    # 24 leapfrog steps amplify that along a trajectory
+    scale = (100.0 if name == "ackley" else 20.0) if dtype == torch.float32 else 1e3
     assert torch.equal(acc, w_acc) and torch.equal(count, w_count)
     assert_close(got, want, scale=scale)
     assert_close(traj, w_traj, scale=scale)
@@ -1222,8 +1224,14 @@ def test_hmc_acceptance_rate_matches_twin(kind):
     # equal within binomial error (5 sigma, two-sample).
     n = 8192
     if kind == "mlp":
+        # a random MLP is nearly linear at unit scale (HMC then accepts everything and the test could not fail):
+        # steeper first and last layers give curvature, and step 0.8 an acceptance rate near 0.85
         energy = _mlp_energy([4, 64, 64], "silu", "cuda", seed=12)
-        step = 0.2
+        with torch.no_grad():
+            energy.layers[0].weight.mul_(8.0)
+            energy.layers[-1].weight.mul_(4.0)
+            energy.layers[-1].bias.mul_(4.0)
+        step = 0.8
     else:
         energy, step = ebm.DoubleWellEnergy(1.0, 1.0), 0.25
     x0 = randn(n, 4, device="cuda")

@@ -165,13 +165,17 @@ def main(quick: bool = False, families: list[str] | None = None, json_path: str 
     for family in families:
         for case in family_cases(family, device, quick):
             try:
-                rows.extend(run_case(case, ceilings=ceilings, quick=quick))
+                case_rows = run_case(case, ceilings=ceilings, quick=quick)
             except Exception as exc:  # report and go on: one broken case should not hide the rest
                 print(f"{family}/{case.name}: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-                rows.append(dict(family=family, case=case.name, impl="FAILED", seconds=float("nan"),
-                                 ratio=float("nan")))
+                case_rows = [dict(family=family, case=case.name, impl="FAILED", seconds=float("nan"),
+                                  ratio=float("nan"))]
+            rows.extend(case_rows)
+            # each case as it finishes (a run cut short by a time limit keeps what it measured), the table last
+            print(format_table(case_rows, device_name, ceilings).split("\n", 3)[3], flush=True)
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump(dict(device=device_name, torch=torch.__version__, ceilings=ceilings, rows=rows), f,
+                              indent=1)
     print(format_table(rows, device_name, ceilings))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(dict(device=device_name, torch=torch.__version__, ceilings=ceilings, rows=rows), f, indent=1)
     return status or (0 if all(r["impl"] != "FAILED" for r in rows) else 1)
