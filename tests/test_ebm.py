@@ -1157,9 +1157,11 @@ def test_hmc_chain_matches_twin(name, dtype, device):
 
     w_traj, w_e, w_acc, w_count = twins.hmc_loop(want, energy_and_grad, step, 4, n_steps, thin, True, True, True,
                                                  None, noise, uniform)
-    # float32: Ackley's gradient (exp, cos(2 pi x), 1/r) differs from the twin's by a few ulps per evaluation, and
-    # 24 leapfrog steps amplify that along a trajectory
-    scale = (100.0 if name == "ackley" else 20.0) if dtype == torch.float32 else 1e3
+    # float32: the rough energies' gradients (Rastrigin's and Ackley's cos(2 pi x), Ackley's exp and 1/r) differ from
+    # the twin's by a few ulps per evaluation, and 24 leapfrog steps on their curvature amplify that along a
+    # trajectory (seen: 2.5e-4 relative on an energy of 13); float64 shows the computations are the same
+    rough = name in ("rastrigin", "ackley")
+    scale = (200.0 if rough else 20.0) if dtype == torch.float32 else 1e3
     assert torch.equal(acc, w_acc) and torch.equal(count, w_count)
     assert_close(got, want, scale=scale)
     assert_close(traj, w_traj, scale=scale)

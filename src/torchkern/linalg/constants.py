@@ -46,8 +46,10 @@ EIGH_INNER_SWEEPS = 1
 EIGH_BLOCK = 32
 EIGH_SMALL_MAX_N = 168
 # Cold starts (no Q0) with n >= EIGH_TORCH_FROM_N go to torch.linalg.eigh (cuSOLVER) instead of the block method;
-# 0: never. Set from benchmarks: the n where eigh/<B>x<n>'s "torchkern" stops beating "torch".
-EIGH_TORCH_FROM_N = 0
+# 0: never. Set from benchmarks (H100, 2026-11-24): the block method took 0.48 ms per matrix at n = 256 (11x
+# torch's 5.5 ms) and 21.5 ms at n = 1024 (torch: 11 ms); its cost grows about as n^2.8, torch's about as n^0.5
+# over that range, so they cross near n = 700.
+EIGH_TORCH_FROM_N = 704
 
 COMPILE_DEFINITIONS.update({
     "TORCHKERN_EIGH_TOL_F32": EIGH_TOL_F32,

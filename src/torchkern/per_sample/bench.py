@@ -362,12 +362,15 @@ def no_tf32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def compare_grads(ours: nn.Module, theirs: nn.Module, rtol: float = 1e-4) -> None:
-    """Every parameter's .grad agrees to float32 rounding: |diff| <= rtol (|theirs| + the largest |.grad| entry of
-    the model); the absolute part covers gradients that cancel to ~0 (a bias right before a normalization)."""
-    scale = max(q.grad.abs().max().item() for q in theirs.parameters())
+def compare_grads(ours: nn.Module, theirs: nn.Module, rtol: float = 2e-5) -> None:
+    """Every parameter's .grad agrees to float32 rounding: ||diff|| <= rtol (||theirs|| + 0.01 max ||.grad|| over the
+    model's parameters), in the Frobenius norm. The two sum the batch's clipped terms in different orders, so single
+    entries where the terms cancel differ by more than their own size suggests; the absolute part covers gradients
+    that cancel to ~0 as a whole (a bias right before a normalization)."""
+    scale = max(q.grad.norm().item() for q in theirs.parameters())
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+        err, ref = (p.grad - q.grad).norm().item(), q.grad.norm().item()
+        assert err <= rtol * (ref + 0.01 * scale), f"{name}: ||ours - opacus|| = {err:.3g}, ||opacus|| = {ref:.3g}"
 
 
 def _dp_case(device: str, name: str, quick: bool) -> Case:
