@@ -16,8 +16,10 @@ nothing. The guarantees are in docs/design.md ("The loader").
   access: a read-only cache that holds the build works.
 - **Locked builds.** A build runs under an ``flock`` that the kernel releases when its holder dies;
   the wait is bounded (``TORCHKERN_LOCK_TIMEOUT``). It compiles in a private staging directory,
-  in a child process that leads its own process group and dies with its parent (taking ninja and
-  the compilers along), and is published by one atomic rename. A failed build leaves nothing.
+  in a child process that, when its parent dies (even by SIGKILL, Linux) or is interrupted, stops
+  ninja and the compilers (which ninja runs in process groups of their own) within about a second,
+  and is published by one atomic rename. A failed build leaves nothing; a killed one's staging
+  directory is removed by the next build into the cache.
 
 Environment variables (read and validated by :func:`settings` and nowhere else):
 
@@ -482,12 +484,52 @@ def plan(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Seque
                 is_python_module, key)
 
 
-# The build runs in this child: it leads its own process group (ninja and the compilers join it) and
-# asks the kernel for SIGTERM when its parent dies, on which it kills the whole group. A parent killed
-# by SIGKILL (no cleanup of its own) therefore leaves no compiler running into a deleted directory.
+# The build runs in this child. It leads its own process group, and ninja joins it; but ninja starts each
+# compile command in a process group of its own (posix_spawn with SETPGROUP), so killing this group alone
+# would leave the compilers running, reparented to init, into a directory nobody will publish. The child
+# therefore stops a build in three steps, on SIGTERM: it notes the process groups of its descendants (from
+# /proc, Linux), sends SIGTERM to its own group (ninja then sends SIGTERM to each running command's group,
+# waits for them and exits), reaps its children for up to a second, then SIGKILLs the noted groups (what
+# ignored SIGTERM) and its own. It asks the kernel for that SIGTERM when its parent dies (PR_SET_PDEATHSIG;
+# where prctl is missing only the parent's own handler sends it), so even a parent killed by SIGKILL
+# leaves no compiler running.
 _BUILD_CHILD = textwrap.dedent("""
-    import ctypes, json, logging, os, signal, sys
-    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+    import contextlib, ctypes, json, logging, os, signal, sys, time
+
+    def descendant_groups():
+        parents, groups = {}, {}
+        with contextlib.suppress(OSError):
+            for entry in os.listdir("/proc"):
+                if entry.isdigit():
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        with open(f"/proc/{entry}/stat") as f:
+                            fields = f.read().rpartition(")")[2].split()
+                        parents.setdefault(int(fields[1]), []).append(int(entry))
+                        groups[int(entry)] = int(fields[2])
+        found, todo = set(), [os.getpid()]
+        while todo:
+            for pid in parents.get(todo.pop(), ()):
+                found.add(groups[pid])
+                todo.append(pid)
+        return found - {os.getpgrp()}
+
+    def stop(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        groups = descendant_groups()
+        os.killpg(0, signal.SIGTERM)  # ninja stops its commands' groups, waits for them, exits
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    time.sleep(0.02)
+            except ChildProcessError:  # every child is gone
+                break
+        for group in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGKILL)
+        os.killpg(0, signal.SIGKILL)
+
+    signal.signal(signal.SIGTERM, stop)
     libc = ctypes.CDLL(None)
     if hasattr(libc, "prctl"):
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
@@ -519,14 +561,46 @@ def _compile(p: Plan, build_dir: Path, verbose: bool) -> None:
                              stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = child.communicate()
-    except BaseException:  # KeyboardInterrupt, a timeout of the caller's: the compilers go too
+    except BaseException:  # KeyboardInterrupt, a timeout of the caller's: the child stops ninja and the compilers
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGKILL)
-        child.wait()
+            os.kill(child.pid, signal.SIGTERM)
+        try:
+            child.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
         raise
     if child.returncode != 0:
         detail = output.strip() if output else "(the compiler output is above: TORCHKERN_VERBOSE=1)"
         raise BuildError(f"torchkern: building {p.name} failed:\n{detail}")
+
+
+def _remove_stale_staging(staging: Path, locks: Path, key: str) -> None:
+    """Remove the staging directories of builds that were killed: this key's (the caller holds its lock) and
+    every other key's whose lock is free (a live build holds its key's lock; the kernel released a dead
+    one's). A directory whose lock file is missing is left alone (``clean`` may have removed the lock of a
+    live build)."""
+    try:
+        entries = list(staging.iterdir())
+    except FileNotFoundError:  # another build's cleanup removed the empty .staging just now
+        return
+    for stale in entries:
+        other = stale.name.rpartition(".")[0]
+        if other == key:
+            shutil.rmtree(stale, ignore_errors=True)
+            continue
+        try:
+            fd = os.open(locks / f"{other}.lock", os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(stale, ignore_errors=True)
+        except OSError:  # held: that build is alive
+            pass
+        finally:
+            os.close(fd)
 
 
 def _build(p: Plan, root: Path, why: str, verbose: bool) -> float:
@@ -535,8 +609,7 @@ def _build(p: Plan, root: Path, why: str, verbose: bool) -> float:
         raise BuildError("torchkern: ninja was not found (pip install ninja)")
     staging = root / ".staging"
     staging.mkdir(parents=True, exist_ok=True)
-    for stale in staging.glob(f"{p.key}.*"):  # left by a killed build; we hold the key's lock
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_stale_staging(staging, root / "locks", p.key)
     build_dir = Path(tempfile.mkdtemp(prefix=f"{p.key}.", dir=staging))
     status(f"compiling {p.name} for {arch_tag(p.archs)} ({_rebuild_reason(why)}; cached in {root})...")
     start = time.perf_counter()

@@ -8,6 +8,7 @@ replaces the compile step with one that records what it was asked to build.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -251,9 +252,19 @@ SLOW_EXTRA = ("#include <regex>\n#include <random>\n#include <future>\n#include 
               "static std::regex r(\"a+b\"); static std::mt19937 g;")
 
 
-def _start_slow_build(tmp_path: Path, cache: Path, name: str, new_session: bool):
+# A compile that keeps g++ busy for about a minute on this project's 2-core machine (24 constant evaluations
+# of ~3 s each, every one under GCC's default -fconstexpr-ops-limit): far longer than the tests' 2 s deadline
+# for the compilers to stop, so a compiler that survives its builder is caught, not outlived.
+ENDLESS_EXTRA = ("constexpr unsigned long long spin(unsigned long long x) {\n"
+                 "    for (unsigned long long i = 0; i < 10; ++i)\n"
+                 "        for (unsigned long long j = 0; j < 100000; ++j) x = x * 6364136223846793005ULL + j;\n"
+                 "    return x;\n}\n"
+                 + "".join(f"static_assert(spin({k}) | 1, \"keeps the compiler busy\");\n" for k in range(1, 25)))
+
+
+def _start_slow_build(tmp_path: Path, cache: Path, name: str, new_session: bool, extra: str = SLOW_EXTRA):
     """A build that takes seconds, started in a child; returns the child once it is compiling."""
-    slow = write_source(tmp_path / "src", answer=9, extra=SLOW_EXTRA)
+    slow = write_source(tmp_path / "src", answer=9, extra=extra)
     code = f"import torchkern_jit; torchkern_jit.load({name!r}, [{str(slow)!r}])"
     proc = subprocess.Popen([sys.executable, "-c", code], env=child_env(), stderr=subprocess.PIPE,
                             start_new_session=new_session)
@@ -290,20 +301,65 @@ def test_a_build_killed_midway_blocks_nothing(cache, tmp_path):
     assert not (cache / ".staging").exists(), "the dead build's staging directory is cleaned up"
 
 
+def _assert_compilers_stop(staging: Path, seconds: float) -> None:
+    """Every process working in ``staging`` is gone within ``seconds``; survivors are killed either way, so
+    a failure does not leave a compiler busy for a minute."""
+    deadline = time.monotonic() + seconds
+    try:
+        while left := _compilers_in(staging):
+            if time.monotonic() > deadline:
+                names = [(pid, Path(f"/proc/{pid}/comm").read_text().strip()) for pid in left
+                         if Path(f"/proc/{pid}/comm").exists()]
+                pytest.fail(f"{len(left)} processes still compiling in the staging directory {seconds} s after "
+                            f"the builder stopped: {names}")
+            time.sleep(0.05)
+    finally:
+        for pid in _compilers_in(staging):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
 def test_killing_the_builder_alone_stops_its_compilers(cache, tmp_path):
-    """kill -9 of the Python process that builds (not its group): ninja and the compilers die with it
-    instead of compiling on into a staging directory nobody will publish."""
-    proc, _ = _start_slow_build(tmp_path, cache, "tk_orphans", new_session=False)
+    """kill -9 of the Python process that builds (not its group): ninja and the compilers (which ninja runs in
+    process groups of their own) die with it instead of compiling on into a staging directory nobody will
+    publish. The compile would take about a minute; the compilers must be gone 2 s after the kill."""
+    proc, _ = _start_slow_build(tmp_path, cache, "tk_orphans", new_session=False, extra=ENDLESS_EXTRA)
     staging = cache / ".staging"
     assert _compilers_in(staging)
     proc.kill()
     proc.wait()
-    deadline = time.monotonic() + 10
-    while _compilers_in(staging):
-        assert time.monotonic() < deadline, f"compilers outlived their builder: {_compilers_in(staging)}"
-        time.sleep(0.1)
+    _assert_compilers_stop(staging, 2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_interrupting_the_builder_stops_its_compilers(cache, tmp_path):
+    """Ctrl-C (SIGINT to the building process only: the build runs in a session of its own) raises
+    KeyboardInterrupt in the builder, which stops ninja and the compilers and removes the staging directory."""
+    proc, _ = _start_slow_build(tmp_path, cache, "tk_interrupted", new_session=False, extra=ENDLESS_EXTRA)
+    staging = cache / ".staging"
+    proc.send_signal(signal.SIGINT)
+    _assert_compilers_stop(staging, 2.0)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err.decode(), err.decode()[-2000:]
+    assert not staging.exists(), list(staging.iterdir())
+
+
+def test_the_next_build_removes_staging_directories_of_dead_builds_only(cache, tmp_path):
+    """A killed build's staging directory (its key's lock free) goes at the next build of any key; one whose
+    key's lock is held (a live build) stays."""
+    (cache / "locks").mkdir(parents=True)
+    dead = cache / ".staging" / "tk_dead-0123456789abcdef.x1y2z3"
+    live = cache / ".staging" / "tk_live-fedcba9876543210.a1b2c3"
+    for directory in (dead, live):
+        directory.mkdir(parents=True)
+        (directory / "answer.o").write_bytes(b"half built")
+        (cache / "locks" / f"{directory.name.rpartition('.')[0]}.lock").write_text("999999")
+    with jit.file_lock(cache / "locks" / f"{live.name.rpartition('.')[0]}.lock", timeout=0):
+        lib = jit.load("tk_sweeper", [write_source(tmp_path / "src", answer=5)])
+    assert lib.built and not dead.exists() and live.exists()
 
 
 # ---------------------------------------------------------------------------------------------- damaged caches
