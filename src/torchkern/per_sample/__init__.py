@@ -2,10 +2,21 @@
 
 Semantics (the same on every path): the per-sample gradient of sample ``i`` is
 ``grad_theta loss_fn(model(inputs[i:i+1]), targets[i:i+1])``, i.e. each sample is a batch of one, as with
-``torch.func.vmap(torch.func.grad(...))``. The model must not mix samples (BatchNorm in training mode raises),
-and every layer holding trainable parameters must see the batch in dim 0 of its input (as Opacus requires; a
-layer called on an un-batched tensor, e.g. a position embedding on ``arange(T)``, makes ``"auto"`` fall back to
-torch.func, unless T happens to equal the batch size: pass batched positions).
+``torch.func.vmap(torch.func.grad(...))``. The model must not mix or reorder samples, nor depend on the batch
+size (BatchNorm in training mode raises).
+
+Batch dim rule (fused path): a layer's input (a torch.func unit's arguments and outputs) has the batch in dim 0
+when that dim has size B in the batch's forward and size 1 in a forward on ``inputs[:1]``, which the fused path
+runs in every call (B > 1) for that purpose (the RNG state is put back after it; forward hooks of your own see
+it). A tensor whose dim 0 has size B by coincidence, such as a position embedding on ``arange(T)`` with T = B or
+a sequence-first (T, B, d) input with T = B, is therefore never taken for a batch: ``"auto"`` falls back to
+torch.func and ``"fused"`` raises ValueError naming the layer. For the fused path, give every layer holding
+trainable parameters the batch in dim 0 (e.g. positions expanded to (B, T), ``batch_first=True``).
+
+Parameter uses: every trainable parameter must be used only inside the forward of the module that holds it
+(a torch.func unit's forward may use any parameter below it). A parameter also used elsewhere (read by a parent,
+passed to another layer, tied) is detected in every call, not once per model: ``"auto"`` falls back to torch.func
+and ``"fused"`` raises ValueError naming the parameter.
 
 Paths (``method``):
 

@@ -159,6 +159,12 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     to (a gradient already there would not be private). ``loss_reduction``, ``method``: as in
     :func:`per_sample_gradients`; the result is the same whichever reduction the loss uses.
 
+    Batch dim and parameter uses (see ``torchkern.per_sample``): on the fused path a layer's input has the batch in
+    dim 0 only when that dim has size B here and size 1 in a forward on ``inputs[:1]`` (run in every call with
+    B > 1, RNG state restored), so T = B coincidences (``arange(T)`` positions, sequence-first inputs) are never
+    taken for a batch; a parameter used outside the forward of the module holding it is detected in every call.
+    Either makes ``"auto"`` fall back to torch.func (right for both) and ``"fused"`` raise ValueError.
+
     Noise: float32 (float64 for float64 parameters) whatever the parameters' dtype, drawn once per step from
     ``generator`` (on the parameters' device) or, by default, from a torch generator reseeded on every step
     with 64 bits from ``secrets`` (the OS's cryptographic random source). Torch's generators (Philox on CUDA,
@@ -172,10 +178,11 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     divides by 1). ``max_norm`` must stay the same within a step. ``.grad`` is only written by the finalizing
     call.
 
-    ``torch.autocast``: the forward runs under the caller's autocast; each layer's products use its own
-    compute dtype; sums, norms and noise are float32. ``use_cuda_graph=True`` (CUDA inputs; as for
-    :func:`per_sample_grad_norms`): the norms and clipped sums are captured once per model, loss, shapes and
-    ``max_norm`` and replayed; the noise is drawn outside the graph.
+    ``torch.autocast``: the forward runs under the caller's autocast; each layer's norms use its own compute
+    dtype; clip factors, clipped products, sums, norms and noise are float32 (a low-precision activation is
+    scaled by its sample's factor in float32, never by a factor rounded to its dtype). ``use_cuda_graph=True``
+    (CUDA inputs; as for :func:`per_sample_grad_norms`): the norms and clipped sums are captured once per model,
+    loss, shapes and ``max_norm`` and replayed; the noise is drawn outside the graph.
 
     Raises ValueError for a non-finite or non-positive ``max_norm``, a negative ``noise_multiplier``, a
     ``generator`` on another device, ``batch_size`` <= 0, mismatched batch sizes, a model without trainable

@@ -5,28 +5,42 @@ trainable parameters, one backward to those modules' outputs (never to the param
 Units. Every module holding a trainable parameter directly is a unit: a layer with a rule (``layers.RULES``, exact
 type) or, for any other module, a torch.func unit, whose per-sample gradients come from
 ``torch.func.functional_call`` on that module alone with its recorded arguments, vmapped over the batch
-(``vmap(grad(<module(x_i), g_i>))``): never the whole model. A unit that did not run but whose parameters the loss
-uses (``nn.MultiheadAttention.out_proj``, whose weight its parent reads directly) is folded into the nearest
-enclosing torch.func unit that ran.
+(``vmap(grad(<module(x_i), g_i>))``): never the whole model. A unit that did not run (``nn.MultiheadAttention``'s
+``out_proj``, whose weight its parent reads directly) is folded into the nearest enclosing torch.func unit that
+ran.
 
 Each hook records its module's arguments, their version counters and its output's gradient edge
 (``torch.autograd.graph.get_gradient_edge``: the gradient with respect to the output as it was produced, even
 when a later in-place op such as ``ReLU(inplace=True)`` changes it). The backward is one
 ``torch.autograd.grad`` of the summed per-sample losses with respect to those edges.
 
+Parameter uses, checked in every call. While a unit runs, its parameters (a torch.func unit: every trainable
+parameter below it too) are swapped for fresh leaf aliases of the same storage, so a use inside the unit's call
+reaches an alias and any other use reaches the parameter itself (or, inside an enclosing torch.func unit but
+outside the call of the unit that owns the parameter, that enclosing unit's alias). The backward also asks for
+the gradients of the parameters and of those enclosing aliases: all of them must come back None (unreachable:
+nothing computed). Any other answer means a use the units' gradients would miss.
+
+Batch dims. A recorded tensor (a rule layer's input; a torch.func unit's arguments and outputs) has the batch in
+dim 0 when that dim has the batch size B and size 1 in a forward on the first sample alone: B alone cannot tell a
+batch from a sequence of B positions (``arange(T)`` with T = B, a (T, B, d) sequence-first input). That probe
+forward (with autograd, the RNG state put back after it; skipped for B = 1, where any dim 0 of size 1 is the
+batch) runs in every call, for about the host time of a forward.
+
 What the recording pass does not cover (``method="auto"`` then falls back to torch.func over the whole model,
 which is right for all of them; ``method="fused"`` raises ValueError saying which applies):
 
 * a trainable parameter held by two modules (tied weights), or a unit that ran more than once in one forward;
-* a rule layer's parameter also used outside its layer: the loss's autograd graph is walked once per model
-  structure and call pattern to count every parameter's uses (through autocast's cached casts);
-* a layer input without the batch in dim 0, or modified in place after the layer ran;
+* a parameter used outside the call of the module that holds it (e.g. a parent reading a child's weight);
+* a layer input without the batch in dim 0 (see above), or modified in place after the layer ran;
+* a forward on one sample that runs other modules, or a module whose exception the model caught;
 * ``nn.Embedding(sparse=True)`` or ``scale_grad_by_freq=True``.
 
 BatchNorm in training mode mixes the samples of a batch: every path raises ValueError.
 
 Per-call overhead: the module scan is cached per model and revalidated by identity on every call; hooks live
-only for the forward; a ``"mean"`` loss is scaled through the backward's seed; nothing waits for the device.
+only for the forward; the batch-dim probe costs about a forward's host time; a ``"mean"`` loss is scaled through
+the backward's seed; nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -56,12 +70,20 @@ def fail(message: str):
 
 class _Unit:
     """A module holding trainable parameters: its rule (None: a torch.func unit), its trainable parameters'
-    local -> qualified names, and the torch.func units among its ancestors (indices, nearest first)."""
+    local -> qualified names, the torch.func units among its ancestors (indices, nearest first), and the
+    (module, local name, qualified name) slots its calls swap for aliases: its own parameters first, then (a
+    torch.func unit) every trainable parameter below it."""
 
-    __slots__ = ("name", "module", "rule", "names", "above")
+    __slots__ = ("name", "module", "rule", "names", "above", "slots")
 
     def __init__(self, name: str, module: nn.Module, rule: Rule | None, names: dict[str, str]):
         self.name, self.module, self.rule, self.names, self.above = name, module, rule, names, ()
+        own = tuple((module, local, q) for local, q in names.items())
+        below = () if rule is not None else tuple(
+            (m, local, ".".join(filter(None, (name, prefix, local))))
+            for prefix, m in module.named_modules() if prefix
+            for local, p in m._parameters.items() if p is not None and p.requires_grad)
+        self.slots = own + below
 
     def describe(self) -> str:
         return f"{self.name or '<root>'} ({type(self.module).__name__})"
@@ -80,16 +102,18 @@ def _unchanged(module: nn.Module, children: tuple, params: tuple) -> bool:
 class Plan:
     """What the per-sample functions need to know about a model, computed once per model structure.
 
-    ``params``: the trainable parameters in ``named_parameters`` order. ``units``: see the module docstring.
-    ``problem``: why the recording pass cannot apply to this structure, or None. ``resolved``: per call pattern
-    (how many times each unit ran), the validated assignment of parameters to units or the reason it failed.
+    ``params``: the trainable parameters in ``named_parameters`` order. ``units``: see the module docstring;
+    ``holder``: each parameter's unit. ``problem``: why the recording pass cannot apply to this structure, or
+    None. ``resolved``: per call pattern (how many times each unit ran), the assignment of parameters to units or
+    the reason there is none. ``probes``: the last batch-dim probe per call pattern and input shape (reused only
+    by CUDA-graph captures; see the module docstring).
     A plan stays valid while every submodule keeps the same children and parameters (compared by identity) and
     every parameter its ``requires_grad``; :func:`plan` checks that on each call, for a few hundred nanoseconds
     per submodule instead of a full scan.
     """
 
-    __slots__ = ("_root", "_below", "_flat", "_flags", "params", "units", "problem", "batchnorms", "resolved",
-                 "layout")
+    __slots__ = ("_root", "_below", "_flat", "_flags", "params", "units", "holder", "problem", "batchnorms",
+                 "resolved", "probes", "layout")
 
     def __init__(self, model: nn.Module):
         named = list(model.named_modules())
@@ -100,8 +124,10 @@ class Plan:
         self.params: dict[str, nn.Parameter] = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.batchnorms = tuple(m for _, m in named if isinstance(m, nn.modules.batchnorm._BatchNorm))
         self.resolved: dict[tuple, object] = {}
+        self.probes: dict[tuple, object] = {}
         self.layout = None  # the clipping module's buffer layout, made on first use
         self.units, self.problem = self._scan(model, named)
+        self.holder = {q: unit for unit in self.units for q in unit.names.values()}
 
     def _scan(self, model: nn.Module, named: list) -> tuple[tuple[_Unit, ...], str | None]:
         owners: dict[int, list[str]] = {}
@@ -123,7 +149,8 @@ class Plan:
             if rule is None:
                 func_units[prefix] = len(units)
             else:
-                problem = rule.problem(m)
+                problem = rule.problem(m) if set(names) <= {"weight", "bias"} else \
+                    f"parameters {sorted(names)} (expected weight and bias: e.g. torch.nn.utils.weight_norm)"
                 if problem is not None:
                     return (), f"{prefix or '<root>'}: {problem}"
             units.append(_Unit(prefix, m, rule, names))
@@ -168,13 +195,14 @@ def _version(x: object) -> int | None:
 
 
 class _Call:
-    """One recorded call of a unit: its arguments, their versions then, and for each output leaf that requires
-    grad its position, metadata and gradient edge."""
+    """One recorded call of a unit: its arguments, their versions then, for each output leaf that requires grad
+    its position, metadata and gradient edge, the aliases its call swapped in for parameters below the unit
+    (qualified name -> alias), and (set once the probe is known) which argument leaves and outputs are batched."""
 
-    __slots__ = ("args", "kwargs", "versions", "outs", "edges")
+    __slots__ = ("args", "kwargs", "versions", "outs", "edges", "aliases", "batched", "outs_batched")
 
-    def __init__(self, args: tuple, kwargs: dict | None, output: object):
-        self.args, self.kwargs = args, kwargs
+    def __init__(self, args: tuple, kwargs: dict | None, output: object, aliases: dict | None = None):
+        self.args, self.kwargs, self.aliases = args, kwargs, aliases
         leaves = args if kwargs is None else tree_flatten((args, kwargs))[0]
         self.versions = tuple(map(_version, leaves))
         if isinstance(output, torch.Tensor):  # the common case, kept short: this runs in every forward
@@ -192,18 +220,71 @@ class _Call:
         return tuple(map(_version, self.leaves())) == self.versions
 
 
-def _rule_hook(calls: list) -> Callable:
-    def hook(module, args, output):
-        calls.append(_Call(args, None, output))
+def _swap_in(unit: _Unit, stack: list) -> Callable:
+    """Forward pre-hook: the unit's parameter slots get fresh leaf aliases (views: autocast caches no cast of a
+    view, so a step under a long-lived autocast context leaves nothing behind)."""
+    def hook(module, args):
+        saved, aliases = [], []
+        for mod, local, _ in unit.slots:
+            current = mod._parameters[local]
+            saved.append(current)
+            alias = mod._parameters[local] = current.detach()[...].requires_grad_()
+            aliases.append(alias)
+        stack.append((unit, saved, aliases))
 
     return hook
 
 
-def _func_hook(calls: list) -> Callable:
+def _recorder(unit: _Unit, calls: list, stack: list) -> Callable:
+    """Forward hook: puts back what the unit's pre-hook swapped out and records the call."""
     def hook(module, args, kwargs, output):
-        calls.append(_Call(args, kwargs, output))
+        if not stack or stack[-1][0] is not unit:  # a module's exception was caught by the model
+            stack.append((None, (), {}))  # never popped: _forward gives up
+            return
+        _, saved, aliases = stack.pop()
+        for (mod, local, _), t in zip(unit.slots, saved):
+            mod._parameters[local] = t
+        own = len(unit.names)
+        aliases = {q: a for (_, _, q), a in zip(unit.slots[own:], aliases[own:])} or None
+        calls.append(_Call(args, kwargs if unit.rule is None else None, output, aliases))
 
     return hook
+
+
+def _sizes0(tensors) -> tuple:
+    return tuple(t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in tensors)
+
+
+def _sizer(unit: _Unit, calls: list) -> Callable:
+    """Forward hook of the batch-dim probe: dim 0's sizes of the call's argument leaves (as ``_Call.leaves``) and
+    of every leaf of its output."""
+    def hook(module, args, kwargs, output):
+        leaves = args if unit.rule is not None else tree_flatten((args, kwargs))[0]
+        outs = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+        calls.append((_sizes0(leaves), _sizes0(outs)))
+
+    return hook
+
+
+def _forward(p: Plan, model: nn.Module, inputs: torch.Tensor, hooks: list[Callable], stack: list | None = None):
+    """``model(inputs)`` with ``hooks`` (one per unit) as forward hooks and, given the ``_recorder`` hooks'
+    ``stack``, every unit's parameters aliased during its calls; returns the outputs, or None where the
+    aliases could not be put back in order."""
+    handles = []
+    try:
+        for unit, hook in zip(p.units, hooks):
+            if stack is not None:
+                handles.append(unit.module.register_forward_pre_hook(_swap_in(unit, stack), prepend=True))
+            handles.append(unit.module.register_forward_hook(hook, with_kwargs=True))
+        outputs = model(inputs)
+    finally:
+        for h in handles:
+            h.remove()
+        if stack:  # an exception (raised, or caught by the model) skipped a unit's forward hook
+            for unit in p.units:
+                for mod, local, q in unit.slots:
+                    mod._parameters[local] = p.params[q]
+    return None if stack else outputs
 
 
 class Entry:
@@ -254,99 +335,126 @@ def _seed(total: torch.Tensor, scale: int) -> torch.Tensor | None:
     return seed
 
 
-def _param_uses(total: torch.Tensor, params: dict[str, nn.Parameter]) -> dict[int, int]:
-    """How many times the autograd graph of ``total`` uses each parameter (by id): edges into its
-    AccumulateGrad node, where autocast's cached cast of a parameter (one node shared by every use in the
-    forward) counts each edge into the cast."""
-    ids = {id(p) for p in params.values()}
-    uses: dict[int, int] = {}
-    if total.grad_fn is None:
-        return uses
-    incoming: dict = {}
-    casts: set = set()
-    stack, seen = [total.grad_fn], {total.grad_fn}
-    while stack:
-        node = stack.pop()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            var = getattr(nxt, "variable", None)
-            if var is not None:
-                if id(var) in ids:
-                    uses[id(var)] = uses.get(id(var), 0) + 1
-                    if node.name() == "ToCopyBackward0":
-                        casts.add((id(var), node))
-                continue
-            incoming[nxt] = incoming.get(nxt, 0) + 1
-            if nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    for pid, node in casts:
-        uses[pid] += incoming.get(node, 1) - 1
-    return uses
-
-
-def _resolve(p: Plan, counts: tuple[int, ...], total: torch.Tensor) -> tuple | str:
-    """For one call pattern: ((unit index, folded-in (relative, qualified) names), ...) and the unused
-    parameters' names, or why the recording pass does not apply."""
-    uses = _param_uses(total, p.params)
+def _resolve(p: Plan, counts: tuple[int, ...]) -> tuple | str:
+    """For one call pattern (how many times each unit ran): ((unit index, folded-in (relative, qualified)
+    names), ...) for the units that ran, and the names of the parameters whose units did not run and have no
+    enclosing torch.func unit that ran (zero gradients: the backward checks that nothing uses them); or why the
+    recording pass does not apply."""
     active: dict[int, list] = {}
     zeros: list[str] = []
     for i, (unit, n) in enumerate(zip(p.units, counts)):
         if n > 1:
             return f"{unit.describe()} ran {n} times in one forward (its parameters are used more than once)"
         if n == 1:
-            if unit.rule is not None:
-                for q in unit.names.values():
-                    k = uses.get(id(p.params[q]), 0)
-                    if k > 1:
-                        return (f"parameter {q} is used {k} times by the loss's autograd graph but its layer "
-                                f"{unit.describe()} ran once (it is also used outside that layer)")
             active.setdefault(i, [])
-            continue
-        used = [q for q in unit.names.values() if uses.get(id(p.params[q]), 0)]
-        if not used:
-            zeros.extend(unit.names.values())
             continue
         owner = next((j for j in unit.above if counts[j] == 1), None)
         if owner is None:
-            return (f"parameter {used[0]} is used by the loss but its module {unit.describe()} did not run (nor did "
-                    "an enclosing module with parameters of its own)")
+            zeros.extend(unit.names.values())
+            continue
         prefix = p.units[owner].name
         active.setdefault(owner, []).extend((q[len(prefix) + 1:] if prefix else q, q) for q in unit.names.values())
     return tuple((i, tuple(active[i])) for i in sorted(active)), tuple(zeros)
+
+
+_AMBIGUOUS = "pass tensors with the batch in dim 0 (e.g. positions expanded to (B, T)), or use method='func'"
+
+
+def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, ...]) -> tuple | str:
+    """dim 0's sizes (``_sizer``) of every unit call in a forward on ``inputs[:1]``, per unit, or why the
+    two forwards cannot be compared. Run in every call: a verdict kept across calls could go stale when the model
+    changes what it feeds a layer. Only a CUDA-graph capture reuses the verdict of the warm-up call that ran just
+    before it on the same shapes (its replays repeat what it captured anyway)."""
+    key = (counts, inputs.shape[1:])
+    capturing = inputs.is_cuda and torch.cuda.is_current_stream_capturing()
+    if capturing and key in p.probes:
+        return p.probes[key]
+    probe: list[list[tuple]] = [[] for _ in p.units]
+    # with autograd, as recorded (some modules take other paths without it); the RNG state put back after
+    rng = contextlib.nullcontext() if capturing else torch.random.fork_rng([inputs.device] if inputs.is_cuda else [])
+    try:
+        with rng, torch.enable_grad():
+            _forward(p, model, inputs[:1], [_sizer(unit, c) for unit, c in zip(p.units, probe)])
+        failed = None
+    except Exception as exc:  # per-sample gradients are those of batches of one: the fallback will say more
+        failed = f"a forward on one sample failed ({type(exc).__name__}: {exc})"
+    if failed or tuple(map(len, probe)) != counts:
+        dims = failed or "a forward on one sample runs other modules than on the batch"
+    else:
+        dims = tuple(map(tuple, probe))
+    if len(p.probes) >= 16:  # bounded: a caller cycling through shapes
+        p.probes.clear()
+    p.probes[key] = dims
+    return dims
+
+
+def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
+    """Sets which of the call's argument leaves and outputs have the batch in dim 0 (size B here, size 1 in the
+    probe's call, ``dims``; None: B = 1, where any dim 0 of size 1 is the batch); False if the calls differ."""
+    size0 = _sizes0(call.leaves())
+    if dims is None:
+        dims = ((1,) * len(size0), {i: 1 for i, *_ in call.outs})
+    elif len(dims[0]) != len(size0) or any(i >= len(dims[1]) for i, *_ in call.outs):
+        return False
+    call.batched = tuple(s == batch and d == 1 for s, d in zip(size0, dims[0]))
+    call.outs_batched = tuple(len(shape) > 0 and shape[0] == batch and dims[1][i] == 1
+                              for i, shape, _, _ in call.outs)
+    return True
+
+
+def _graph_holds_leaves() -> bool:
+    """Whether a leaf used by an op is referenced from C++ by its gradient accumulator (``_use_count`` > 1)."""
+    leaf = torch.zeros(1, requires_grad=True)
+    before = leaf._use_count()
+    with torch.enable_grad():
+        out = leaf * 2
+    held = leaf._use_count() > before
+    del out
+    return held
+
+
+_COUNTS_TELL = None  # _graph_holds_leaves(), checked on first use
+
+
+def _maybe_used(leaf: torch.Tensor) -> bool:
+    """False only where no autograd graph can use ``leaf``: its C++ use count is 1 (just its Python object; an op
+    that uses it makes its gradient accumulator hold it), which spares the backward an input per parameter.
+    True wherever that cannot be read (then the backward itself checks every one)."""
+    global _COUNTS_TELL
+    if _COUNTS_TELL is None:
+        _COUNTS_TELL = hasattr(leaf, "_use_count") and _graph_holds_leaves()
+    return not _COUNTS_TELL or leaf._use_count() > 1
 
 
 def _check_call(unit: _Unit, call: _Call, batch: int) -> str | None:
     if not call.inputs_unchanged():
         return f"an input of {unit.describe()} was modified in place after the module ran"
     if unit.rule is not None:
-        reason = unit.rule.check(unit.module, call.args[0] if call.args else None, batch)
+        x = call.args[0] if call.args else None
+        reason = unit.rule.check(unit.module, x, batch)
+        if reason is None and not call.batched[0]:
+            reason = (f"dim 0 of its input {list(x.shape)} has the batch size {batch} but is not the batch (a "
+                      f"forward on one sample does not make it 1): {_AMBIGUOUS}")
         return None if reason is None else f"{unit.describe()}: {reason}"
-    for _, shape, _, _ in call.outs:
-        if len(shape) == 0 or shape[0] != batch:
-            return f"{unit.describe()}: its output {list(shape)} has no batch dim 0 of size {batch}"
+    for (_, shape, _, _), ok in zip(call.outs, call.outs_batched):
+        if not ok:
+            return (f"{unit.describe()}: its output {list(shape)} has no batch dim 0 of size {batch} (or that dim "
+                    f"is not the batch: a forward on one sample does not make it 1)")
     return None
 
 
 def _record(p: Plan, model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
             loss_reduction: str | None) -> tuple[Run | None, str | None]:
     calls: list[list[_Call]] = [[] for _ in p.units]
-    handles = []
     device_type = inputs.device.type
     autocast = (device_type, torch.get_autocast_dtype(device_type)) \
         if torch.is_autocast_enabled(device_type) else None
     with torch.enable_grad():
-        try:
-            for unit, c in zip(p.units, calls):
-                if unit.rule is None:
-                    handles.append(unit.module.register_forward_hook(_func_hook(c), with_kwargs=True))
-                else:
-                    handles.append(unit.module.register_forward_hook(_rule_hook(c)))
-            outputs = model(inputs)
-        finally:
-            for h in handles:
-                h.remove()
+        stack: list = []
+        hooks = [_recorder(unit, c, stack) for unit, c in zip(p.units, calls)]
+        outputs = _forward(p, model, inputs, hooks, stack)
+        if outputs is None:
+            return None, "a module's forward raised an exception that the model caught"
         if loss_reduction is None:  # any loss_fn: per-sample losses through vmap (~0.2 ms of Python)
             total = per_sample_losses(loss_fn, outputs, targets).sum()
         else:  # the caller vouches that the batch loss is the sum (or the mean) of the per-sample losses
@@ -356,14 +464,25 @@ def _record(p: Plan, model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
     if resolution is None:
         if len(p.resolved) >= 16:  # bounded: data-dependent control flow with many call patterns
             p.resolved.clear()
-        resolution = p.resolved[counts] = _resolve(p, counts, total)
+        resolution = p.resolved[counts] = _resolve(p, counts)
     if isinstance(resolution, str):
         return None, resolution
     active, zeros = resolution
     batch = inputs.shape[0]
+    dims = _probe(p, model, inputs, counts) if batch > 1 else None
+    if isinstance(dims, str):
+        return None, dims
+    # every use of a parameter must reach the alias of the unit that owns it: the parameter itself and the
+    # aliases enclosing torch.func units made of parameters they do not own must get no gradient
+    checks = [(q, t, None) for q, t in p.params.items() if _maybe_used(t)]
     chosen, edges, zeros = [], [], list(zeros)
     for i, extra in active:
         unit, call = p.units[i], calls[i][0]
+        if not _mark_batched(call, batch, None if dims is None else dims[i][0]):
+            return None, f"{unit.describe()}: a forward on one sample calls it with other arguments"
+        if call.aliases:
+            folded = {q for _, q in extra}
+            checks.extend((q, a, unit) for q, a in call.aliases.items() if q not in folded and _maybe_used(a))
         reason = _check_call(unit, call, batch)
         if reason is not None:
             return None, reason
@@ -373,9 +492,15 @@ def _record(p: Plan, model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
             continue
         chosen.append((unit, call, extra))
         edges.extend(call.edges)
-    # "mean": differentiate B * loss by seeding the backward with B (d(B L) = B dL, exactly as scaling would)
-    grads = (torch.autograd.grad(total, edges, _seed(total, batch if loss_reduction == "mean" else 1),
-                                 allow_unused=True) if edges and total.requires_grad else [None] * len(edges))
+    grads = [None] * (len(edges) + len(checks))
+    if total.requires_grad and (edges or checks):
+        # "mean": differentiate B * loss by seeding the backward with B (d(B L) = B dL, exactly as scaling would)
+        grads = torch.autograd.grad(total, edges + [t for _, t, _ in checks],
+                                    _seed(total, batch if loss_reduction == "mean" else 1), allow_unused=True)
+    for (q, _, enclosing), g in zip(checks, grads[len(edges):]):
+        if g is not None:
+            where = f" (inside {enclosing.describe()})" if enclosing else ""
+            return None, f"parameter {q} is used outside the forward of its module {p.holder[q].describe()}{where}"
     entries, k = [], 0
     for unit, call, extra in chosen:
         gs = []
@@ -461,15 +586,15 @@ def func_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targ
 
 def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
     """Per-sample gradients of a torch.func unit's parameters: functional_call on that module alone, with its
-    recorded arguments (tensors whose dim 0 has the batch size are batched, the rest shared), vmapped over the
-    batch, differentiating <module(x_i), g_i>."""
-    unit, call, batch = entry.unit, entry.call, run.batch
+    recorded arguments (those with the batch in dim 0 batched, the rest shared), vmapped over the batch,
+    differentiating <module(x_i), g_i>."""
+    unit, call = entry.unit, entry.call
     module = unit.module
     names = list(unit.names.items()) + list(entry.extra)
     params = {rel: module.get_parameter(rel).detach() for rel, _ in names}
     leaves = call.leaves()
     spec = tree_flatten((call.args, call.kwargs or {}))[1]
-    batched = [isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch for t in leaves]
+    batched = call.batched
     xs = [t.detach() for t, b in zip(leaves, batched) if b]
     shared = [None if b else (t.detach() if isinstance(t, torch.Tensor) else t) for t, b in zip(leaves, batched)]
     picks = [i for i, *_ in call.outs]

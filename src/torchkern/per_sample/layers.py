@@ -26,7 +26,12 @@ Rules by layer (T: positions per sample, every dim between the batch and the fea
   :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear. Clipped sum: the kept per-sample
   weight gradients (GEMV), else the convolution's own weight gradient of c * g (no unfolding).
 
-Exact module types only (as Opacus): a subclass may change ``forward``.
+Clipped sums scale by the clip factors in their dtype (float32; float64 for float64 layers): a low-precision
+operand is scaled, and multiplied, in float32, never by a factor rounded to its own dtype (a bfloat16 factor
+would take a clipped gradient up to 1 + 2^-9 past the bound).
+
+Exact module types only (as Opacus): a subclass may change ``forward``; a rule layer must hold no trainable
+parameters but ``weight`` and ``bias`` (``torch.nn.utils.weight_norm`` adds others: a torch.func fallback).
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() <= 3 else x.flatten(1, -2)
 
 
-def _bcast(c: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Clip factors (B,) as like's dtype, shaped to broadcast over like's non-batch dims."""
-    return c.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+def _scaled(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """t scaled by the clip factors c (B,) along dim 0, in c's dtype (float32 for a low-precision t: rounding c,
+    or each product, to bfloat16 would scale a clipped gradient by up to 1 + 2^-9, past the clipping bound)."""
+    return t * c.view(-1, *([1] * (t.dim() - 1)))
 
 
 def _sq(t: torch.Tensor) -> torch.Tensor:
@@ -84,12 +90,13 @@ class Writer:
             self.views[name].zero_()
 
     def mm(self, name: str, m1: torch.Tensor, m2: torch.Tensor) -> None:
-        """view += m1 @ m2 (one GEMM into the view when the dtypes allow, else a product and an add)."""
+        """view += m1 @ m2 (one GEMM into the view when the dtypes allow, else a product in the view's dtype
+        and an add)."""
         view = self.views[name]
         if m1.dtype == m2.dtype == view.dtype:
             (view if view.dim() == 2 else view.view(m1.shape[0], m2.shape[1])).addmm_(m1, m2, beta=self.beta)
         else:
-            self.put(name, m1 @ m2)
+            self.put(name, m1.to(view.dtype) @ m2.to(view.dtype))
 
     def mv(self, name: str, mat: torch.Tensor, vec: torch.Tensor) -> None:
         """view (flattened) += mat @ vec: mat (numel, B), vec (B,)."""
@@ -174,15 +181,15 @@ class LinearRule(Rule):
         # of the GEMM)
         g2, a2 = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
         if a.shape[-1] < g.shape[-1]:
-            writer.mm(names["weight"], g2.T, (a * _bcast(c, a)).reshape(a2.shape))
+            writer.mm(names["weight"], g2.T, _scaled(a, c).reshape(a2.shape))
         else:
-            writer.mm(names["weight"], (g * _bcast(c, g)).reshape(g2.shape).T, a2)
-        if "bias" in names:  # sum_i c_i sum_t g_it: a GEMV over the rows, each row's factor its sample's
-            rows = c if g.dim() == 2 else c.unsqueeze(1).expand(g.shape[0], g.shape[1]).reshape(-1)
-            if g2.dtype == writer.views[names["bias"]].dtype:
-                writer.mv(names["bias"], g2.T, rows.to(g2.dtype))
-            else:
-                writer.put(names["bias"], torch.mv(g2.T, rows.to(g2.dtype)))
+            writer.mm(names["weight"], _scaled(g, c).reshape(g2.shape).T, a2)
+        if "bias" in names:
+            if g2.dtype == c.dtype:  # sum_i c_i sum_t g_it: a GEMV over the rows, each row's factor its sample's
+                rows = c if g.dim() == 2 else c.unsqueeze(1).expand(g.shape[0], g.shape[1]).reshape(-1)
+                writer.mv(names["bias"], g2.T, rows)
+            else:  # low precision: each sample's rows summed in c's dtype first
+                writer.mv(names["bias"], (g if g.dim() == 2 else g.sum(1, dtype=c.dtype)).T, c)
 
     def grads(self, module, x, g, names):
         a, g = self._inputs(x, g)
@@ -230,7 +237,7 @@ class EmbeddingRule(Rule):
     def clip(self, module, state, c, names, writer):
         idx, g = state
         pad = -1 if module.padding_idx is None else module.padding_idx
-        grad = torch.ops.aten.embedding_dense_backward(g * _bcast(c, g), idx, module.num_embeddings, pad, False)
+        grad = torch.ops.aten.embedding_dense_backward(_scaled(g, c), idx, module.num_embeddings, pad, False)
         writer.put(names["weight"], grad)
 
     def grads(self, module, x, g, names):
@@ -393,9 +400,10 @@ class ConvRule(Rule):
             else:  # the convolution's own weight gradient, bilinear in (x, g): scale the smaller of the two
                 g, xp = state["g"], state["xp"].to(state["g"].dtype)
                 if xp.numel() < g.numel():
-                    xp = xp * _bcast(c, xp)
+                    xp = _scaled(xp, c)
                 else:
-                    g = g * _bcast(c, g)
+                    g = _scaled(g, c)
+                xp, g = xp.to(c.dtype), g.to(c.dtype)
                 weight_grad = torch.nn.grad.conv1d_weight if self.dims == 1 else torch.nn.grad.conv2d_weight
                 writer.put(names["weight"], weight_grad(xp, module.weight.shape, g, module.stride, state["padding"],
                                                         module.dilation, module.groups))
