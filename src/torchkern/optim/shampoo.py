@@ -563,8 +563,11 @@ class Shampoo(torch.optim.Optimizer):
             pn = torch.linalg.vector_norm(P, dim=(-2, -1))
             if key[3]:  # layer-wise (per block) grafting: Shampoo's direction at the grafting direction's norm
                 dn = self._graft_norms(entries)
-                good = torch.isfinite(pn) & (pn > 0)  # else (overflow, all zero) the grafting direction itself
-                ratio = torch.where(good, dn / pn, 0.0)[:, None, None]
+                raw = dn / pn
+                # else (overflow, all zero, or a norm so tiny that the ratio overflows and 0 * inf would be NaN)
+                # the grafting direction itself
+                good = torch.isfinite(pn) & (pn > 0) & torch.isfinite(raw)
+                ratio = torch.where(good, raw, 0.0)[:, None, None]
                 P = torch.where(good[:, None, None], P * ratio, torch.stack([e[1] for e in entries]))
             else:
                 P = torch.where(torch.isfinite(pn)[:, None, None], P, M)
