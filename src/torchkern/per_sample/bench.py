@@ -362,7 +362,7 @@ def no_tf32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def compare_grads(ours: nn.Module, theirs: nn.Module, rtol: float = 2e-5) -> None:
+def compare_grads(ours: nn.Module, theirs: nn.Module, rtol: float = 2e-5, label: str = "reference") -> None:
     """Every parameter's .grad agrees to float32 rounding: ||diff|| <= rtol (||theirs|| + 0.01 max ||.grad|| over the
     model's parameters), in the Frobenius norm. The two sum the batch's clipped terms in different orders, so single
     entries where the terms cancel differ by more than their own size suggests; the absolute part covers gradients
@@ -370,7 +370,7 @@ def compare_grads(ours: nn.Module, theirs: nn.Module, rtol: float = 2e-5) -> Non
     scale = max(q.grad.norm().item() for q in theirs.parameters())
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
         err, ref = (p.grad - q.grad).norm().item(), q.grad.norm().item()
-        assert err <= rtol * (ref + 0.01 * scale), f"{name}: ||ours - opacus|| = {err:.3g}, ||opacus|| = {ref:.3g}"
+        assert err <= rtol * (ref + 0.01 * scale), f"{name}: ||ours - {label}|| = {err:.3g}, ||{label}|| = {ref:.3g}"
 
 
 def _dp_case(device: str, name: str, quick: bool) -> Case:
@@ -388,15 +388,20 @@ def _dp_case(device: str, name: str, quick: bool) -> Case:
         run = {impl: ours[impl]() for impl in impls}
 
         def check():
+            # Opacus clips the same batched forward and backward as torchkern: agreement to float32 rounding.
+            # torch.func computes each sample's gradient on its own; on the H100 the 4x1024 MLP's batched float32
+            # forward and backward (cuBLAS, TF32 off) moved the per-sample norms by up to 1.5e-3 and the clipped
+            # sums by 5e-3 against a float64 reference, identically for torchkern and Opacus, while vmap's
+            # per-sample products stayed at 3e-7: against torch.func the bound is that platform difference.
             with no_tf32():
                 torchkern_step(model, x, y, noise=0.0)()
-                references = [torch_func_step]
+                references = [(torch_func_step, 1e-2, "torch_func")]
                 if HAS_OPACUS:
-                    references.append(lambda m, *a, noise: opacus_step(m, *a, ghost, noise=noise))
-                for make in references:
+                    references.append((lambda m, *a, noise: opacus_step(m, *a, ghost, noise=noise), 2e-5, "opacus"))
+                for make, rtol, label in references:
                     other = copy.deepcopy(model)
                     make(other, x, y, noise=0.0)()
-                    compare_grads(model, other)
+                    compare_grads(model, other, rtol, label)
 
         return Prepared(run, check=check, note=_memory_note(run, device))
 
