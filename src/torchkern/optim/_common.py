@@ -109,6 +109,55 @@ class StepGuard:
                                   RuntimeWarning, stacklevel=5)
 
 
+class GuardedOptimizer(torch.optim.Optimizer):
+    """What torchkern's optimizers share around their own ``_step``: the non-finite step guard
+    (:class:`StepGuard`, ``skipped_steps``), caches rebuilt on unpickling and deepcopy (they are not state), state
+    dicts taken after pending skips are settled, and ``step(closure)`` outside autocast. A subclass sets ``_name``,
+    extends ``_init_caches`` and implements ``_step``."""
+
+    _name = "optimizer"
+
+    def _init_caches(self) -> None:
+        self._guard = StepGuard(self._name)
+
+    def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the caches are not part of the state
+        super().__setstate__(state)
+        self._init_caches()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because their gradients were not all finite (reads the device's flags: may wait)."""
+        self._guard.settle()
+        return self._guard.skipped
+
+    def state_dict(self) -> dict:
+        self._guard.settle()  # the counters of skipped steps taken back first
+        return super().state_dict()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One optimization step; ``closure`` (re-evaluating the loss) is optional."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with no_autocast():
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _params_with_grads(self) -> list[torch.Tensor]:
+        """The parameters this step updates (those with a gradient), after earlier steps' skips are settled."""
+        self._guard.settle()
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{self._name} does not support sparse gradients")
+        return params
+
+
 # ----------------------------------------------------------------------------- state dicts
 
 

@@ -30,15 +30,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._checks import opmath_dtype
-from ._common import (StepGuard, check_arg, check_state_dict, eigh, is_int, is_real, load_state_dict_keeping_dtypes,
-                      no_autocast)
+from ._common import (GuardedOptimizer, check_arg, check_state_dict, eigh, is_int, is_real,
+                      load_state_dict_keeping_dtypes, no_autocast)
 
 _STAT_KEYS = frozenset({"A", "G", "QA", "dA", "QG", "dG", "momentum_buffer"})
 _FACTOR_KEYS = ("A", "G", "QA", "dA", "QG", "dG")
@@ -82,7 +81,7 @@ def _conv_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     return cols.transpose(1, 2)
 
 
-class KFAC(torch.optim.Optimizer):
+class KFAC(GuardedOptimizer):
     """K-FAC for the ``nn.Linear`` and ``nn.Conv2d`` layers of ``model``; SGD for its other parameters.
 
     Args:
@@ -170,19 +169,11 @@ class KFAC(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ hooks
 
+    _name = "KFAC"
+
     def _init_caches(self) -> None:
-        self._guard = StepGuard("KFAC")
+        super()._init_caches()
         self._eigen_stacks: dict = {}  # see _stacked_eigen
-
-    def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the caches are not part of the state
-        super().__setstate__(state)
-        self._init_caches()
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because their gradients were not all finite (reads the device's flags: may wait)."""
-        self._guard.settle()
-        return self._guard.skipped
 
     def _capturing(self, module: nn.Module) -> bool:
         self._guard.settle(wait=False)  # a skip already known takes its step back before the schedule is read
@@ -246,7 +237,6 @@ class KFAC(torch.optim.Optimizer):
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        self._guard.settle()
         out = super().state_dict()
         out["kfac_steps"] = self.steps
         return out
@@ -278,28 +268,17 @@ class KFAC(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
+    def _step(self) -> None:
         """Fold captured factors, refresh eigendecompositions when due, precondition, clip, update."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with no_autocast():
-            self._guard.settle()
-            params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-            for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError("KFAC does not support sparse gradients")
-            fresh = [layer for layer in self._layers if "A" not in self.state[layer.weight]]
-            ok, _ = self._guard.check([p.grad for p in params], lambda: self._undo(fresh))
-            self._fold_factors(ok)
-            self._update_eigen(self.steps % self.inv_update_freq == 0, ok)
-            updates = self._preconditioned(ok)
-            self._apply(updates, ok)
+        params = self._params_with_grads()
+        fresh = [layer for layer in self._layers if "A" not in self.state[layer.weight]]
+        ok, _ = self._guard.check([p.grad for p in params], lambda: self._undo(fresh))
+        self._fold_factors(ok)
+        self._update_eigen(self.steps % self.inv_update_freq == 0, ok)
+        updates = self._preconditioned(ok)
+        self._apply(updates, ok)
         self.steps += 1
         self._guard.settle(wait=False)
-        return loss
 
     def _undo(self, fresh: list) -> None:
         """A skipped step: the step count goes back, and factors first created in that step are dropped."""

@@ -39,13 +39,13 @@ import functools
 import math
 import operator
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from .._checks import opmath_dtype
-from ._common import (PRECISIONS, StepGuard, as_operand, bmm, check_arg, check_state_dict, is_int, is_real,
-                      load_state_dict_keeping_dtypes, no_autocast)
+from ._common import (PRECISIONS, GuardedOptimizer, as_operand, bmm, check_arg, check_state_dict, is_int, is_real,
+                      load_state_dict_keeping_dtypes)
 
 _GRAFTINGS = ("adam", "adagrad", None)
 _ROOT_METHODS = ("auto", "eigh", "newton")
@@ -191,7 +191,7 @@ def _graft(grads: list, moments: list, sqs: list, beta1: float, decay: float, we
     return directions, norm_refs
 
 
-class Shampoo(torch.optim.Optimizer):
+class Shampoo(GuardedOptimizer):
     """Shampoo (Gupta et al. 2018; Anil et al. 2020; Shi et al. 2023) with grafting.
 
     Args:
@@ -273,17 +273,13 @@ class Shampoo(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._init_caches()
 
+    _name = "Shampoo"
+
     def _init_caches(self) -> None:
+        super()._init_caches()
         self._root_stacks: dict = {}  # see _stacked_roots
         self._root_budgets: dict[tuple, _RootBudget] = {}  # see _RootBudget
         self._norm_picks: dict[tuple, torch.Tensor] = {}  # see _graft_norms
-        self._guard = StepGuard("Shampoo")
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because their gradients were not all finite (reads the device's flags: may wait)."""
-        self._guard.settle()
-        return self._guard.skipped
 
     # ------------------------------------------------------------------ state
 
@@ -323,14 +319,6 @@ class Shampoo(torch.optim.Optimizer):
     def _block_sizes(p: torch.Tensor, group: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
         return block_grid(p.shape, group["max_preconditioner_dim"])  # per step and parameter: cached
 
-    def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the caches are not part of the state
-        super().__setstate__(state)
-        self._init_caches()
-
-    def state_dict(self) -> dict:
-        self._guard.settle()  # step counts of skipped steps taken back first
-        return super().state_dict()
-
     def load_state_dict(self, state_dict: dict) -> None:
         """``Optimizer.load_state_dict`` after checking every saved state entry against the parameters (ValueError
         naming the parameter); the statistics keep their saved dtype."""
@@ -341,29 +329,14 @@ class Shampoo(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        """One optimization step; ``closure`` (re-evaluating the loss) is optional."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with no_autocast():
-            self._step()
-        return loss
-
     def _undo(self, params: list) -> None:
         for p in params:
             self.state[p]["step"] -= 1
 
     def _step(self) -> None:
-        self._guard.settle()
-        stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        stepped = self._params_with_grads()
         if not stepped:
             return
-        for p in stepped:
-            if p.grad.is_sparse:
-                raise RuntimeError("Shampoo does not support sparse gradients")
         ok, skip = self._guard.check([p.grad for p in stepped], functools.partial(self._undo, stepped))
         roots_due: dict[tuple, list] = defaultdict(list)
         stat_buckets: dict[tuple, list] = defaultdict(list)  # (block shape, dtype, device, beta2, prec) -> (G, L, R)

@@ -38,20 +38,20 @@ import functools
 import math
 import operator
 from collections import defaultdict
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from .._checks import opmath_dtype
-from ._common import (StepGuard, as_operand, bmm, check_arg, check_state_dict, eigh, is_real,
-                      load_state_dict_keeping_dtypes, no_autocast)
+from ._common import (GuardedOptimizer, as_operand, bmm, check_arg, check_state_dict, eigh, is_real,
+                      load_state_dict_keeping_dtypes)
 from .shampoo import _as_matrix, apply_updates, assemble, block_grid, blocks, check_common_hyperparameters
 
 _REFRESHES = ("eigh", "qr")
 _STAT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "L", "R", "QL", "QR"})
 
 
-class SOAP(torch.optim.Optimizer):
+class SOAP(GuardedOptimizer):
     """SOAP (Vyas et al. 2024): Adam run in the eigenbasis of Shampoo's preconditioner.
 
     Args:
@@ -103,15 +103,11 @@ class SOAP(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._init_caches()
 
-    def _init_caches(self) -> None:
-        self._basis_stacks: dict = {}  # see _stacked_bases
-        self._guard = StepGuard("SOAP")
+    _name = "SOAP"
 
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped because their gradients were not all finite (reads the device's flags: may wait)."""
-        self._guard.settle()
-        return self._guard.skipped
+    def _init_caches(self) -> None:
+        super()._init_caches()
+        self._basis_stacks: dict = {}  # see _stacked_bases
 
     # ------------------------------------------------------------------ state
 
@@ -145,14 +141,6 @@ class SOAP(torch.optim.Optimizer):
             state["exp_avg_sq"] = zeros(p.shape)
         return state
 
-    def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the caches are not part of the state
-        super().__setstate__(state)
-        self._init_caches()
-
-    def state_dict(self) -> dict:
-        self._guard.settle()
-        return super().state_dict()
-
     def load_state_dict(self, state_dict: dict) -> None:
         """``Optimizer.load_state_dict`` after checking every saved state entry against the parameters (ValueError
         naming the parameter); the statistics keep their saved dtype."""
@@ -161,17 +149,6 @@ class SOAP(torch.optim.Optimizer):
         self._basis_stacks.clear()
 
     # ------------------------------------------------------------------ step
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None):
-        """One optimization step; ``closure`` (re-evaluating the loss) is optional."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        with no_autocast():
-            self._step()
-        return loss
 
     def _undo(self, entries: list) -> None:
         for p, was_init in entries:
@@ -182,13 +159,9 @@ class SOAP(torch.optim.Optimizer):
         self._basis_stacks.clear()
 
     def _step(self) -> None:
-        self._guard.settle()
-        stepped = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        stepped = self._params_with_grads()
         if not stepped:
             return
-        for p in stepped:
-            if p.grad.is_sparse:
-                raise RuntimeError("SOAP does not support sparse gradients")
         undo_entries = [(p, not self.state[p]) for p in stepped]
         ok, skip = self._guard.check([p.grad for p in stepped], functools.partial(self._undo, undo_entries))
         refresh_due: dict[tuple, list] = defaultdict(list)  # (n, dtype, device, method) -> [(factor, state, key, i)]
