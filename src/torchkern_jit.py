@@ -109,7 +109,7 @@ def settings() -> Settings:
     cache = Path(env.get("TORCHKERN_CACHE") or Path.home() / ".cache" / "torchkern").expanduser()
     if cache.exists() and not cache.is_dir():
         raise ConfigError(f"TORCHKERN_CACHE must name a directory (existing or to be created), but {cache} is a file")
-    raw = env.get("TORCHKERN_LOCK_TIMEOUT", "600").strip()
+    raw = env.get("TORCHKERN_LOCK_TIMEOUT", "").strip() or "600"  # empty means the default, as for the others
     try:
         lock_timeout = float(raw)
     except ValueError:

@@ -177,6 +177,16 @@ def test_bad_environment_values_are_named_errors(monkeypatch, var, value, messag
         jit.settings()
 
 
+@pytest.mark.parametrize("var", ["TORCHKERN_LOCK_TIMEOUT", "TORCHKERN_BACKEND", "TORCHKERN_VERBOSE", "MAX_JOBS",
+                                 "TORCHKERN_CACHE"])
+def test_empty_environment_values_mean_the_default(monkeypatch, var):
+    # an exported-but-empty variable (VAR= in a launcher script) is the same as an unset one, for every variable
+    monkeypatch.delenv(var, raising=False)
+    default = jit.settings()
+    monkeypatch.setenv(var, "")
+    assert jit.settings() == default
+
+
 def test_bad_environment_value_fails_the_import_with_its_name(tmp_path):
     out = run_python("import torchkern", env={"TORCHKERN_LOCK_TIMEOUT": "nan", "TORCHKERN_CACHE": str(tmp_path)})
     assert out.returncode != 0
