@@ -117,6 +117,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
     _name = "optimizer"
 
+    def __init__(self, params: Iterable, defaults: dict) -> None:
+        super().__init__(params, defaults)
+        self._init_caches()
+
     def _init_caches(self) -> None:
         self._guard = StepGuard(self._name)
 

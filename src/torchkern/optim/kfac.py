@@ -122,6 +122,8 @@ class KFAC(GuardedOptimizer):
     Call :meth:`remove_hooks` to detach the optimizer from the model.
     """
 
+    _name = "KFAC"
+
     def __init__(self, model: nn.Module, lr: float, damping: float = 1e-3, factor_decay: float = 0.95,
                  factor_update_freq: int = 1, inv_update_freq: int = 10, kl_clip: float | None = 1e-3,
                  momentum: float = 0.0, weight_decay: float = 0.0, batch_averaged: bool = True,
@@ -159,7 +161,6 @@ class KFAC(GuardedOptimizer):
         self._layers: list[_Layer] = []
         self._handles = []
         self._names = {p: n for n, p in model.named_parameters()}
-        self._init_caches()
         for module in model.modules():
             if _supported(module):
                 layer = _Layer(module)
@@ -168,8 +169,6 @@ class KFAC(GuardedOptimizer):
                 self._handles.append(module.register_forward_hook(self._make_output_hook(layer)))
 
     # ------------------------------------------------------------------ hooks
-
-    _name = "KFAC"
 
     def _init_caches(self) -> None:
         super()._init_caches()

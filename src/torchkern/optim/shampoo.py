@@ -238,6 +238,8 @@ class Shampoo(GuardedOptimizer):
     state dict that does not fit the parameters (naming the parameter); RuntimeError for sparse gradients.
     """
 
+    _name = "Shampoo"
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 1.0),
                  eps: float = 1e-6, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
                  max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
@@ -271,9 +273,6 @@ class Shampoo(GuardedOptimizer):
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps, root_method=root_method,
                         relative_eps=relative_eps, precision=precision)
         super().__init__(params, defaults)
-        self._init_caches()
-
-    _name = "Shampoo"
 
     def _init_caches(self) -> None:
         super()._init_caches()

@@ -81,6 +81,8 @@ class SOAP(GuardedOptimizer):
     state dict that does not fit the parameters (naming the parameter); RuntimeError for sparse gradients.
     """
 
+    _name = "SOAP"
+
     def __init__(self, params: Iterable, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
                  shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
                  precondition_frequency: int = 10, max_preconditioner_dim: int = 1024, refresh: str = "eigh",
@@ -101,9 +103,6 @@ class SOAP(GuardedOptimizer):
                         precondition_frequency=precondition_frequency, max_preconditioner_dim=max_preconditioner_dim,
                         refresh=refresh, precision=precision)
         super().__init__(params, defaults)
-        self._init_caches()
-
-    _name = "SOAP"
 
     def _init_caches(self) -> None:
         super()._init_caches()
