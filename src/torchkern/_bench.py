@@ -19,6 +19,8 @@ import time
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 FAMILIES = ("primitives", "ebm", "linalg", "per_sample", "optim")
 # Not a family of ops: the optimizers' training-quality suite (torchkern/optim/quality.py), run only when asked
@@ -130,12 +132,9 @@ def run_case(case: Case, *, ceilings: dict[str, float], quick: bool) -> list[dic
     return rows
 
 
-def format_table(rows: list[dict], device_name: str, ceilings: dict[str, float]) -> str:
-    lines = [f"device: {device_name}; torch {torch.__version__}; copy bandwidth {ceilings['copy'] / 1e9:.0f} GB/s "
-             f"(read + write), write bandwidth {ceilings['write'] / 1e9:.0f} GB/s, measured in this run",
-             "ratio = impl time / torchkern time (> 1: torchkern faster); 'of peak' = GB/s over the copy "
-             "(c) or write (w) bandwidth",
-             f"{'case':<40} {'impl':<16} {'time':>11} {'GB/s':>7} {'of peak':>8} {'TFLOP/s':>8} {'ratio':>8}"]
+def format_rows(rows: list[dict]) -> str:
+    """One line per (case, implementation), then the cases' notes: the body of :func:`format_table`."""
+    lines = []
     for row in rows:
         t = row["seconds"]
         t_txt = "failed" if t != t else (f"{t * 1e6:.1f} us" if t < 1e-3 else f"{t * 1e3:.3f} ms")
@@ -147,6 +146,15 @@ def format_table(rows: list[dict], device_name: str, ceilings: dict[str, float])
     notes = {f"{r['family']}/{r['case']}": r["note"] for r in rows if r.get("note")}
     lines += [f"note {case}: {note}" for case, note in notes.items()]
     return "\n".join(lines)
+
+
+def format_table(rows: list[dict], device_name: str, ceilings: dict[str, float]) -> str:
+    header = [f"device: {device_name}; torch {torch.__version__}; copy bandwidth {ceilings['copy'] / 1e9:.0f} GB/s "
+              f"(read + write), write bandwidth {ceilings['write'] / 1e9:.0f} GB/s, measured in this run",
+              "ratio = impl time / torchkern time (> 1: torchkern faster); 'of peak' = GB/s over the copy "
+              "(c) or write (w) bandwidth",
+              f"{'case':<40} {'impl':<16} {'time':>11} {'GB/s':>7} {'of peak':>8} {'TFLOP/s':>8} {'ratio':>8}"]
+    return "\n".join(header + ([format_rows(rows)] if rows else []))
 
 
 def main(quick: bool = False, families: list[str] | None = None, json_path: str | None = None) -> int:
@@ -172,10 +180,29 @@ def main(quick: bool = False, families: list[str] | None = None, json_path: str 
                                   ratio=float("nan"))]
             rows.extend(case_rows)
             # each case as it finishes (a run cut short by a time limit keeps what it measured), the table last
-            print(format_table(case_rows, device_name, ceilings).split("\n", 3)[3], flush=True)
+            print(format_rows(case_rows), flush=True)
             if json_path:
                 with open(json_path, "w") as f:
                     json.dump(dict(device=device_name, torch=torch.__version__, ceilings=ceilings, rows=rows), f,
                               indent=1)
     print(format_table(rows, device_name, ceilings))
     return status or (0 if all(r["impl"] != "FAILED" for r in rows) else 1)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LayerNorm transformer block for the benchmark models: self-attention built from nn.Linear (qkv, proj)
+    and an MLP (4x), so per-layer rules see Linear and LayerNorm; ``causal`` for language models."""
+
+    def __init__(self, dim: int, heads: int, causal: bool = False):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(att)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))

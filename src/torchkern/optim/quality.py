@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._bench import TransformerBlock
 from .kfac import KFAC
 from .shampoo import Shampoo
 from .soap import SOAP
@@ -192,27 +193,11 @@ def _cnn(device, quick: bool) -> Task:
                 lrs=dict(adamw=adam, sgd=[0.01, 0.03, 0.1], shampoo=adam, soap=adam, kfac=[0.01, 0.03, 0.1]))
 
 
-class _Block(nn.Module):
-    def __init__(self, d: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        B, T, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d)
-        x = x + self.proj(att)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 class _LM(nn.Module):
     def __init__(self, vocab: int, d: int, heads: int, layers: int, length: int):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(length, d)
-        self.blocks = nn.ModuleList(_Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(TransformerBlock(d, heads, causal=True) for _ in range(layers))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
 
     def forward(self, idx):

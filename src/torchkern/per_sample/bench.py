@@ -41,7 +41,7 @@ from torch import nn
 import torchkern
 from torchkern import per_sample
 
-from .._bench import Case, Prepared, synchronize
+from .._bench import Case, Prepared, TransformerBlock, synchronize
 
 B, D_IN, D_OUT, SEQ, CLASSES = 256, 1024, 1024, 32, 10
 
@@ -207,24 +207,6 @@ def mlp(width: int = 1024, depth: int = 4, classes: int = 10) -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
-class Block(nn.Module):
-    """Pre-LayerNorm transformer block: self-attention from nn.Linear (qkv, proj) and an MLP (4x)."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.fc1, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
-        x = x + self.proj(att)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 class Transformer(nn.Module):
     """Token + position embeddings, ``depth`` blocks, final LayerNorm, mean pooling, a linear classifier.
     Positions are looked up batched (B, T), as per-sample hooks (torchkern's and Opacus's) need."""
@@ -233,7 +215,7 @@ class Transformer(nn.Module):
                  classes: int = 2):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(depth)])
+        self.blocks = nn.Sequential(*[TransformerBlock(dim, heads) for _ in range(depth)])
         self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
 
     def forward(self, idx):
