@@ -1402,8 +1402,10 @@ def test_quality_suite_quick(tmp_path, capsys):
         assert (tmp_path / f"{name}.png").exists() == plots
         if plots:
             assert (tmp_path / f"{name}.png").stat().st_size > 1000
-        assert set(task["summary"]) == set(quality.OPTIMIZERS)
-        assert len(task["runs"]) == len(quality.OPTIMIZERS) * len(quality.SEEDS)
+        assert set(task["summary"]) == set(quality.OPTIMIZERS) | set(quality.VARIANTS)
+        assert len(task["runs"]) == (len(quality.OPTIMIZERS) + len(quality.VARIANTS)) * len(quality.SEEDS)
+        for variant, (base, _) in quality.VARIANTS.items():  # at the sibling's best learning rate
+            assert task["summary"][variant]["lr"] == task["summary"][base]["lr"]
         for run in task["runs"]:
             assert run["steps"][0] == 0 and len(run["steps"]) == len(run["losses"]) == len(run["seconds"])
         adamw = task["summary"]["adamw"]
