@@ -845,6 +845,30 @@ def test_mlp_langevin_chain_fp32_equals_generic_path(widths, device):
     assert state.min() >= -2.0 and state.max() <= 2.5
 
 
+@requires_cuda
+def test_mlp_fallback_replays_a_graph_and_follows_replaced_weights():
+    # Nine hidden layers: past the fused kernel's eight, so the chain takes the layer-by-layer path, which replays a
+    # CUDA graph by default; it equals the eager steps (noise off: the capture's warm-up steps draw from the
+    # generator), and a replaced weight is used.
+    energy = _mlp_energy([6] + [16] * 9, "tanh", "cuda", seed=3)
+    x = randn(64, 6, device="cuda")
+    assert ebm_mlp.plan(energy, x, ebm_constants.FP32, hmc=False) is None
+    sampler = ebm.LangevinDynamics(energy, 0.05, noise_scale=0.0, precision="fp32")
+
+    def eager(n_steps, seed):
+        gen, state = torch.Generator("cuda").manual_seed(seed), x.clone()
+        for _ in range(n_steps):
+            sampler._step(energy, state, gen)
+        return state
+
+    for replace in (False, True):
+        if replace:  # a new tensor, not an in-place update: the graph captured the old one
+            energy.layers[0].weight = torch.nn.Parameter(energy.layers[0].weight.detach() * 1.5)
+        got = sampler.sample(x.clone(), n_steps=7, generator=torch.Generator("cuda").manual_seed(11))
+        assert len(sampler._graphs) == 1 + replace
+        torch.testing.assert_close(got, eager(7, 11), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
 def test_mlp_langevin_chain_low_precision_error(precision, device):

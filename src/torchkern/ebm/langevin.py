@@ -69,7 +69,7 @@ class LangevinDynamics(ChainSampler):
     case. The Gaussian uses its fused score kernel plus the fused step per step; other energies (and MLPs the
     fused kernel does not take: other dtypes, more than 8 hidden layers, shared memory exceeded) take autograd's
     gradient plus the fused step, and with ``use_cuda_graph=True`` (CUDA inputs) capture one such step in a CUDA
-    graph and replay it.
+    graph and replay it; such MLPs on CUDA always do (a graph per shape and set of parameter tensors).
 
     ``devices=[...]`` splits the chains across devices (each on its own CUDA stream, with its own generator
     seeded from the caller's) and gathers the result on ``devices[0]``. When ``torch.distributed`` is
@@ -149,7 +149,9 @@ class LangevinDynamics(ChainSampler):
         kept = n_steps // thin if keep else 0
         traj = x.new_empty((x.shape[0], kept, x.shape[1]))
         state = x.contiguous().clone()
-        graphed = self.use_cuda_graph and x.is_cuda
+        # an MLPEnergy the fused kernel does not take is a fixed stack of layers, safe to capture: its steps replay
+        # a graph whatever use_cuda_graph says (launch-bound otherwise); other energies only when asked
+        graphed = (self.use_cuda_graph or isinstance(energy, mlp.MLPEnergy)) and x.is_cuda
         if graphed:
             advance = self._graphed_step(energy, state, generator)
             state = advance.output
@@ -168,8 +170,13 @@ class LangevinDynamics(ChainSampler):
 
     def _graphed_step(self, energy, state: torch.Tensor, generator):
         """A replayable CUDA graph of one step on a static buffer (captured once per shape, dtype, device)."""
-        key = (id(energy), tuple(state.shape), state.dtype, state.device, id(generator))
+        # the parameters' storage is part of the key: a graph reads the tensors it was captured with, so a module
+        # whose parameters were replaced (not updated in place) is captured again
+        key = (id(energy), tuple(state.shape), state.dtype, state.device, id(generator),
+               tuple(p.data_ptr() for p in energy.parameters()))
         if key not in self._graphs:
+            if len(self._graphs) >= 8:  # bounded: a caller cycling through shapes or replaced parameters
+                self._graphs.clear()
             static = torch.empty_like(state)
             scratch = state.clone()  # the warm-up steps advance a copy: the step is in place
             graph, _ = capture(lambda: self._step(energy, static, generator), state.device,
