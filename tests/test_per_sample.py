@@ -955,25 +955,99 @@ class _SequenceFirst(nn.Module):
         return self.head(self.body(x.transpose(0, 1)).mean(0))
 
 
+class _Queries(nn.Module):
+    """Learned queries (5 of them) attended by every position of every sample, looked up on arange(5) by an
+    embedding (``unit=False``) or returned by a module holding them (a torch.func unit): with B = 5 the only
+    size B beside the batch's is the queries' count, in the attention weights (not recorded) and the
+    parameters."""
+
+    def __init__(self, unit: bool):
+        super().__init__()
+        self.unit = unit
+        self.q = _Latents() if unit else nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        q = self.q() if self.unit else self.q(torch.arange(5, device=x.device))
+        return self.head((torch.softmax(x @ q.T, -1) @ q).mean(1))
+
+
+class _Latents(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.z = nn.Parameter(torch.randn(5, 4))
+
+    def forward(self):
+        return self.z * 1.0
+
+
+def _forward_counter(model):
+    """A list that gets an entry per forward of ``model``."""
+    count = []
+    model.register_forward_hook(lambda *args: count.append(1))
+    return count
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
-@pytest.mark.parametrize("make,message", [
-    (_Positions, r"pos \(Embedding\): dim 0 of its input \[5\] has the batch size 5 but is not the batch"),
-    (lambda: _SequenceFirst(False), r"body \(Linear\): dim 0 of its input \[5, 5, 4\] has the batch size 5 but"),
-    (lambda: _SequenceFirst(True), r"body.self_attn \(MultiheadAttention\): its output \[5, 5, 4\] has no batch"),
-], ids=["positions", "sequence_first", "encoder_sequence_first"])
-def test_batch_dim_is_not_taken_from_the_size(device, make, message):
-    """T == B: a layer input whose dim 0 has the batch size without being the batch is found by the one-sample
-    probe ("fused" raises, "auto" is right; it used to be taken as batched: 11-22% errors, no error raised),
-    while a batch-first model with T == B stays on the fused path."""
+@pytest.mark.parametrize("make,x_shape,message", [
+    (_Positions, (5, 5, 4), r"pos \(Embedding\): dim 0 of its input \[5\] has the batch size 5 but is not the batch"),
+    (lambda: _SequenceFirst(False), (5, 5, 4),
+     r"body \(Linear\): dim 0 of its input \[5, 5, 4\] has the batch size 5 but"),
+    (lambda: _SequenceFirst(True), (5, 5, 4),
+     r"body.self_attn \(MultiheadAttention\): its output \[5, 5, 4\] has no batch"),
+    (lambda: _Queries(False), (5, 3, 4), r"q \(Embedding\): dim 0 of its input \[5\] has the batch size 5 but"),
+    (lambda: _Queries(True), (5, 3, 4), r"q \(_Latents\): its output \[5, 4\] has no batch dim 0 of size 5"),
+], ids=["positions", "sequence_first", "encoder_sequence_first", "embedding_queries", "unit_queries"])
+def test_batch_dim_is_not_taken_from_the_size(device, make, x_shape, message):
+    """A layer input whose dim 0 has the batch size without being the batch (T == B; as many learned queries
+    as samples) is found by the one-sample probe, which these sizes make run ("fused" raises, "auto" is right;
+    it used to be taken as batched: 11-22% errors, no error raised), while a batch-first model with T == B stays
+    on the fused path."""
     torch.manual_seed(0)
     model = make().double().to(device)
-    x, y = randn(5, 5, 4, dtype=torch.float64, device=device), randn(5, 3, dtype=torch.float64, device=device)
+    x, y = randn(*x_shape, dtype=torch.float64, device=device), randn(5, 3, dtype=torch.float64, device=device)
+    forwards = _forward_counter(model)
     with pytest.raises(ValueError, match="method='fused' does not apply: " + message):
         per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+    assert len(forwards) == 2  # the batch's and the probe's
     _assert_auto_is_right(model, x, y)
     batch_first = _Head(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 4).double().to(device)
-    torch.testing.assert_close(per_sample_grad_norms(batch_first, mse_sum, x, y, method="fused"),
-                               _reference(batch_first, x, y)[1])
+    forwards = _forward_counter(batch_first)
+    fused = per_sample_grad_norms(batch_first, mse_sum, x, y, method="fused")
+    assert len(forwards) == (2 if x_shape[1] == 5 else 1)  # T == B: probed
+    torch.testing.assert_close(fused, _reference(batch_first, x, y)[1])
+
+
+def _cnn_problem(batch, side):
+    return bench.cnn((8, 16, 8)), randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("name,probes", [
+    ("transformer", False),  # B = 4, T = 16: B is no other size
+    ("cnn", False),  # B = 8: the convolutions' 8 channels are theirs, the maps 12 x 12, 6 x 6, 3 x 3
+    ("cnn_maps", True),  # B = 6: 6 x 6 maps
+    ("transformer_t_is_b", True),  # B = T = 16
+    ("one_sample", False),  # B = 1: dim 0 of size 1 is the batch
+])
+def test_probe_runs_only_where_sizes_do_not_decide(device, name, probes):
+    """One forward where B shows nowhere but in dim 0 (or B = 1), two (the one-sample probe) where it also
+    shows elsewhere; the clipped gradient right either way."""
+    torch.manual_seed(0)
+    if name.startswith("transformer"):
+        model, x, y = bench.dp_problem("transformer", "cpu", quick=True)  # B = 4, T = 16
+        if name == "transformer_t_is_b":
+            x, y = torch.randint(0, 128, (16, 16)), torch.randint(0, 2, (16,))
+    else:
+        model, x, y = _cnn_problem(*{"cnn": (8, 12), "cnn_maps": (6, 12), "one_sample": (1, 12)}[name])
+    model, x, y = model.double().to(device), (x.double() if x.is_floating_point() else x).to(device), y.to(device)
+    grads, norms = _reference(model, x, y, F.cross_entropy)
+    forwards = _forward_counter(model)
+    clip_and_accumulate(model, F.cross_entropy, x, y, norms.median().item(), method="fused")
+    assert len(forwards) == (2 if probes else 1)
+    expected = _explicit_clip(grads, norms, norms.median().item(), x.shape[0])
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k], rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

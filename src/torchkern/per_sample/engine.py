@@ -24,8 +24,14 @@ nothing computed). Any other answer means a use the units' gradients would miss.
 Batch dims. A recorded tensor (a rule layer's input; a torch.func unit's arguments and outputs) has the batch in
 dim 0 when that dim has the batch size B and size 1 in a forward on the first sample alone: B alone cannot tell a
 batch from a sequence of B positions (``arange(T)`` with T = B, a (T, B, d) sequence-first input). That probe
-forward (with autograd, the RNG state put back after it; skipped for B = 1, where any dim 0 of size 1 is the
-batch) runs in every call, for about the host time of a forward.
+forward (with autograd, the RNG state put back after it; about the host time of a forward) runs in every call
+in which B also shows somewhere else (``_sizes_decide``): in a dim of the inputs other than dim 0, in a dim
+beside dim 0 of a recorded tensor that its layer does not fix (positions, spatial dims; a rule layer's feature
+and channel dims are its own), in a torch.func unit's parameters or in an embedding's vocabulary. Where it shows
+nowhere else, a dim 0 of size B has no other source in sight and is taken for the batch, and any other dim 0 is
+not the batch either way; for B = 1 any dim 0 of size 1 is the batch. What no probe then checks: a size B that
+the model makes from a constant of its own (``torch.arange(5)`` with B = 5) and that reaches no other recorded
+dim, and a forward on one sample that runs other modules.
 
 What the recording pass does not cover (``method="auto"`` then falls back to torch.func over the whole model,
 which is right for all of them; ``method="fused"`` raises ValueError saying which applies):
@@ -33,14 +39,15 @@ which is right for all of them; ``method="fused"`` raises ValueError saying whic
 * a trainable parameter held by two modules (tied weights), or a unit that ran more than once in one forward;
 * a parameter used outside the call of the module that holds it (e.g. a parent reading a child's weight);
 * a layer input without the batch in dim 0 (see above), or modified in place after the layer ran;
-* a forward on one sample that runs other modules, or a module whose exception the model caught;
+* a forward on one sample that runs other modules (where the probe runs), or a module whose exception the model
+  caught;
 * ``nn.Embedding(sparse=True)`` or ``scale_grad_by_freq=True``.
 
 BatchNorm in training mode mixes the samples of a batch: every path raises ValueError.
 
 Per-call overhead: the module scan is cached per model and revalidated by identity on every call; hooks live
-only for the forward; the batch-dim probe costs about a forward's host time; a ``"mean"`` loss is scaled through
-the backward's seed; nothing waits for the device.
+only for the forward; the batch-dim probe, where it runs, costs about a forward's host time; a ``"mean"`` loss is
+scaled through the backward's seed; nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -360,11 +367,34 @@ def _resolve(p: Plan, counts: tuple[int, ...]) -> tuple | str:
 _AMBIGUOUS = "pass tensors with the batch in dim 0 (e.g. positions expanded to (B, T)), or use method='func'"
 
 
+def _sizes_decide(p: Plan, active: tuple, calls: list[list[_Call]], inputs: torch.Tensor) -> bool:
+    """Whether B shows nowhere but in dim 0, so that a recorded dim 0 of size B can only be the batch: not in
+    the inputs' other dims (T = B), nor in a recorded tensor's other dims that its layer does not fix (a
+    sequence-first (T, B, d) input; a rule layer's own feature dims are exempt), nor in a torch.func unit's
+    parameters or an embedding's vocabulary (indices or outputs made from the model's own sizes)."""
+    batch = inputs.shape[0]
+    if batch in inputs.shape[1:]:
+        return False
+    for i, _ in active:
+        unit, call = p.units[i], calls[i][0]
+        if unit.rule is not None:
+            x = call.args[0] if call.args else None
+            if isinstance(x, torch.Tensor) and batch in unit.rule.other_sizes(unit.module, x.shape):
+                return False
+            continue
+        shapes = [t.shape[1:] for t in call.leaves() if isinstance(t, torch.Tensor)]
+        shapes += [shape[1:] for _, shape, _, _ in call.outs]
+        shapes += [p.params[q].shape for _, _, q in unit.slots]
+        if any(batch in shape for shape in shapes):
+            return False
+    return True
+
+
 def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, ...]) -> tuple | str:
     """dim 0's sizes (``_sizer``) of every unit call in a forward on ``inputs[:1]``, per unit, or why the
-    two forwards cannot be compared. Run in every call: a verdict kept across calls could go stale when the model
-    changes what it feeds a layer. Only a CUDA-graph capture reuses the verdict of the warm-up call that ran just
-    before it on the same shapes (its replays repeat what it captured anyway)."""
+    two forwards cannot be compared. Run in every call whose sizes do not decide: a verdict kept across calls
+    could go stale when the model changes what it feeds a layer. Only a CUDA-graph capture reuses the verdict of
+    the warm-up call that ran just before it on the same shapes (its replays repeat what it captured anyway)."""
     key = (counts, inputs.shape[1:])
     capturing = inputs.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing and key in p.probes:
@@ -390,7 +420,7 @@ def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, .
 
 def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
     """Sets which of the call's argument leaves and outputs have the batch in dim 0 (size B here, size 1 in the
-    probe's call, ``dims``; None: B = 1, where any dim 0 of size 1 is the batch); False if the calls differ."""
+    probe's call, ``dims``; None, no probe (B = 1, or the sizes decide): size B here); False if the calls differ."""
     size0 = _sizes0(call.leaves())
     if dims is None:
         dims = ((1,) * len(size0), {i: 1 for i, *_ in call.outs})
@@ -469,7 +499,7 @@ def _record(p: Plan, model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         return None, resolution
     active, zeros = resolution
     batch = inputs.shape[0]
-    dims = _probe(p, model, inputs, counts) if batch > 1 else None
+    dims = _probe(p, model, inputs, counts) if batch > 1 and not _sizes_decide(p, active, calls, inputs) else None
     if isinstance(dims, str):
         return None, dims
     # every use of a parameter must reach the alias of the unit that owns it: the parameter itself and the

@@ -127,6 +127,11 @@ class Rule:
         """Why this call's input cannot be used, or None."""
         raise NotImplementedError
 
+    def other_sizes(self, module: nn.Module, shape: torch.Size) -> tuple[int, ...]:
+        """Sizes an input of this shape shows beside its dim 0 that the layer does not fix (its positions; the
+        feature dims are the layer's own), for telling whether dim 0 is the batch (``engine``)."""
+        raise NotImplementedError
+
     def sq_norms(self, module, x, g, names, keep: bool) -> tuple[torch.Tensor, object]:
         raise NotImplementedError
 
@@ -140,6 +145,9 @@ class Rule:
 class LinearRule(Rule):
     def check(self, module, x, batch):
         return _batched(x, batch, 2, "nn.Linear needs (B, ..., in_features)")
+
+    def other_sizes(self, module, shape):
+        return tuple(shape[1:-1])
 
     @staticmethod
     def _inputs(x, g):
@@ -211,6 +219,10 @@ class EmbeddingRule(Rule):
 
     def check(self, module, x, batch):
         return _batched(x, batch, 1, "nn.Embedding needs (B, ...) indices")
+
+    def other_sizes(self, module, shape):
+        # and the vocabulary: indices such as arange(num_embeddings) need not come from the batch
+        return (*shape[1:], module.num_embeddings)
 
     @staticmethod
     def _inputs(module, x, g):
@@ -302,6 +314,9 @@ class LayerNormRule(_AffineNormRule):
     def check(self, module, x, batch):
         return _batched(x, batch, len(module.normalized_shape) + 1, "(B, ..., *normalized_shape)")
 
+    def other_sizes(self, module, shape):
+        return tuple(shape[1:len(shape) - len(module.normalized_shape)])
+
     def _xhat(self, module, x, ct):
         return F.layer_norm(x.to(ct), module.normalized_shape, None, None, module.eps)
 
@@ -319,6 +334,9 @@ class GroupNormRule(_AffineNormRule):
     def check(self, module, x, batch):
         return _batched(x, batch, 2, "(B, C, ...)")
 
+    def other_sizes(self, module, shape):
+        return tuple(shape[2:])
+
     def _xhat(self, module, x, ct):
         return F.group_norm(x.to(ct), module.num_groups, None, None, module.eps)
 
@@ -334,6 +352,9 @@ class ConvRule(Rule):
 
     def check(self, module, x, batch):
         return _batched(x, batch, self.dims + 2, f"(B, C, {'L' if self.dims == 1 else 'H, W'})")
+
+    def other_sizes(self, module, shape):
+        return tuple(shape[2:])
 
     def _padded(self, module, x):
         """The input as the convolution sees it, and the padding left to apply: string paddings ('same',
