@@ -440,6 +440,18 @@ class _Attention(nn.Module):
         return self.mha(x, x, x, need_weights=False)[0] + x
 
 
+class _TwoLengths(nn.Module):
+    """Linear layers (Gram form) over 4 positions, then over 2 (the clipped biases' per-position factors
+    differ)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 12), nn.Linear(24, 24)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).reshape(x.shape[0], 2, 24))
+
+
 class _Kwarg(nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -463,6 +475,7 @@ LAYER_CASES = {
     "linear_gram": lambda: (_Head(nn.Sequential(nn.Linear(6, 8), nn.Tanh()), 8), randn(5, 3, 6)),
     "linear_materialized": lambda: (_Head(nn.Sequential(nn.Linear(3, 4), nn.Tanh()), 4), randn(5, 9, 3)),
     "linear_4d": lambda: (_Head(nn.Linear(5, 4), 4), randn(5, 2, 3, 5)),
+    "linear_two_lengths": lambda: (_Head(_TwoLengths(), 24), randn(5, 4, 8)),
     "embedding_gram": lambda: (_Head(nn.Embedding(11, 6, padding_idx=0), 6), _ids(5, 4, 11, pad=0)),
     "embedding_segment": lambda: (_Head(nn.Embedding(7, 2, padding_idx=3), 2), _ids(5, 9, 7, pad=3)),
     "embedding_1d": lambda: (_Head(nn.Embedding(6, 4), 4), torch.tensor([1, 1, 5, 0, 2])),
@@ -527,6 +540,7 @@ def test_layer_rules_match_torch_func(device, name):
 
 @pytest.mark.parametrize("name,branch,taken", [
     ("linear_gram", ("op", 3), True), ("linear_materialized", ("op", 3), False),
+    ("linear_two_lengths", ("op", 3), True),
     ("embedding_gram", "segment", False), ("embedding_segment", "segment", True),
     ("conv2d_gram", ("op", 3), True), ("conv2d", ("op", 3), False)])
 def test_layer_cases_reach_their_branches(monkeypatch, name, branch, taken):

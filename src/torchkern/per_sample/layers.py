@@ -70,12 +70,20 @@ def _sq(t: torch.Tensor) -> torch.Tensor:
 class Writer:
     """Writes sum_i c_i grad_i of each parameter (by qualified name) into its accumulator view (contiguous,
     the parameter's shape, float32 or float64): overwriting it (``beta=0``, NaN in the old contents never
-    propagates) or adding to it (``beta=1``)."""
+    propagates) or adding to it (``beta=1``). One writer serves one set of clip factors c."""
 
-    __slots__ = ("views", "beta")
+    __slots__ = ("views", "beta", "_rows")
 
     def __init__(self, views: dict[str, torch.Tensor], beta: int):
-        self.views, self.beta = views, beta
+        self.views, self.beta, self._rows = views, beta, {}
+
+    def row_factors(self, c: torch.Tensor, positions: int) -> torch.Tensor:
+        """c repeated for each of a sample's ``positions`` rows, (B positions,): made once per count, not per
+        layer (a copy each)."""
+        rows = self._rows.get(positions)
+        if rows is None:
+            rows = self._rows[positions] = c.unsqueeze(1).expand(c.shape[0], positions).reshape(-1)
+        return rows
 
     def put(self, name: str, value: torch.Tensor) -> None:
         view = self.views[name]
@@ -194,8 +202,7 @@ class LinearRule(Rule):
             writer.mm(names["weight"], _scaled(g, c).reshape(g2.shape).T, a2)
         if "bias" in names:
             if g2.dtype == c.dtype:  # sum_i c_i sum_t g_it: a GEMV over the rows, each row's factor its sample's
-                rows = c if g.dim() == 2 else c.unsqueeze(1).expand(g.shape[0], g.shape[1]).reshape(-1)
-                writer.mv(names["bias"], g2.T, rows)
+                writer.mv(names["bias"], g2.T, c if g.dim() == 2 else writer.row_factors(c, g.shape[1]))
             else:  # low precision: each sample's rows summed in c's dtype first
                 writer.mv(names["bias"], (g if g.dim() == 2 else g.sum(1, dtype=c.dtype)).T, c)
 
