@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 from torch import nn
 
 import torchkern
@@ -567,6 +568,47 @@ def test_chunked_rules_match(monkeypatch, name):
     expected = _explicit_clip(grads, norms, norms.median().item(), x.shape[0])
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[k])
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("frozen", [False, True])
+def test_materialized_gradients_of_neighbours(device, frozen):
+    """Materialized per-sample gradients whose accumulators are neighbours get one square-sum and one GEMV
+    (kept Linear weights and biases, norm layers; a float32 and a float64 group; a frozen weight between them
+    in the model), through micro-batches too: the same clipped sum as torch.func's and an explicit clip."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), _ToDouble(), nn.LayerNorm(6).double(),
+                          nn.Linear(6, 3).double(), nn.Flatten()).to(device)
+    model[0].weight.requires_grad_(not frozen)
+    x, y = randn(5, 3, 4, device=device), randn(5, 9, dtype=torch.float64, device=device)
+    grads, norms = _reference(model, x, y)
+    max_norm = norms.median().item()
+    calls = []
+    with _OpNames(calls):
+        clip_and_accumulate(model, mse_sum, x, y, max_norm, method="fused")
+    # one concatenation and one GEMV per group of neighbours: the float32 one and the float64 one
+    assert calls.count("cat") == 2 and calls.count("addmv_") == 2 and "mv" not in calls, calls
+    expected = _explicit_clip(grads, norms, max_norm, 5)
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, expected[k].to(p.dtype), rtol=1e-5, atol=1e-6)
+    clip_and_accumulate(model, mse_sum, x[:2], y[:2], max_norm, method="fused", finalize=False)
+    clip_and_accumulate(model, mse_sum, x[2:], y[2:], max_norm, method="fused")
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, expected[k].to(p.dtype), rtol=1e-5, atol=1e-6)
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """Appends the name of every aten op run under it to ``names``."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

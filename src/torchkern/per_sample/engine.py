@@ -47,7 +47,9 @@ BatchNorm in training mode mixes the samples of a batch: every path raises Value
 
 Per-call overhead: the module scan is cached per model and revalidated by identity on every call; hooks live
 only for the forward; the batch-dim probe, where it runs, costs about a forward's host time; a ``"mean"`` loss is
-scaled through the backward's seed; nothing waits for the device.
+scaled through the backward's seed; the per-sample gradients that rules materialize (norm layers, biases, kept
+Linear and convolution weights) are concatenated where their accumulators are neighbours, for one square-sum and
+one GEMV per group instead of a few launches per parameter; nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -648,21 +650,66 @@ def _sq_any(g: torch.Tensor) -> torch.Tensor:
     return g.reshape(g.shape[0], -1).to(opmath_dtype(g.dtype)).square().sum(1)
 
 
-def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor, object]:
+def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor | None, object, list]:
+    """The rule's ``(sq, state, rows)`` (``layers.py``), rows as (qualified name, (B, numel)) pairs; a torch.func
+    unit's per-sample gradients are all rows."""
     unit = entry.unit
     if unit.rule is None:
         grads = _func_unit_grads(entry, run)
-        return sum_terms([_sq_any(g) for g in grads.values()]), grads
-    return unit.rule.sq_norms(unit.module, entry.call.args[0], entry.grads[0], unit.names, keep)
+        return None, None, [(q, g.reshape(g.shape[0], -1).to(opmath_dtype(g.dtype))) for q, g in grads.items()]
+    sq, state, rows = unit.rule.sq_norms(unit.module, entry.call.args[0], entry.grads[0], unit.names, keep)
+    return sq, state, [(unit.names[k], r) for k, r in rows.items()]
 
 
-def entry_clip(entry: Entry, state: object, c: torch.Tensor, writer: Writer) -> None:
-    unit = entry.unit
-    if unit.rule is None:
-        for q, g in state.items():
-            writer.mv(q, g.reshape(g.shape[0], -1).T, c)
-    else:
-        unit.rule.clip(unit.module, state, c, unit.names, writer)
+# Per-sample gradient rows up to this many elements per sample are concatenated (copied) with their neighbours;
+# larger ones, whose own products dwarf a launch, stay alone.
+_CAT_NUMEL = 1 << 16
+
+
+def _runs(rows: list, writer: Writer | None) -> list[tuple[list, torch.Tensor, torch.Tensor | None]]:
+    """The materialized per-sample gradients (qualified name, (B, numel)) grouped so that each group costs one
+    square-sum for the norms and one GEMV for the clipped sums: (members, their concatenation, the 1-D span of
+    the accumulators they fill back to back, or None). Without a writer (norms only), one group per dtype."""
+    if writer is None:
+        placed = [(None, q, r) for q, r in sorted(rows, key=lambda qr: str(qr[1].dtype))]
+    else:  # in accumulator order: neighbours there are neighbours in the concatenation
+        placed = sorted(((writer.where(q), q, r) for q, r in rows),
+                        key=lambda t: (0, 0) if t[0] is None else (id(t[0][0]), t[0][1]))
+    groups: list[list] = []
+    for item in placed:
+        if groups and _neighbours(groups[-1][-1], item, writer is None):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    runs = []
+    for group in groups:
+        members = [(q, r) for _, q, r in group]
+        if len(members) == 1:
+            runs.append((members, members[0][1], None))
+            continue
+        first, last = group[0][0], group[-1][0]
+        span = None if first is None else first[0][first[1]:last[2]]
+        runs.append((members, torch.cat([r for _, r in members], 1), span))
+    return runs
+
+
+def _neighbours(prev: tuple, item: tuple, anywhere: bool) -> bool:
+    """Whether ``item`` may join the group ending in ``prev``: both small, one dtype, and (unless ``anywhere``)
+    its accumulator right after prev's in the same buffer."""
+    (where0, _, r0), (where1, _, r1) = prev, item
+    if r0.dtype != r1.dtype or max(r0.shape[1], r1.shape[1]) > _CAT_NUMEL:
+        return False
+    return anywhere or (where0 is not None and where1 is not None and where1[0] is where0[0]
+                        and where1[1] == where0[2])
+
+
+def _runs_clip(runs: list, c: torch.Tensor, writer: Writer) -> None:
+    for members, mat, span in runs:
+        if span is not None and mat.dtype == span.dtype:  # c in the accumulator's dtype, as Writer.mv does
+            span.addmv_(mat.T, c.to(span.dtype), beta=writer.beta)
+        else:
+            for q, r in members:
+                writer.mv(q, r.T, c)
 
 
 def entry_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
@@ -696,7 +743,12 @@ def norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torc
         with torch.no_grad():
             return sum_terms([_sq_any(g) for g in grads.values()]).sqrt_()
     with plain_math(inputs.device.type):
-        sqs = [entry_sq_norms(e, run, keep=False)[0] for e in run.entries]
+        sqs, rows = [], []
+        for e in run.entries:
+            sq, _, r = entry_sq_norms(e, run, keep=False)
+            sqs += [sq] if sq is not None else []
+            rows += r
+        sqs += [_sq_any(mat) for _, mat, _ in _runs(rows, None)]
         if not sqs:
             return torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         # clamp: the Gram form's rounding can take a zero norm a hair below zero
@@ -714,17 +766,24 @@ def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: to
         if run is None:
             sq = sum_terms([_sq_any(g) for g in grads.values()])
         else:
-            states = [(e, *entry_sq_norms(e, run, keep=True)) for e in run.entries]
-            sq = (sum_terms([s for _, s, _ in states]) if states
-                  else torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device))
+            states, sqs, rows = [], [], []
+            for e in run.entries:
+                s, state, r = entry_sq_norms(e, run, keep=True)
+                sqs += [s] if s is not None else []
+                states += [(e, state)] if state is not None else []
+                rows += r
+            runs = _runs(rows, writer)
+            sqs += [_sq_any(mat) for _, mat, _ in runs]
+            sq = sum_terms(sqs) if sqs else torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         result = sq.clamp_(min=0).sqrt_()
         c = (max_norm / result).clamp_(max=1.0)  # a zero norm: max_norm / 0 = inf -> 1
         if run is None:
             for q, g in grads.items():
                 writer.mv(q, g.reshape(g.shape[0], -1).T, c)
         else:
-            for e, _, state in states:
-                entry_clip(e, state, c, writer)
+            for e, state in states:
+                e.unit.rule.clip(e.unit.module, state, c, e.unit.names, writer)
+            _runs_clip(runs, c, writer)
             for q in run.zeros:
                 writer.zero(q)
     return result

@@ -3,10 +3,13 @@
 A rule turns one layer call's recorded input ``x`` (batch dim 0 of size B) and the gradient ``g`` of the summed
 per-sample losses with respect to the layer's output into:
 
-* ``sq_norms``: the squared per-sample gradient norms over the layer's trainable parameters, (B,) in the compute
-  dtype (float32; float64 for float64 layers), and a state that ``clip`` reuses;
-* ``clip``: sum_i c_i grad_i for each trainable parameter, through a :class:`Writer` (one product (c * g)^T a,
-  never a second backward);
+* ``sq_norms``: ``(sq, state, rows)``. ``rows``: the per-sample gradients the rule materialized, (B, numel) in
+  the compute dtype (float32; float64 for float64 layers) by local name; the engine gets their squared norms
+  and clipped sums (rows^T c) for all layers at once (``engine._runs``). ``sq``: the squared per-sample gradient
+  norms over the layer's other trainable parameters, (B,) in the compute dtype, or None; ``state``: what
+  ``clip`` needs for those, or None (nothing left to clip);
+* ``clip``: sum_i c_i grad_i for each trainable parameter not in ``rows``, through a :class:`Writer` (one
+  product (c * g)^T a, never a second backward);
 * ``grads``: the per-sample gradients themselves, (B, *param.shape) in the parameter's dtype.
 
 Rules by layer (T: positions per sample, every dim between the batch and the feature dims):
@@ -85,6 +88,16 @@ class Writer:
             rows = self._rows[positions] = c.unsqueeze(1).expand(c.shape[0], positions).reshape(-1)
         return rows
 
+    def where(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+        """(the flat buffer, start, end) of the accumulator of ``name`` where it is a slice of a flat buffer, else
+        None."""
+        view = self.views[name]
+        base = view._base
+        if base is None or base.dim() != 1 or not base.is_contiguous():
+            return None
+        start = view.storage_offset() - base.storage_offset()
+        return base, start, start + view.numel()
+
     def put(self, name: str, value: torch.Tensor) -> None:
         view = self.views[name]
         value = value.reshape(view.shape)
@@ -140,7 +153,7 @@ class Rule:
         feature dims are the layer's own), for telling whether dim 0 is the batch (``engine``)."""
         raise NotImplementedError
 
-    def sq_norms(self, module, x, g, names, keep: bool) -> tuple[torch.Tensor, object]:
+    def sq_norms(self, module, x, g, names, keep: bool) -> tuple[torch.Tensor | None, object, dict]:
         raise NotImplementedError
 
     def clip(self, module, state, c: torch.Tensor, names: dict[str, str], writer: Writer) -> None:
@@ -166,32 +179,21 @@ class LinearRule(Rule):
         ct = opmath_dtype(g.dtype)
         weight, bias = "weight" in names, "bias" in names
         if not weight:
-            gb = (g if g.dim() == 2 else g.sum(1, dtype=ct)).to(ct)
-            return _sq(gb), ("bias", gb)
+            return None, None, {"bias": (g if g.dim() == 2 else g.sum(1, dtype=ct)).to(ct)}
         if a.dim() == 2 or twins.use_gram(a.shape[1], a.shape[2], g.shape[2]):
-            return ops.linear_grad_sq_norms(a, g, bias), ("gemm", a, g)
+            return ops.linear_grad_sq_norms(a, g, bias), (a, g), {}
         batch, per_sample = a.shape[0], g.shape[2] * a.shape[2] * ct.itemsize
         if keep and batch * per_sample <= CHUNK_BYTES:  # materialize once: norms, then a GEMV for the clipped sum
-            w = torch.bmm(g.transpose(1, 2).to(ct), a.to(ct))
-            gb = g.sum(1, dtype=ct) if bias else None
-            sq = _sq(w) if gb is None else _sq(w) + _sq(gb)
-            return sq, ("kept", w, gb)
+            rows = {"weight": torch.bmm(g.transpose(1, 2).to(ct), a.to(ct)).flatten(1)}
+            if bias:
+                rows["bias"] = g.sum(1, dtype=ct)
+            return None, None, rows
         step = max(1, CHUNK_BYTES // per_sample)
         sq = torch.cat([ops.linear_grad_sq_norms(a[i:i + step], g[i:i + step], bias) for i in range(0, batch, step)])
-        return sq, ("gemm", a, g)
+        return sq, (a, g), {}
 
     def clip(self, module, state, c, names, writer):
-        kind = state[0]
-        if kind == "bias":
-            writer.mv(names["bias"], state[1].T, c)
-            return
-        if kind == "kept":
-            _, w, gb = state
-            writer.mv(names["weight"], w.flatten(1).T, c)
-            if gb is not None:
-                writer.mv(names["bias"], gb.T, c)
-            return
-        _, a, g = state
+        a, g = state
         # sum_i c_i g_i^T a_i = (c * g)^T a = g^T (c * a): one GEMM over the B T rows, on a scaled copy of the
         # operand with fewer features (cuBLAS cannot scale along the reduction dim; the copy costs a fraction
         # of the GEMM)
@@ -251,7 +253,7 @@ class EmbeddingRule(Rule):
             sq = gram.masked_fill_(idx.unsqueeze(2) != idx.unsqueeze(1), 0).sum((1, 2))
         else:
             sq = _segment_sq_norms(idx, gm, module.num_embeddings)
-        return sq, (idx, g)
+        return sq, (idx, g), {}
 
     def clip(self, module, state, c, names, writer):
         idx, g = state
@@ -305,13 +307,7 @@ class _AffineNormRule(Rule):
         return parts
 
     def sq_norms(self, module, x, g, names, keep):
-        parts = self._parts(module, x, g, names)
-        sqs = [_sq(p) for p in parts.values()]
-        return (sqs[0] if len(sqs) == 1 else sqs[0] + sqs[1]), parts
-
-    def clip(self, module, state, c, names, writer):
-        for local, part in state.items():
-            writer.mv(names[local], part.flatten(1).T, c)
+        return None, None, {k: v.flatten(1) for k, v in self._parts(module, x, g, names).items()}
 
     def grads(self, module, x, g, names):
         return {k: v.to(getattr(module, k).dtype) for k, v in self._parts(module, x, g, names).items()}
@@ -387,13 +383,10 @@ class ConvRule(Rule):
         d_out, positions = c_out // groups, math.prod(g.shape[2:])
         ct = opmath_dtype(g.dtype)
         g3 = g.reshape(batch, c_out, positions)
-        gb = g3.sum(2, dtype=ct) if "bias" in names else None
-        state = {"g": g, "gb": gb, "w": None}
-        sq = _sq(gb) if gb is not None else None
+        rows = {"bias": g3.sum(2, dtype=ct)} if "bias" in names else {}
         if "weight" not in names:
-            return sq, state
+            return None, None, rows
         xp, padding = self._padded(module, x)
-        state["xp"], state["padding"] = xp, padding
         gram = not grads and twins.use_gram(positions, d_in, d_out)
         w_bytes = 0 if gram else c_out * d_in * ct.itemsize
         kept = grads or (keep and not gram and batch * w_bytes <= CHUNK_BYTES)
@@ -412,39 +405,35 @@ class ConvRule(Rule):
                 sqs.append(ops.linear_grad_sq_norms(a3, gl).view(b, groups).sum(1))
             else:
                 w = torch.matmul(gg.to(ct), a.to(ct))  # (b, G, d_out, d_in): per-sample weight gradients
-                sqs.append(_sq(w))
                 if kept:
                     ws.append(w.reshape(b, -1))
-        wsq = sqs[0] if len(sqs) == 1 else torch.cat(sqs)
-        sq = wsq if sq is None else sq + wsq
+                else:
+                    sqs.append(_sq(w))
         if kept:
-            state["w"] = ws[0] if len(ws) == 1 else torch.cat(ws)
-        return sq, state
+            rows["weight"] = ws[0] if len(ws) == 1 else torch.cat(ws)
+            return None, None, rows
+        return (sqs[0] if len(sqs) == 1 else torch.cat(sqs)), (g, xp, padding), rows
 
     def clip(self, module, state, c, names, writer):
-        if "weight" in names:
-            if state["w"] is not None:
-                writer.mv(names["weight"], state["w"].T, c)
-            else:  # the convolution's own weight gradient, bilinear in (x, g): scale the smaller of the two
-                g, xp = state["g"], state["xp"].to(state["g"].dtype)
-                if xp.numel() < g.numel():
-                    xp = _scaled(xp, c)
-                else:
-                    g = _scaled(g, c)
-                xp, g = xp.to(c.dtype), g.to(c.dtype)
-                weight_grad = torch.nn.grad.conv1d_weight if self.dims == 1 else torch.nn.grad.conv2d_weight
-                writer.put(names["weight"], weight_grad(xp, module.weight.shape, g, module.stride, state["padding"],
-                                                        module.dilation, module.groups))
-        if state["gb"] is not None:
-            writer.mv(names["bias"], state["gb"].T, c)
+        # the convolution's own weight gradient, bilinear in (x, g): scale the smaller of the two
+        g, xp, padding = state
+        xp = xp.to(g.dtype)
+        if xp.numel() < g.numel():
+            xp = _scaled(xp, c)
+        else:
+            g = _scaled(g, c)
+        xp, g = xp.to(c.dtype), g.to(c.dtype)
+        weight_grad = torch.nn.grad.conv1d_weight if self.dims == 1 else torch.nn.grad.conv2d_weight
+        writer.put(names["weight"], weight_grad(xp, module.weight.shape, g, module.stride, padding, module.dilation,
+                                                module.groups))
 
     def grads(self, module, x, g, names):
-        _, state = self._norms(module, x, g, names, keep=True, grads=True)
+        _, _, rows = self._norms(module, x, g, names, keep=True, grads=True)
         out = {}
-        if state["w"] is not None:
-            out["weight"] = state["w"].view(x.shape[0], *module.weight.shape).to(module.weight.dtype)
-        if state["gb"] is not None:
-            out["bias"] = state["gb"].to(module.bias.dtype)
+        if "weight" in rows:
+            out["weight"] = rows["weight"].view(x.shape[0], *module.weight.shape).to(module.weight.dtype)
+        if "bias" in rows:
+            out["bias"] = rows["bias"].to(module.bias.dtype)
         return out
 
 
