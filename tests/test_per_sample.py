@@ -572,11 +572,15 @@ def test_chunked_rules_match(monkeypatch, name):
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("frozen", [False, True])
-def test_materialized_gradients_of_neighbours(device, frozen):
+@pytest.mark.parametrize("bound", [False, True])
+def test_materialized_gradients_of_neighbours(monkeypatch, device, frozen, bound):
     """Materialized per-sample gradients whose accumulators are neighbours get one square-sum and one GEMV
     (kept Linear weights and biases, norm layers; a float32 and a float64 group; a frozen weight between them
-    in the model), through micro-batches too: the same clipped sum as torch.func's and an explicit clip."""
+    in the model), through micro-batches too: the same clipped sum as torch.func's and an explicit clip.
+    ``bound``: a concatenation bound below any two rows: nothing concatenated, the same sums."""
     torch.manual_seed(0)
+    if bound:
+        monkeypatch.setattr(engine, "_CAT_NUMEL", 8)
     model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), _ToDouble(), nn.LayerNorm(6).double(),
                           nn.Linear(6, 3).double(), nn.Flatten()).to(device)
     model[0].weight.requires_grad_(not frozen)
@@ -587,7 +591,10 @@ def test_materialized_gradients_of_neighbours(device, frozen):
     with _OpNames(calls):
         clip_and_accumulate(model, mse_sum, x, y, max_norm, method="fused")
     # one concatenation and one GEMV per group of neighbours: the float32 one and the float64 one
-    assert calls.count("cat") == 2 and calls.count("addmv_") == 2 and "mv" not in calls, calls
+    if bound:
+        assert "cat" not in calls
+    else:
+        assert calls.count("cat") == 2 and calls.count("addmv_") == 2 and "mv" not in calls, calls
     expected = _explicit_clip(grads, norms, max_norm, 5)
     for k, p in model.named_parameters():
         if p.requires_grad:

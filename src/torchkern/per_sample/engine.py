@@ -661,8 +661,8 @@ def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor | N
     return sq, state, [(unit.names[k], r) for k, r in rows.items()]
 
 
-# Per-sample gradient rows up to this many elements per sample are concatenated (copied) with their neighbours;
-# larger ones, whose own products dwarf a launch, stay alone.
+# Per-sample gradient rows are concatenated (copied) with their neighbours up to this many elements per sample in
+# all: a bounded copy, where larger rows' own products dwarf the launches saved.
 _CAT_NUMEL = 1 << 16
 
 
@@ -676,11 +676,14 @@ def _runs(rows: list, writer: Writer | None) -> list[tuple[list, torch.Tensor, t
         placed = sorted(((writer.where(q), q, r) for q, r in rows),
                         key=lambda t: (0, 0) if t[0] is None else (id(t[0][0]), t[0][1]))
     groups: list[list] = []
+    width = 0  # of the last group, per sample
     for item in placed:
-        if groups and _neighbours(groups[-1][-1], item, writer is None):
+        width += item[2].shape[1]
+        if groups and width <= _CAT_NUMEL and _neighbours(groups[-1][-1], item, writer is None):
             groups[-1].append(item)
         else:
             groups.append([item])
+            width = item[2].shape[1]
     runs = []
     for group in groups:
         members = [(q, r) for _, q, r in group]
@@ -694,10 +697,10 @@ def _runs(rows: list, writer: Writer | None) -> list[tuple[list, torch.Tensor, t
 
 
 def _neighbours(prev: tuple, item: tuple, anywhere: bool) -> bool:
-    """Whether ``item`` may join the group ending in ``prev``: both small, one dtype, and (unless ``anywhere``)
-    its accumulator right after prev's in the same buffer."""
+    """Whether ``item`` may join the group ending in ``prev``: one dtype and (unless ``anywhere``) its accumulator
+    right after prev's in the same buffer."""
     (where0, _, r0), (where1, _, r1) = prev, item
-    if r0.dtype != r1.dtype or max(r0.shape[1], r1.shape[1]) > _CAT_NUMEL:
+    if r0.dtype != r1.dtype:
         return False
     return anywhere or (where0 is not None and where1 is not None and where1[0] is where0[0]
                         and where1[1] == where0[2])
