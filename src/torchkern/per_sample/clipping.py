@@ -51,8 +51,12 @@ class Layout:
         return [torch.empty(n, device=device, dtype=dtype) for device, dtype, n, _ in self.groups]
 
     def views(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: flat[off:off + p.numel()].view(p.shape)
-                for (_, _, _, entries), flat in zip(self.groups, flats) for name, p, off in entries}
+        # one split per group, not a slice per parameter (launch-free, but a dispatch each); 1-D ones need no view
+        out = {}
+        for (_, _, _, entries), flat in zip(self.groups, flats):
+            for (name, p, _), piece in zip(entries, flat.split([p.numel() for _, p, _ in entries])):
+                out[name] = piece if p.dim() == 1 else piece.view(p.shape)
+        return out
 
 
 def _signature(params: dict[str, nn.Parameter]) -> tuple:
