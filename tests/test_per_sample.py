@@ -570,6 +570,20 @@ def test_chunked_rules_match(monkeypatch, name):
         torch.testing.assert_close(p.grad, expected[k])
 
 
+def test_conv_gram_chunks_count_the_gram_matrices(monkeypatch):
+    """A bound that holds the 5 samples' unfolded inputs (and their copies) but not also the Gram op's T x T
+    products: two chunks, not one."""
+    model, x, y = _layer_problem("conv2d_gram", "cpu")  # T = 4 positions, d_in = 144, float64
+    per_sample = 2 * 144 * 4 * 8
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 5 * per_sample + 100)
+    calls = []
+    op = layers.ops.linear_grad_sq_norms
+    monkeypatch.setattr(layers.ops, "linear_grad_sq_norms", lambda a, g, bias=False: calls.append(a.shape[0])
+                        or op(a, g, bias))
+    per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+    assert calls[:2] == [4, 1], calls  # the convolution's chunks (then the head's call)
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("bound", [False, True])

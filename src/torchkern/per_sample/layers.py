@@ -390,9 +390,12 @@ class ConvRule(Rule):
         gram = not grads and twins.use_gram(positions, d_in, d_out)
         w_bytes = 0 if gram else c_out * d_in * ct.itemsize
         kept = grads or (keep and not gram and batch * w_bytes <= CHUNK_BYTES)
-        # per sample: the unfolded input (and its transposed copy for the Gram op) and the materialized gradient
+        # per sample: the unfolded input and the materialized gradient, or for the Gram op the unfolded input, its
+        # transposed copy and the op's T x T products (two Gram matrices and their elementwise product, as its
+        # twin forms them; T < d_in there, so they stay below 3 unfolded inputs)
         unfold_bytes = groups * d_in * positions * g.element_size() * (2 if gram else 1)
-        step = batch if grads else max(1, CHUNK_BYTES // (unfold_bytes + w_bytes))
+        gram_bytes = 3 * groups * positions * positions * ct.itemsize if gram else 0
+        step = batch if grads else max(1, CHUNK_BYTES // (unfold_bytes + gram_bytes + w_bytes))
         sqs, ws = [], []
         for i in range(0, batch, step):
             u = self._unfold(module, xp[i:i + step].to(g.dtype), padding)
