@@ -17,17 +17,19 @@ Rules by layer (T: positions per sample, every dim between the batch and the fea
 * ``nn.Linear``: weight_i = sum_t g_it a_it^T. Norms without T, or with the Gram form
   <g_i g_i^T, a_i a_i^T>_F when T (d_in + d_out) <= d_in d_out (``linear_grad_sq_norms``); otherwise the per-sample
   weight gradients are materialized (in batch chunks of at most :data:`CHUNK_BYTES`) and, when they fit that
-  bound, kept for the clipped sum, which is then one GEMV. Clipped sum otherwise: (c * g)^T a, one GEMM.
+  bound, kept as rows (with the bias's), whose clipped sum is a GEMV. Clipped sum otherwise: (c * g)^T a, one
+  GEMM.
 * ``nn.Embedding``: grad_i = sum_t e_{idx_it} g_it^T, so ||grad_i||^2 = sum_{t,s} [idx_it = idx_is] g_it . g_is
   (duplicates within a sample add up; positions at ``padding_idx`` contribute nothing): a masked T x T Gram matrix
   when T <= d, else the sorted-segment form (sum the rows of each distinct (sample, index) pair, then square).
   Clipped sum: the embedding backward of c * g.
 * ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``: weight_i = sum_t g_it * xhat_it, bias_i = sum_t g_it, with
-  xhat recomputed from x; small (B x d), so materialized and reused for the clipped sum.
+  xhat recomputed from x; small (B x d), so materialized: rows.
 * ``nn.Conv1d`` / ``nn.Conv2d``: a Linear over the unfolded input (T = output positions, d_in = C_in / groups x
   kernel size, d_out = C_out / groups, one such problem per group), unfolded in batch chunks of at most
-  :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear. Clipped sum: the kept per-sample
-  weight gradients (GEMV), else the convolution's own weight gradient of c * g (no unfolding).
+  :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear; the bias's per-sample gradients
+  are rows. Clipped sum: the kept per-sample weight gradients (rows: a GEMV), else the convolution's own weight
+  gradient of c * g (no unfolding).
 
 Clipped sums scale by the clip factors in their dtype (float32; float64 for float64 layers): a low-precision
 operand is scaled, and multiplied, in float32, never by a factor rounded to its own dtype (a bfloat16 factor
