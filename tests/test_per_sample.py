@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._python_dispatch
 from torch import nn
 
 import torchkern
@@ -440,6 +441,18 @@ class _Attention(nn.Module):
         return self.mha(x, x, x, need_weights=False)[0] + x
 
 
+class _TwoLengths(nn.Module):
+    """Linear layers (Gram form) over 4 positions, then over 2 (the clipped biases' per-position factors
+    differ)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 12), nn.Linear(24, 24)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).reshape(x.shape[0], 2, 24))
+
+
 class _Kwarg(nn.Module):
     def __init__(self, d):
         super().__init__()
@@ -463,6 +476,7 @@ LAYER_CASES = {
     "linear_gram": lambda: (_Head(nn.Sequential(nn.Linear(6, 8), nn.Tanh()), 8), randn(5, 3, 6)),
     "linear_materialized": lambda: (_Head(nn.Sequential(nn.Linear(3, 4), nn.Tanh()), 4), randn(5, 9, 3)),
     "linear_4d": lambda: (_Head(nn.Linear(5, 4), 4), randn(5, 2, 3, 5)),
+    "linear_two_lengths": lambda: (_Head(_TwoLengths(), 24), randn(5, 4, 8)),
     "embedding_gram": lambda: (_Head(nn.Embedding(11, 6, padding_idx=0), 6), _ids(5, 4, 11, pad=0)),
     "embedding_segment": lambda: (_Head(nn.Embedding(7, 2, padding_idx=3), 2), _ids(5, 9, 7, pad=3)),
     "embedding_1d": lambda: (_Head(nn.Embedding(6, 4), 4), torch.tensor([1, 1, 5, 0, 2])),
@@ -527,6 +541,7 @@ def test_layer_rules_match_torch_func(device, name):
 
 @pytest.mark.parametrize("name,branch,taken", [
     ("linear_gram", ("op", 3), True), ("linear_materialized", ("op", 3), False),
+    ("linear_two_lengths", ("op", 3), True),
     ("embedding_gram", "segment", False), ("embedding_segment", "segment", True),
     ("conv2d_gram", ("op", 3), True), ("conv2d", ("op", 3), False)])
 def test_layer_cases_reach_their_branches(monkeypatch, name, branch, taken):
@@ -553,6 +568,68 @@ def test_chunked_rules_match(monkeypatch, name):
     expected = _explicit_clip(grads, norms, norms.median().item(), x.shape[0])
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[k])
+
+
+def test_conv_gram_chunks_count_the_gram_matrices(monkeypatch):
+    """A bound that holds the 5 samples' unfolded inputs (and their copies) but not also the Gram op's T x T
+    products: two chunks, not one."""
+    model, x, y = _layer_problem("conv2d_gram", "cpu")  # T = 4 positions, d_in = 144, float64
+    per_sample = 2 * 144 * 4 * 8
+    monkeypatch.setattr(layers, "CHUNK_BYTES", 5 * per_sample + 100)
+    calls = []
+    op = layers.ops.linear_grad_sq_norms
+    monkeypatch.setattr(layers.ops, "linear_grad_sq_norms", lambda a, g, bias=False: calls.append(a.shape[0])
+                        or op(a, g, bias))
+    per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+    assert calls[:2] == [4, 1], calls  # the convolution's chunks (then the head's call)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("frozen", [False, True])
+@pytest.mark.parametrize("bound", [False, True])
+def test_materialized_gradients_of_neighbours(monkeypatch, device, frozen, bound):
+    """Materialized per-sample gradients whose accumulators are neighbours get one square-sum and one GEMV
+    (kept Linear weights and biases, norm layers; a float32 and a float64 group; a frozen weight between them
+    in the model), through micro-batches too: the same clipped sum as torch.func's and an explicit clip.
+    ``bound``: a concatenation bound below any two rows: nothing concatenated, the same sums."""
+    torch.manual_seed(0)
+    if bound:
+        monkeypatch.setattr(engine, "_CAT_NUMEL", 8)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), _ToDouble(), nn.LayerNorm(6).double(),
+                          nn.Linear(6, 3).double(), nn.Flatten()).to(device)
+    model[0].weight.requires_grad_(not frozen)
+    x, y = randn(5, 3, 4, device=device), randn(5, 9, dtype=torch.float64, device=device)
+    grads, norms = _reference(model, x, y)
+    max_norm = norms.median().item()
+    calls = []
+    with _OpNames(calls):
+        clip_and_accumulate(model, mse_sum, x, y, max_norm, method="fused")
+    # one concatenation and one GEMV per group of neighbours: the float32 one and the float64 one
+    if bound:
+        assert "cat" not in calls
+    else:
+        assert calls.count("cat") == 2 and calls.count("addmv_") == 2 and "mv" not in calls, calls
+    expected = _explicit_clip(grads, norms, max_norm, 5)
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, expected[k].to(p.dtype), rtol=1e-5, atol=1e-6)
+    clip_and_accumulate(model, mse_sum, x[:2], y[:2], max_norm, method="fused", finalize=False)
+    clip_and_accumulate(model, mse_sum, x[2:], y[2:], max_norm, method="fused")
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, expected[k].to(p.dtype), rtol=1e-5, atol=1e-6)
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """Appends the name of every aten op run under it to ``names``."""
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = names
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -955,25 +1032,99 @@ class _SequenceFirst(nn.Module):
         return self.head(self.body(x.transpose(0, 1)).mean(0))
 
 
+class _Queries(nn.Module):
+    """Learned queries (5 of them) attended by every position of every sample, looked up on arange(5) by an
+    embedding (``unit=False``) or returned by a module holding them (a torch.func unit): with B = 5 the only
+    size B beside the batch's is the queries' count, in the attention weights (not recorded) and the
+    parameters."""
+
+    def __init__(self, unit: bool):
+        super().__init__()
+        self.unit = unit
+        self.q = _Latents() if unit else nn.Embedding(5, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        q = self.q() if self.unit else self.q(torch.arange(5, device=x.device))
+        return self.head((torch.softmax(x @ q.T, -1) @ q).mean(1))
+
+
+class _Latents(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.z = nn.Parameter(torch.randn(5, 4))
+
+    def forward(self):
+        return self.z * 1.0
+
+
+def _forward_counter(model):
+    """A list that gets an entry per forward of ``model``."""
+    count = []
+    model.register_forward_hook(lambda *args: count.append(1))
+    return count
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
-@pytest.mark.parametrize("make,message", [
-    (_Positions, r"pos \(Embedding\): dim 0 of its input \[5\] has the batch size 5 but is not the batch"),
-    (lambda: _SequenceFirst(False), r"body \(Linear\): dim 0 of its input \[5, 5, 4\] has the batch size 5 but"),
-    (lambda: _SequenceFirst(True), r"body.self_attn \(MultiheadAttention\): its output \[5, 5, 4\] has no batch"),
-], ids=["positions", "sequence_first", "encoder_sequence_first"])
-def test_batch_dim_is_not_taken_from_the_size(device, make, message):
-    """T == B: a layer input whose dim 0 has the batch size without being the batch is found by the one-sample
-    probe ("fused" raises, "auto" is right; it used to be taken as batched: 11-22% errors, no error raised),
-    while a batch-first model with T == B stays on the fused path."""
+@pytest.mark.parametrize("make,x_shape,message", [
+    (_Positions, (5, 5, 4), r"pos \(Embedding\): dim 0 of its input \[5\] has the batch size 5 but is not the batch"),
+    (lambda: _SequenceFirst(False), (5, 5, 4),
+     r"body \(Linear\): dim 0 of its input \[5, 5, 4\] has the batch size 5 but"),
+    (lambda: _SequenceFirst(True), (5, 5, 4),
+     r"body.self_attn \(MultiheadAttention\): its output \[5, 5, 4\] has no batch"),
+    (lambda: _Queries(False), (5, 3, 4), r"q \(Embedding\): dim 0 of its input \[5\] has the batch size 5 but"),
+    (lambda: _Queries(True), (5, 3, 4), r"q \(_Latents\): its output \[5, 4\] has no batch dim 0 of size 5"),
+], ids=["positions", "sequence_first", "encoder_sequence_first", "embedding_queries", "unit_queries"])
+def test_batch_dim_is_not_taken_from_the_size(device, make, x_shape, message):
+    """A layer input whose dim 0 has the batch size without being the batch (T == B; as many learned queries
+    as samples) is found by the one-sample probe, which these sizes make run ("fused" raises, "auto" is right;
+    it used to be taken as batched: 11-22% errors, no error raised), while a batch-first model with T == B stays
+    on the fused path."""
     torch.manual_seed(0)
     model = make().double().to(device)
-    x, y = randn(5, 5, 4, dtype=torch.float64, device=device), randn(5, 3, dtype=torch.float64, device=device)
+    x, y = randn(*x_shape, dtype=torch.float64, device=device), randn(5, 3, dtype=torch.float64, device=device)
+    forwards = _forward_counter(model)
     with pytest.raises(ValueError, match="method='fused' does not apply: " + message):
         per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+    assert len(forwards) == 2  # the batch's and the probe's
     _assert_auto_is_right(model, x, y)
     batch_first = _Head(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 4).double().to(device)
-    torch.testing.assert_close(per_sample_grad_norms(batch_first, mse_sum, x, y, method="fused"),
-                               _reference(batch_first, x, y)[1])
+    forwards = _forward_counter(batch_first)
+    fused = per_sample_grad_norms(batch_first, mse_sum, x, y, method="fused")
+    assert len(forwards) == (2 if x_shape[1] == 5 else 1)  # T == B: probed
+    torch.testing.assert_close(fused, _reference(batch_first, x, y)[1])
+
+
+def _cnn_problem(batch, side):
+    return bench.cnn((8, 16, 8)), randn(batch, 3, side, side), torch.randint(0, 10, (batch,))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("name,probes", [
+    ("transformer", False),  # B = 4, T = 16: B is no other size
+    ("cnn", False),  # B = 8: the convolutions' 8 channels are theirs, the maps 12 x 12, 6 x 6, 3 x 3
+    ("cnn_maps", True),  # B = 6: 6 x 6 maps
+    ("transformer_t_is_b", True),  # B = T = 16
+    ("one_sample", False),  # B = 1: dim 0 of size 1 is the batch
+])
+def test_probe_runs_only_where_sizes_do_not_decide(device, name, probes):
+    """One forward where B shows nowhere but in dim 0 (or B = 1), two (the one-sample probe) where it also
+    shows elsewhere; the clipped gradient right either way."""
+    torch.manual_seed(0)
+    if name.startswith("transformer"):
+        model, x, y = bench.dp_problem("transformer", "cpu", quick=True)  # B = 4, T = 16
+        if name == "transformer_t_is_b":
+            x, y = torch.randint(0, 128, (16, 16)), torch.randint(0, 2, (16,))
+    else:
+        model, x, y = _cnn_problem(*{"cnn": (8, 12), "cnn_maps": (6, 12), "one_sample": (1, 12)}[name])
+    model, x, y = model.double().to(device), (x.double() if x.is_floating_point() else x).to(device), y.to(device)
+    grads, norms = _reference(model, x, y, F.cross_entropy)
+    forwards = _forward_counter(model)
+    clip_and_accumulate(model, F.cross_entropy, x, y, norms.median().item(), method="fused")
+    assert len(forwards) == (2 if probes else 1)
+    expected = _explicit_clip(grads, norms, norms.median().item(), x.shape[0])
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k], rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

@@ -51,8 +51,12 @@ class Layout:
         return [torch.empty(n, device=device, dtype=dtype) for device, dtype, n, _ in self.groups]
 
     def views(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {name: flat[off:off + p.numel()].view(p.shape)
-                for (_, _, _, entries), flat in zip(self.groups, flats) for name, p, off in entries}
+        # one split per group, not a slice per parameter (launch-free, but a dispatch each); 1-D ones need no view
+        out = {}
+        for (_, _, _, entries), flat in zip(self.groups, flats):
+            for (name, p, _), piece in zip(entries, flat.split([p.numel() for _, p, _ in entries])):
+                out[name] = piece if p.dim() == 1 else piece.view(p.shape)
+        return out
 
 
 def _signature(params: dict[str, nn.Parameter]) -> tuple:
@@ -160,9 +164,10 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     :func:`per_sample_gradients`; the result is the same whichever reduction the loss uses.
 
     Batch dim and parameter uses (see ``torchkern.per_sample``): on the fused path a layer's input has the batch in
-    dim 0 only when that dim has size B here and size 1 in a forward on ``inputs[:1]`` (run in every call with
-    B > 1, RNG state restored), so T = B coincidences (``arange(T)`` positions, sequence-first inputs) are never
-    taken for a batch; a parameter used outside the forward of the module holding it is detected in every call.
+    dim 0 only when that dim has size B here and size 1 in a forward on ``inputs[:1]`` (run, RNG state restored,
+    in every call in which B also shows in another dim or size in sight; otherwise the sizes decide), so T = B
+    coincidences (``arange(T)`` positions, sequence-first inputs) are never taken for a batch; a parameter used
+    outside the forward of the module holding it is detected in every call.
     Either makes ``"auto"`` fall back to torch.func (right for both) and ``"fused"`` raise ValueError.
 
     Noise: float32 (float64 for float64 parameters) whatever the parameters' dtype, drawn once per step from

@@ -24,8 +24,14 @@ nothing computed). Any other answer means a use the units' gradients would miss.
 Batch dims. A recorded tensor (a rule layer's input; a torch.func unit's arguments and outputs) has the batch in
 dim 0 when that dim has the batch size B and size 1 in a forward on the first sample alone: B alone cannot tell a
 batch from a sequence of B positions (``arange(T)`` with T = B, a (T, B, d) sequence-first input). That probe
-forward (with autograd, the RNG state put back after it; skipped for B = 1, where any dim 0 of size 1 is the
-batch) runs in every call, for about the host time of a forward.
+forward (with autograd, the RNG state put back after it; about the host time of a forward) runs in every call
+in which B also shows somewhere else (``_sizes_decide``): in a dim of the inputs other than dim 0, in a dim
+beside dim 0 of a recorded tensor that its layer does not fix (positions, spatial dims; a rule layer's feature
+and channel dims are its own), in a torch.func unit's parameters or in an embedding's vocabulary. Where it shows
+nowhere else, a dim 0 of size B has no other source in sight and is taken for the batch, and any other dim 0 is
+not the batch either way; for B = 1 any dim 0 of size 1 is the batch. What no probe then checks: a size B that
+the model makes from a constant of its own (``torch.arange(5)`` with B = 5) and that reaches no other recorded
+dim, and a forward on one sample that runs other modules.
 
 What the recording pass does not cover (``method="auto"`` then falls back to torch.func over the whole model,
 which is right for all of them; ``method="fused"`` raises ValueError saying which applies):
@@ -33,14 +39,17 @@ which is right for all of them; ``method="fused"`` raises ValueError saying whic
 * a trainable parameter held by two modules (tied weights), or a unit that ran more than once in one forward;
 * a parameter used outside the call of the module that holds it (e.g. a parent reading a child's weight);
 * a layer input without the batch in dim 0 (see above), or modified in place after the layer ran;
-* a forward on one sample that runs other modules, or a module whose exception the model caught;
+* a forward on one sample that runs other modules (where the probe runs), or a module whose exception the model
+  caught;
 * ``nn.Embedding(sparse=True)`` or ``scale_grad_by_freq=True``.
 
 BatchNorm in training mode mixes the samples of a batch: every path raises ValueError.
 
 Per-call overhead: the module scan is cached per model and revalidated by identity on every call; hooks live
-only for the forward; the batch-dim probe costs about a forward's host time; a ``"mean"`` loss is scaled through
-the backward's seed; nothing waits for the device.
+only for the forward; the batch-dim probe, where it runs, costs about a forward's host time; a ``"mean"`` loss is
+scaled through the backward's seed; the per-sample gradients that rules materialize (norm layers, biases, kept
+Linear and convolution weights) are concatenated where their accumulators are neighbours, for one square-sum and
+one GEMV per group instead of a few launches per parameter; nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -360,11 +369,34 @@ def _resolve(p: Plan, counts: tuple[int, ...]) -> tuple | str:
 _AMBIGUOUS = "pass tensors with the batch in dim 0 (e.g. positions expanded to (B, T)), or use method='func'"
 
 
+def _sizes_decide(p: Plan, active: tuple, calls: list[list[_Call]], inputs: torch.Tensor) -> bool:
+    """Whether B shows nowhere but in dim 0, so that a recorded dim 0 of size B can only be the batch: not in
+    the inputs' other dims (T = B), nor in a recorded tensor's other dims that its layer does not fix (a
+    sequence-first (T, B, d) input; a rule layer's own feature dims are exempt), nor in a torch.func unit's
+    parameters or an embedding's vocabulary (indices or outputs made from the model's own sizes)."""
+    batch = inputs.shape[0]
+    if batch in inputs.shape[1:]:
+        return False
+    for i, _ in active:
+        unit, call = p.units[i], calls[i][0]
+        if unit.rule is not None:
+            x = call.args[0] if call.args else None
+            if isinstance(x, torch.Tensor) and batch in unit.rule.other_sizes(unit.module, x.shape):
+                return False
+            continue
+        shapes = [t.shape[1:] for t in call.leaves() if isinstance(t, torch.Tensor)]
+        shapes += [shape[1:] for _, shape, _, _ in call.outs]
+        shapes += [p.params[q].shape for _, _, q in unit.slots]
+        if any(batch in shape for shape in shapes):
+            return False
+    return True
+
+
 def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, ...]) -> tuple | str:
     """dim 0's sizes (``_sizer``) of every unit call in a forward on ``inputs[:1]``, per unit, or why the
-    two forwards cannot be compared. Run in every call: a verdict kept across calls could go stale when the model
-    changes what it feeds a layer. Only a CUDA-graph capture reuses the verdict of the warm-up call that ran just
-    before it on the same shapes (its replays repeat what it captured anyway)."""
+    two forwards cannot be compared. Run in every call whose sizes do not decide: a verdict kept across calls
+    could go stale when the model changes what it feeds a layer. Only a CUDA-graph capture reuses the verdict of
+    the warm-up call that ran just before it on the same shapes (its replays repeat what it captured anyway)."""
     key = (counts, inputs.shape[1:])
     capturing = inputs.is_cuda and torch.cuda.is_current_stream_capturing()
     if capturing and key in p.probes:
@@ -390,7 +422,7 @@ def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, .
 
 def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
     """Sets which of the call's argument leaves and outputs have the batch in dim 0 (size B here, size 1 in the
-    probe's call, ``dims``; None: B = 1, where any dim 0 of size 1 is the batch); False if the calls differ."""
+    probe's call, ``dims``; None, no probe (B = 1, or the sizes decide): size B here); False if the calls differ."""
     size0 = _sizes0(call.leaves())
     if dims is None:
         dims = ((1,) * len(size0), {i: 1 for i, *_ in call.outs})
@@ -469,7 +501,7 @@ def _record(p: Plan, model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         return None, resolution
     active, zeros = resolution
     batch = inputs.shape[0]
-    dims = _probe(p, model, inputs, counts) if batch > 1 else None
+    dims = _probe(p, model, inputs, counts) if batch > 1 and not _sizes_decide(p, active, calls, inputs) else None
     if isinstance(dims, str):
         return None, dims
     # every use of a parameter must reach the alias of the unit that owns it: the parameter itself and the
@@ -618,21 +650,69 @@ def _sq_any(g: torch.Tensor) -> torch.Tensor:
     return g.reshape(g.shape[0], -1).to(opmath_dtype(g.dtype)).square().sum(1)
 
 
-def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor, object]:
+def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor | None, object, list]:
+    """The rule's ``(sq, state, rows)`` (``layers.py``), rows as (qualified name, (B, numel)) pairs; a torch.func
+    unit's per-sample gradients are all rows."""
     unit = entry.unit
     if unit.rule is None:
         grads = _func_unit_grads(entry, run)
-        return sum_terms([_sq_any(g) for g in grads.values()]), grads
-    return unit.rule.sq_norms(unit.module, entry.call.args[0], entry.grads[0], unit.names, keep)
+        return None, None, [(q, g.reshape(g.shape[0], -1).to(opmath_dtype(g.dtype))) for q, g in grads.items()]
+    sq, state, rows = unit.rule.sq_norms(unit.module, entry.call.args[0], entry.grads[0], unit.names, keep)
+    return sq, state, [(unit.names[k], r) for k, r in rows.items()]
 
 
-def entry_clip(entry: Entry, state: object, c: torch.Tensor, writer: Writer) -> None:
-    unit = entry.unit
-    if unit.rule is None:
-        for q, g in state.items():
-            writer.mv(q, g.reshape(g.shape[0], -1).T, c)
-    else:
-        unit.rule.clip(unit.module, state, c, unit.names, writer)
+# Per-sample gradient rows are concatenated (copied) with their neighbours up to this many elements per sample in
+# all: a bounded copy, where larger rows' own products dwarf the launches saved.
+_CAT_NUMEL = 1 << 16
+
+
+def _runs(rows: list, writer: Writer | None) -> list[tuple[list, torch.Tensor, torch.Tensor | None]]:
+    """The materialized per-sample gradients (qualified name, (B, numel)) grouped so that each group costs one
+    square-sum for the norms and one GEMV for the clipped sums: (members, their concatenation, the 1-D span of
+    the accumulators they fill back to back, or None). Without a writer (norms only), one group per dtype."""
+    if writer is None:
+        placed = [(None, q, r) for q, r in sorted(rows, key=lambda qr: str(qr[1].dtype))]
+    else:  # in accumulator order: neighbours there are neighbours in the concatenation
+        placed = sorted(((writer.where(q), q, r) for q, r in rows),
+                        key=lambda t: (0, 0) if t[0] is None else (id(t[0][0]), t[0][1]))
+    groups: list[list] = []
+    width = 0  # of the last group, per sample
+    for item in placed:
+        width += item[2].shape[1]
+        if groups and width <= _CAT_NUMEL and _neighbours(groups[-1][-1], item, writer is None):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+            width = item[2].shape[1]
+    runs = []
+    for group in groups:
+        members = [(q, r) for _, q, r in group]
+        if len(members) == 1:
+            runs.append((members, members[0][1], None))
+            continue
+        first, last = group[0][0], group[-1][0]
+        span = None if first is None else first[0][first[1]:last[2]]
+        runs.append((members, torch.cat([r for _, r in members], 1), span))
+    return runs
+
+
+def _neighbours(prev: tuple, item: tuple, anywhere: bool) -> bool:
+    """Whether ``item`` may join the group ending in ``prev``: one dtype and (unless ``anywhere``) its accumulator
+    right after prev's in the same buffer."""
+    (where0, _, r0), (where1, _, r1) = prev, item
+    if r0.dtype != r1.dtype:
+        return False
+    return anywhere or (where0 is not None and where1 is not None and where1[0] is where0[0]
+                        and where1[1] == where0[2])
+
+
+def _runs_clip(runs: list, c: torch.Tensor, writer: Writer) -> None:
+    for members, mat, span in runs:
+        if span is not None and mat.dtype == span.dtype:  # c in the accumulator's dtype, as Writer.mv does
+            span.addmv_(mat.T, c.to(span.dtype), beta=writer.beta)
+        else:
+            for q, r in members:
+                writer.mv(q, r.T, c)
 
 
 def entry_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
@@ -666,7 +746,12 @@ def norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torc
         with torch.no_grad():
             return sum_terms([_sq_any(g) for g in grads.values()]).sqrt_()
     with plain_math(inputs.device.type):
-        sqs = [entry_sq_norms(e, run, keep=False)[0] for e in run.entries]
+        sqs, rows = [], []
+        for e in run.entries:
+            sq, _, r = entry_sq_norms(e, run, keep=False)
+            sqs += [sq] if sq is not None else []
+            rows += r
+        sqs += [_sq_any(mat) for _, mat, _ in _runs(rows, None)]
         if not sqs:
             return torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         # clamp: the Gram form's rounding can take a zero norm a hair below zero
@@ -684,17 +769,24 @@ def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: to
         if run is None:
             sq = sum_terms([_sq_any(g) for g in grads.values()])
         else:
-            states = [(e, *entry_sq_norms(e, run, keep=True)) for e in run.entries]
-            sq = (sum_terms([s for _, s, _ in states]) if states
-                  else torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device))
+            states, sqs, rows = [], [], []
+            for e in run.entries:
+                s, state, r = entry_sq_norms(e, run, keep=True)
+                sqs += [s] if s is not None else []
+                states += [(e, state)] if state is not None else []
+                rows += r
+            runs = _runs(rows, writer)
+            sqs += [_sq_any(mat) for _, mat, _ in runs]
+            sq = sum_terms(sqs) if sqs else torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         result = sq.clamp_(min=0).sqrt_()
         c = (max_norm / result).clamp_(max=1.0)  # a zero norm: max_norm / 0 = inf -> 1
         if run is None:
             for q, g in grads.items():
                 writer.mv(q, g.reshape(g.shape[0], -1).T, c)
         else:
-            for e, _, state in states:
-                entry_clip(e, state, c, writer)
+            for e, state in states:
+                e.unit.rule.clip(e.unit.module, state, c, e.unit.names, writer)
+            _runs_clip(runs, c, writer)
             for q in run.zeros:
                 writer.zero(q)
     return result

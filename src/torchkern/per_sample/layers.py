@@ -3,10 +3,13 @@
 A rule turns one layer call's recorded input ``x`` (batch dim 0 of size B) and the gradient ``g`` of the summed
 per-sample losses with respect to the layer's output into:
 
-* ``sq_norms``: the squared per-sample gradient norms over the layer's trainable parameters, (B,) in the compute
-  dtype (float32; float64 for float64 layers), and a state that ``clip`` reuses;
-* ``clip``: sum_i c_i grad_i for each trainable parameter, through a :class:`Writer` (one product (c * g)^T a,
-  never a second backward);
+* ``sq_norms``: ``(sq, state, rows)``. ``rows``: the per-sample gradients the rule materialized, (B, numel) in
+  the compute dtype (float32; float64 for float64 layers) by local name; the engine gets their squared norms
+  and clipped sums (rows^T c) for all layers at once (``engine._runs``). ``sq``: the squared per-sample gradient
+  norms over the layer's other trainable parameters, (B,) in the compute dtype, or None; ``state``: what
+  ``clip`` needs for those, or None (nothing left to clip);
+* ``clip``: sum_i c_i grad_i for each trainable parameter not in ``rows``, through a :class:`Writer` (one
+  product (c * g)^T a, never a second backward);
 * ``grads``: the per-sample gradients themselves, (B, *param.shape) in the parameter's dtype.
 
 Rules by layer (T: positions per sample, every dim between the batch and the feature dims):
@@ -14,17 +17,19 @@ Rules by layer (T: positions per sample, every dim between the batch and the fea
 * ``nn.Linear``: weight_i = sum_t g_it a_it^T. Norms without T, or with the Gram form
   <g_i g_i^T, a_i a_i^T>_F when T (d_in + d_out) <= d_in d_out (``linear_grad_sq_norms``); otherwise the per-sample
   weight gradients are materialized (in batch chunks of at most :data:`CHUNK_BYTES`) and, when they fit that
-  bound, kept for the clipped sum, which is then one GEMV. Clipped sum otherwise: (c * g)^T a, one GEMM.
+  bound, kept as rows (with the bias's), whose clipped sum is a GEMV. Clipped sum otherwise: (c * g)^T a, one
+  GEMM.
 * ``nn.Embedding``: grad_i = sum_t e_{idx_it} g_it^T, so ||grad_i||^2 = sum_{t,s} [idx_it = idx_is] g_it . g_is
   (duplicates within a sample add up; positions at ``padding_idx`` contribute nothing): a masked T x T Gram matrix
   when T <= d, else the sorted-segment form (sum the rows of each distinct (sample, index) pair, then square).
   Clipped sum: the embedding backward of c * g.
 * ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``: weight_i = sum_t g_it * xhat_it, bias_i = sum_t g_it, with
-  xhat recomputed from x; small (B x d), so materialized and reused for the clipped sum.
+  xhat recomputed from x; small (B x d), so materialized: rows.
 * ``nn.Conv1d`` / ``nn.Conv2d``: a Linear over the unfolded input (T = output positions, d_in = C_in / groups x
   kernel size, d_out = C_out / groups, one such problem per group), unfolded in batch chunks of at most
-  :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear. Clipped sum: the kept per-sample
-  weight gradients (GEMV), else the convolution's own weight gradient of c * g (no unfolding).
+  :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear; the bias's per-sample gradients
+  are rows. Clipped sum: the kept per-sample weight gradients (rows: a GEMV), else the convolution's own weight
+  gradient of c * g (no unfolding).
 
 Clipped sums scale by the clip factors in their dtype (float32; float64 for float64 layers): a low-precision
 operand is scaled, and multiplied, in float32, never by a factor rounded to its own dtype (a bfloat16 factor
@@ -70,12 +75,30 @@ def _sq(t: torch.Tensor) -> torch.Tensor:
 class Writer:
     """Writes sum_i c_i grad_i of each parameter (by qualified name) into its accumulator view (contiguous,
     the parameter's shape, float32 or float64): overwriting it (``beta=0``, NaN in the old contents never
-    propagates) or adding to it (``beta=1``)."""
+    propagates) or adding to it (``beta=1``). One writer serves one set of clip factors c."""
 
-    __slots__ = ("views", "beta")
+    __slots__ = ("views", "beta", "_rows")
 
     def __init__(self, views: dict[str, torch.Tensor], beta: int):
-        self.views, self.beta = views, beta
+        self.views, self.beta, self._rows = views, beta, {}
+
+    def row_factors(self, c: torch.Tensor, positions: int) -> torch.Tensor:
+        """c repeated for each of a sample's ``positions`` rows, (B positions,): made once per count, not per
+        layer (a copy each)."""
+        rows = self._rows.get(positions)
+        if rows is None:
+            rows = self._rows[positions] = c.unsqueeze(1).expand(c.shape[0], positions).reshape(-1)
+        return rows
+
+    def where(self, name: str) -> tuple[torch.Tensor, int, int] | None:
+        """(the flat buffer, start, end) of the accumulator of ``name`` where it is a slice of a flat buffer, else
+        None."""
+        view = self.views[name]
+        base = view._base
+        if base is None or base.dim() != 1 or not base.is_contiguous():
+            return None
+        start = view.storage_offset() - base.storage_offset()
+        return base, start, start + view.numel()
 
     def put(self, name: str, value: torch.Tensor) -> None:
         view = self.views[name]
@@ -127,7 +150,12 @@ class Rule:
         """Why this call's input cannot be used, or None."""
         raise NotImplementedError
 
-    def sq_norms(self, module, x, g, names, keep: bool) -> tuple[torch.Tensor, object]:
+    def other_sizes(self, module: nn.Module, shape: torch.Size) -> tuple[int, ...]:
+        """Sizes an input of this shape shows beside its dim 0 that the layer does not fix (its positions; the
+        feature dims are the layer's own), for telling whether dim 0 is the batch (``engine``)."""
+        raise NotImplementedError
+
+    def sq_norms(self, module, x, g, names, keep: bool) -> tuple[torch.Tensor | None, object, dict]:
         raise NotImplementedError
 
     def clip(self, module, state, c: torch.Tensor, names: dict[str, str], writer: Writer) -> None:
@@ -141,6 +169,9 @@ class LinearRule(Rule):
     def check(self, module, x, batch):
         return _batched(x, batch, 2, "nn.Linear needs (B, ..., in_features)")
 
+    def other_sizes(self, module, shape):
+        return tuple(shape[1:-1])
+
     @staticmethod
     def _inputs(x, g):
         return _flat(x.to(g.dtype)), _flat(g)
@@ -150,32 +181,21 @@ class LinearRule(Rule):
         ct = opmath_dtype(g.dtype)
         weight, bias = "weight" in names, "bias" in names
         if not weight:
-            gb = (g if g.dim() == 2 else g.sum(1, dtype=ct)).to(ct)
-            return _sq(gb), ("bias", gb)
+            return None, None, {"bias": (g if g.dim() == 2 else g.sum(1, dtype=ct)).to(ct)}
         if a.dim() == 2 or twins.use_gram(a.shape[1], a.shape[2], g.shape[2]):
-            return ops.linear_grad_sq_norms(a, g, bias), ("gemm", a, g)
+            return ops.linear_grad_sq_norms(a, g, bias), (a, g), {}
         batch, per_sample = a.shape[0], g.shape[2] * a.shape[2] * ct.itemsize
         if keep and batch * per_sample <= CHUNK_BYTES:  # materialize once: norms, then a GEMV for the clipped sum
-            w = torch.bmm(g.transpose(1, 2).to(ct), a.to(ct))
-            gb = g.sum(1, dtype=ct) if bias else None
-            sq = _sq(w) if gb is None else _sq(w) + _sq(gb)
-            return sq, ("kept", w, gb)
+            rows = {"weight": torch.bmm(g.transpose(1, 2).to(ct), a.to(ct)).flatten(1)}
+            if bias:
+                rows["bias"] = g.sum(1, dtype=ct)
+            return None, None, rows
         step = max(1, CHUNK_BYTES // per_sample)
         sq = torch.cat([ops.linear_grad_sq_norms(a[i:i + step], g[i:i + step], bias) for i in range(0, batch, step)])
-        return sq, ("gemm", a, g)
+        return sq, (a, g), {}
 
     def clip(self, module, state, c, names, writer):
-        kind = state[0]
-        if kind == "bias":
-            writer.mv(names["bias"], state[1].T, c)
-            return
-        if kind == "kept":
-            _, w, gb = state
-            writer.mv(names["weight"], w.flatten(1).T, c)
-            if gb is not None:
-                writer.mv(names["bias"], gb.T, c)
-            return
-        _, a, g = state
+        a, g = state
         # sum_i c_i g_i^T a_i = (c * g)^T a = g^T (c * a): one GEMM over the B T rows, on a scaled copy of the
         # operand with fewer features (cuBLAS cannot scale along the reduction dim; the copy costs a fraction
         # of the GEMM)
@@ -186,8 +206,7 @@ class LinearRule(Rule):
             writer.mm(names["weight"], _scaled(g, c).reshape(g2.shape).T, a2)
         if "bias" in names:
             if g2.dtype == c.dtype:  # sum_i c_i sum_t g_it: a GEMV over the rows, each row's factor its sample's
-                rows = c if g.dim() == 2 else c.unsqueeze(1).expand(g.shape[0], g.shape[1]).reshape(-1)
-                writer.mv(names["bias"], g2.T, rows)
+                writer.mv(names["bias"], g2.T, c if g.dim() == 2 else writer.row_factors(c, g.shape[1]))
             else:  # low precision: each sample's rows summed in c's dtype first
                 writer.mv(names["bias"], (g if g.dim() == 2 else g.sum(1, dtype=c.dtype)).T, c)
 
@@ -212,6 +231,10 @@ class EmbeddingRule(Rule):
     def check(self, module, x, batch):
         return _batched(x, batch, 1, "nn.Embedding needs (B, ...) indices")
 
+    def other_sizes(self, module, shape):
+        # and the vocabulary: indices such as arange(num_embeddings) need not come from the batch
+        return (*shape[1:], module.num_embeddings)
+
     @staticmethod
     def _inputs(module, x, g):
         idx = x.reshape(x.shape[0], -1)
@@ -232,7 +255,7 @@ class EmbeddingRule(Rule):
             sq = gram.masked_fill_(idx.unsqueeze(2) != idx.unsqueeze(1), 0).sum((1, 2))
         else:
             sq = _segment_sq_norms(idx, gm, module.num_embeddings)
-        return sq, (idx, g)
+        return sq, (idx, g), {}
 
     def clip(self, module, state, c, names, writer):
         idx, g = state
@@ -286,13 +309,7 @@ class _AffineNormRule(Rule):
         return parts
 
     def sq_norms(self, module, x, g, names, keep):
-        parts = self._parts(module, x, g, names)
-        sqs = [_sq(p) for p in parts.values()]
-        return (sqs[0] if len(sqs) == 1 else sqs[0] + sqs[1]), parts
-
-    def clip(self, module, state, c, names, writer):
-        for local, part in state.items():
-            writer.mv(names[local], part.flatten(1).T, c)
+        return None, None, {k: v.flatten(1) for k, v in self._parts(module, x, g, names).items()}
 
     def grads(self, module, x, g, names):
         return {k: v.to(getattr(module, k).dtype) for k, v in self._parts(module, x, g, names).items()}
@@ -301,6 +318,9 @@ class _AffineNormRule(Rule):
 class LayerNormRule(_AffineNormRule):
     def check(self, module, x, batch):
         return _batched(x, batch, len(module.normalized_shape) + 1, "(B, ..., *normalized_shape)")
+
+    def other_sizes(self, module, shape):
+        return tuple(shape[1:len(shape) - len(module.normalized_shape)])
 
     def _xhat(self, module, x, ct):
         return F.layer_norm(x.to(ct), module.normalized_shape, None, None, module.eps)
@@ -319,6 +339,9 @@ class GroupNormRule(_AffineNormRule):
     def check(self, module, x, batch):
         return _batched(x, batch, 2, "(B, C, ...)")
 
+    def other_sizes(self, module, shape):
+        return tuple(shape[2:])
+
     def _xhat(self, module, x, ct):
         return F.group_norm(x.to(ct), module.num_groups, None, None, module.eps)
 
@@ -334,6 +357,9 @@ class ConvRule(Rule):
 
     def check(self, module, x, batch):
         return _batched(x, batch, self.dims + 2, f"(B, C, {'L' if self.dims == 1 else 'H, W'})")
+
+    def other_sizes(self, module, shape):
+        return tuple(shape[2:])
 
     def _padded(self, module, x):
         """The input as the convolution sees it, and the padding left to apply: string paddings ('same',
@@ -359,19 +385,19 @@ class ConvRule(Rule):
         d_out, positions = c_out // groups, math.prod(g.shape[2:])
         ct = opmath_dtype(g.dtype)
         g3 = g.reshape(batch, c_out, positions)
-        gb = g3.sum(2, dtype=ct) if "bias" in names else None
-        state = {"g": g, "gb": gb, "w": None}
-        sq = _sq(gb) if gb is not None else None
+        rows = {"bias": g3.sum(2, dtype=ct)} if "bias" in names else {}
         if "weight" not in names:
-            return sq, state
+            return None, None, rows
         xp, padding = self._padded(module, x)
-        state["xp"], state["padding"] = xp, padding
         gram = not grads and twins.use_gram(positions, d_in, d_out)
         w_bytes = 0 if gram else c_out * d_in * ct.itemsize
         kept = grads or (keep and not gram and batch * w_bytes <= CHUNK_BYTES)
-        # per sample: the unfolded input (and its transposed copy for the Gram op) and the materialized gradient
+        # per sample: the unfolded input and the materialized gradient, or for the Gram op the unfolded input, its
+        # transposed copy and the op's T x T products (two Gram matrices and their elementwise product, as its
+        # twin forms them; T < d_in there, so they stay below 3 unfolded inputs)
         unfold_bytes = groups * d_in * positions * g.element_size() * (2 if gram else 1)
-        step = batch if grads else max(1, CHUNK_BYTES // (unfold_bytes + w_bytes))
+        gram_bytes = 3 * groups * positions * positions * ct.itemsize if gram else 0
+        step = batch if grads else max(1, CHUNK_BYTES // (unfold_bytes + gram_bytes + w_bytes))
         sqs, ws = [], []
         for i in range(0, batch, step):
             u = self._unfold(module, xp[i:i + step].to(g.dtype), padding)
@@ -384,39 +410,35 @@ class ConvRule(Rule):
                 sqs.append(ops.linear_grad_sq_norms(a3, gl).view(b, groups).sum(1))
             else:
                 w = torch.matmul(gg.to(ct), a.to(ct))  # (b, G, d_out, d_in): per-sample weight gradients
-                sqs.append(_sq(w))
                 if kept:
                     ws.append(w.reshape(b, -1))
-        wsq = sqs[0] if len(sqs) == 1 else torch.cat(sqs)
-        sq = wsq if sq is None else sq + wsq
+                else:
+                    sqs.append(_sq(w))
         if kept:
-            state["w"] = ws[0] if len(ws) == 1 else torch.cat(ws)
-        return sq, state
+            rows["weight"] = ws[0] if len(ws) == 1 else torch.cat(ws)
+            return None, None, rows
+        return (sqs[0] if len(sqs) == 1 else torch.cat(sqs)), (g, xp, padding), rows
 
     def clip(self, module, state, c, names, writer):
-        if "weight" in names:
-            if state["w"] is not None:
-                writer.mv(names["weight"], state["w"].T, c)
-            else:  # the convolution's own weight gradient, bilinear in (x, g): scale the smaller of the two
-                g, xp = state["g"], state["xp"].to(state["g"].dtype)
-                if xp.numel() < g.numel():
-                    xp = _scaled(xp, c)
-                else:
-                    g = _scaled(g, c)
-                xp, g = xp.to(c.dtype), g.to(c.dtype)
-                weight_grad = torch.nn.grad.conv1d_weight if self.dims == 1 else torch.nn.grad.conv2d_weight
-                writer.put(names["weight"], weight_grad(xp, module.weight.shape, g, module.stride, state["padding"],
-                                                        module.dilation, module.groups))
-        if state["gb"] is not None:
-            writer.mv(names["bias"], state["gb"].T, c)
+        # the convolution's own weight gradient, bilinear in (x, g): scale the smaller of the two
+        g, xp, padding = state
+        xp = xp.to(g.dtype)
+        if xp.numel() < g.numel():
+            xp = _scaled(xp, c)
+        else:
+            g = _scaled(g, c)
+        xp, g = xp.to(c.dtype), g.to(c.dtype)
+        weight_grad = torch.nn.grad.conv1d_weight if self.dims == 1 else torch.nn.grad.conv2d_weight
+        writer.put(names["weight"], weight_grad(xp, module.weight.shape, g, module.stride, padding, module.dilation,
+                                                module.groups))
 
     def grads(self, module, x, g, names):
-        _, state = self._norms(module, x, g, names, keep=True, grads=True)
+        _, _, rows = self._norms(module, x, g, names, keep=True, grads=True)
         out = {}
-        if state["w"] is not None:
-            out["weight"] = state["w"].view(x.shape[0], *module.weight.shape).to(module.weight.dtype)
-        if state["gb"] is not None:
-            out["bias"] = state["gb"].to(module.bias.dtype)
+        if "weight" in rows:
+            out["weight"] = rows["weight"].view(x.shape[0], *module.weight.shape).to(module.weight.dtype)
+        if "bias" in rows:
+            out["bias"] = rows["bias"].to(module.bias.dtype)
         return out
 
 
