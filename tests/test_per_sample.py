@@ -1307,3 +1307,24 @@ def test_model_converted_in_place():
     model.float()
     with pytest.raises(ValueError, match=r"trainable parameters \(or their devices or dtypes\) or max_norm changed"):
         clip_and_accumulate(model, mse_sum, x.float(), y.float(), 1.0)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_conv_unfold_is_f_unfold(device):
+    """The conv rule's strided-view unfold against F.unfold (which it replaces: a launch per sample on CUDA), for
+    kernel sizes, strides, dilations and zero paddings of Conv1d and Conv2d."""
+    import itertools
+
+    for dims in (1, 2):
+        for k, s, d, p in itertools.product((1, 3, (2, 3)), (1, 2, (2, 1)), (1, 2), (0, 1, (2, 0))):
+            if dims == 1 and any(isinstance(v, tuple) for v in (k, s, d, p)):
+                continue
+            conv = (nn.Conv1d if dims == 1 else nn.Conv2d)(4, 5, k, stride=s, dilation=d, padding=p).to(device)
+            x = torch.randn(3, 4, *([11] if dims == 1 else [11, 9]), dtype=torch.float64, device=device)
+            got = layers.ConvRule(dims)._unfold(conv, x, tuple(conv.padding))
+            if dims == 1:
+                want = F.unfold(x.unsqueeze(2), (1, conv.kernel_size[0]), (1, conv.dilation[0]),
+                                (0, conv.padding[0]), (1, conv.stride[0]))
+            else:
+                want = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+            assert torch.equal(got, want), (dims, k, s, d, p)

@@ -370,11 +370,18 @@ class ConvRule(Rule):
         return x, tuple(module.padding)
 
     def _unfold(self, module, xp, padding):
-        """F.unfold of a (b, C_in, *spatial) chunk: (b, C_in * K, L)."""
+        """F.unfold's layout of a (b, C_in, *spatial) chunk, (b, C_in * K, L), as a strided view and one copy: F.unfold
+        on CUDA launches a kernel per sample (128 per layer at the benchmark CNN's batch)."""
         k, d, s = module.kernel_size, module.dilation, module.stride
-        if self.dims == 1:
-            return F.unfold(xp.unsqueeze(2), (1, k[0]), (1, d[0]), (0, padding[0]), (1, s[0]))
-        return F.unfold(xp, k, d, padding, s)
+        if any(padding):
+            xp = F.pad(xp, [p for p in reversed(padding) for _ in range(2)])
+        for i in range(self.dims):  # windows of each spatial dim as a new last dim, every d-th element of them
+            xp = xp.unfold(2 + i, (k[i] - 1) * d[i] + 1, s[i])[..., ::d[i]]
+        b, c = xp.shape[:2]
+        out = xp.shape[2:2 + self.dims]
+        # (b, C, *out, *K) -> (b, C, *K, *out): channels, then kernel offsets, then positions, as F.unfold orders them
+        order = (0, 1, *range(2 + self.dims, 2 + 2 * self.dims), *range(2, 2 + self.dims))
+        return xp.permute(order).reshape(b, c * math.prod(k), math.prod(out))
 
     def sq_norms(self, module, x, g, names, keep):
         return self._norms(module, x, g, names, keep, grads=False)
