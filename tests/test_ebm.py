@@ -1189,7 +1189,12 @@ def test_hmc_chain_matches_twin(name, dtype, device):
     assert torch.equal(acc, w_acc) and torch.equal(count, w_count)
     assert_close(got, want, scale=scale)
     assert_close(traj, w_traj, scale=scale)
-    assert_close(e, w_e, scale=scale)
+    # the energies at the kernel's own states (Rastrigin's slope, up to 2 pi A per unit, turns a position within
+    # tolerance into an energy 0.06 off the twin's trajectory: seen on an H100), and then against the twin's
+    at_states = twins.analytic_math(traj.reshape(-1, 7), energy.kind, energy.params)[0].reshape(e.shape)
+    assert_close(e, at_states, scale=20.0 if dtype == torch.float32 else 1.0)
+    if not rough or dtype == torch.float64:
+        assert_close(e, w_e, scale=scale)
     assert traj.shape == (9, 2, 7) and acc.shape == (9, n_steps) and 0 < count.sum() < 9 * n_steps
 
 
