@@ -649,7 +649,9 @@ def test_low_precision_models(device, dtype):
     norms = per_sample_grad_norms(model, mse_sum, x, y, method="fused")
     assert norms.dtype == torch.float32
     err, base = (norms.double() - norms_hi).abs().max(), (norms_lo.double() - norms_hi).abs().max()
-    assert err <= 2 * base + 1e-6 * norms_hi.max(), (err, base)
+    # torch.func's own error is one draw of the dtype's rounding: over 30 seeds in bfloat16 ours was 0.2-2.9x it
+    # (the same before and after the engine's row concatenation), so the bound adds the dtype's epsilon of the norm
+    assert err <= 2 * base + torch.finfo(dtype).eps * norms_hi.max(), (err, base)
     max_norm = norms_hi.median().item()
     clip_and_accumulate(model, mse_sum, x, y, max_norm, method="fused")
     expected = _explicit_clip(grads_hi, norms_hi, max_norm, 5)
