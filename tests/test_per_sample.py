@@ -1040,10 +1040,10 @@ class _Queries(nn.Module):
     size B beside the batch's is the queries' count, in the attention weights (not recorded) and the
     parameters."""
 
-    def __init__(self, unit: bool):
+    def __init__(self, unit: bool, vocab: int = 5):
         super().__init__()
         self.unit = unit
-        self.q = _Latents() if unit else nn.Embedding(5, 4)
+        self.q = _Latents() if unit else nn.Embedding(vocab, 4)
         self.head = nn.Linear(4, 3)
 
     def forward(self, x):
@@ -1093,8 +1093,29 @@ def test_batch_dim_is_not_taken_from_the_size(device, make, x_shape, message):
     batch_first = _Head(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), 4).double().to(device)
     forwards = _forward_counter(batch_first)
     fused = per_sample_grad_norms(batch_first, mse_sum, x, y, method="fused")
-    assert len(forwards) == (2 if x_shape[1] == 5 else 1)  # T == B: probed
+    assert len(forwards) == 2  # T == B: probed; else the first call of these shapes confirms the sizes' reading
+    forwards.clear()
+    fused = per_sample_grad_norms(batch_first, mse_sum, x, y, method="fused")
+    assert len(forwards) == (2 if x_shape[1] == 5 else 1)  # T == B: probed again; else the sizes decide
     torch.testing.assert_close(fused, _reference(batch_first, x, y)[1])
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_a_constant_of_the_batch_size_is_found_on_the_first_call(device):
+    """Five learned queries looked up on arange(5) in an embedding of 7 rows, for a batch of 5: B shows nowhere the
+    sizes can see (the inputs are 5 x 3 x 4), so they alone would take the lookup for batched (a silently wrong
+    gradient). The first call of these shapes probes anyway, finds the lookup unbatched, and from then on every
+    call of them probes: "fused" raises each time, "auto" is right."""
+    torch.manual_seed(0)
+    model = _Queries(False, vocab=7).double().to(device)
+    x, y = randn(5, 3, 4, dtype=torch.float64, device=device), randn(5, 3, dtype=torch.float64, device=device)
+    forwards = _forward_counter(model)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"q \(Embedding\): dim 0 of its input \[5\] has the batch size 5 but"):
+            per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+        assert len(forwards) == 2  # the batch's and the probe's, in every call
+        forwards.clear()
+    _assert_auto_is_right(model, x, y)
 
 
 def _cnn_problem(batch, side):
@@ -1110,8 +1131,8 @@ def _cnn_problem(batch, side):
     ("one_sample", False),  # B = 1: dim 0 of size 1 is the batch
 ])
 def test_probe_runs_only_where_sizes_do_not_decide(device, name, probes):
-    """One forward where B shows nowhere but in dim 0 (or B = 1), two (the one-sample probe) where it also
-    shows elsewhere; the clipped gradient right either way."""
+    """From the second call of the same shapes on: one forward where B shows nowhere but in dim 0 (or B = 1), two
+    (the one-sample probe) where it also shows elsewhere; the clipped gradient right either way."""
     torch.manual_seed(0)
     if name.startswith("transformer"):
         model, x, y = bench.dp_problem("transformer", "cpu", quick=True)  # B = 4, T = 16
@@ -1122,6 +1143,9 @@ def test_probe_runs_only_where_sizes_do_not_decide(device, name, probes):
     model, x, y = model.double().to(device), (x.double() if x.is_floating_point() else x).to(device), y.to(device)
     grads, norms = _reference(model, x, y, F.cross_entropy)
     forwards = _forward_counter(model)
+    clip_and_accumulate(model, F.cross_entropy, x, y, norms.median().item(), method="fused")
+    assert len(forwards) == (1 if name == "one_sample" else 2)  # B > 1: the first call of these shapes probes
+    forwards.clear()
     clip_and_accumulate(model, F.cross_entropy, x, y, norms.median().item(), method="fused")
     assert len(forwards) == (2 if probes else 1)
     expected = _explicit_clip(grads, norms, norms.median().item(), x.shape[0])

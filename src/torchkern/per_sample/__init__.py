@@ -10,8 +10,9 @@ when that dim has size B in the batch's forward and size 1 in a forward on ``inp
 that one-sample forward (the RNG state is put back after it; forward hooks of your own see it) in every call in
 which B also shows beside dim 0: in the inputs' other dims, in a recorded tensor's position or spatial dims, in a
 torch.func unit's parameters or an embedding's vocabulary (``engine.py`` lists them). Where B shows nowhere else
-the sizes decide and no probe runs; a size B made from a constant of the model's own (``torch.arange(5)`` for a
-batch of 5) that reaches no other recorded dim is then taken for the batch. A tensor whose dim 0 has size B by
+it runs on the first call of each input shape (a size B made from a constant of the model's own, such as
+``torch.arange(5)`` for a batch of 5, shows only there), and later calls of that shape skip it if it agreed with
+the sizes. A tensor whose dim 0 has size B by
 coincidence, such as a position embedding on ``arange(T)`` with T = B or a sequence-first (T, B, d) input with
 T = B, is thus never taken for a batch: ``"auto"`` falls back to torch.func and ``"fused"`` raises ValueError
 naming the layer. For the fused path, give every layer holding trainable parameters the batch in dim 0 (e.g.

@@ -28,10 +28,11 @@ forward (with autograd, the RNG state put back after it; about the host time of 
 in which B also shows somewhere else (``_sizes_decide``): in a dim of the inputs other than dim 0, in a dim
 beside dim 0 of a recorded tensor that its layer does not fix (positions, spatial dims; a rule layer's feature
 and channel dims are its own), in a torch.func unit's parameters or in an embedding's vocabulary. Where it shows
-nowhere else, a dim 0 of size B has no other source in sight and is taken for the batch, and any other dim 0 is
-not the batch either way; for B = 1 any dim 0 of size 1 is the batch. What no probe then checks: a size B that
-the model makes from a constant of its own (``torch.arange(5)`` with B = 5) and that reaches no other recorded
-dim, and a forward on one sample that runs other modules.
+nowhere else, the first call of each call pattern, input shape and training flag still probes, since a size B
+the model makes from a constant of its own (``torch.arange(5)`` with B = 5) reaches no dim the sizes can see;
+if the probe agrees with the sizes' reading (a dim 0 of size B is the batch, any other is not), later calls of
+that key trust the sizes, else each of them probes. For B = 1 any dim 0 of size 1 is the batch. What no probe
+then checks: a model that feeds a layer differently on a later call of the same shapes.
 
 What the recording pass does not cover (``method="auto"`` then falls back to torch.func over the whole model,
 which is right for all of them; ``method="fused"`` raises ValueError saying which applies):
@@ -115,14 +116,15 @@ class Plan:
     ``holder``: each parameter's unit. ``problem``: why the recording pass cannot apply to this structure, or
     None. ``resolved``: per call pattern (how many times each unit ran), the assignment of parameters to units or
     the reason there is none. ``probes``: the last batch-dim probe per call pattern and input shape (reused only
-    by CUDA-graph captures; see the module docstring).
+    by CUDA-graph captures; see the module docstring). ``confirmed``: per call pattern, input shape and training
+    flag, whether the probe agreed with the sizes' reading where the sizes decide (:func:`_batch_dims`).
     A plan stays valid while every submodule keeps the same children and parameters (compared by identity) and
     every parameter its ``requires_grad``; :func:`plan` checks that on each call, for a few hundred nanoseconds
     per submodule instead of a full scan.
     """
 
     __slots__ = ("_root", "_below", "_flat", "_flags", "params", "units", "holder", "problem", "batchnorms",
-                 "resolved", "probes", "layout")
+                 "resolved", "probes", "confirmed", "layout")
 
     def __init__(self, model: nn.Module):
         named = list(model.named_modules())
@@ -134,6 +136,7 @@ class Plan:
         self.batchnorms = tuple(m for _, m in named if isinstance(m, nn.modules.batchnorm._BatchNorm))
         self.resolved: dict[tuple, object] = {}
         self.probes: dict[tuple, object] = {}
+        self.confirmed: dict[tuple, bool] = {}  # see _batch_dims
         self.layout = None  # the clipping module's buffer layout, made on first use
         self.units, self.problem = self._scan(model, named)
         self.holder = {q: unit for unit in self.units for q in unit.names.values()}
@@ -392,6 +395,36 @@ def _sizes_decide(p: Plan, active: tuple, calls: list[list[_Call]], inputs: torc
     return True
 
 
+def _batch_dims(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple, active: tuple,
+                calls: list[list[_Call]]) -> tuple | str | None:
+    """The probe's verdict (``_probe``), or None where dim 0's size decides (B = 1; or the sizes decide and a probe
+    of the same call pattern, input shape and training flag agreed with them before).
+
+    Where the sizes decide, the first call of each such key still probes: a size B that the model makes from a
+    constant of its own (``torch.arange(5)`` for a batch of 5) shows nowhere the sizes can see, and only a forward
+    on one sample tells it from the batch. If the probe disagrees with the sizes' reading, that key probes in every
+    call; if it agrees, later calls trust the sizes (what they then cannot see: a model that feeds a layer
+    differently on a later call of the same shapes)."""
+    batch = inputs.shape[0]
+    if batch == 1:
+        return None
+    if not _sizes_decide(p, active, calls, inputs):
+        return _probe(p, model, inputs, counts)
+    key = (counts, tuple(inputs.shape), model.training)
+    agreed = p.confirmed.get(key)
+    if agreed:
+        return None
+    dims = _probe(p, model, inputs, counts)
+    if isinstance(dims, str):  # no forward on one sample to compare with: the sizes' reading, as for B = 1
+        return None
+    if agreed is None:
+        if len(p.confirmed) >= 16:  # bounded: a caller cycling through shapes
+            p.confirmed.clear()
+        p.confirmed[key] = all(_reading(calls[i][0], batch, None) == _reading(calls[i][0], batch, dims[i][0])
+                               for i, _ in active)
+    return dims
+
+
 def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, ...]) -> tuple | str:
     """dim 0's sizes (``_sizer``) of every unit call in a forward on ``inputs[:1]``, per unit, or why the
     two forwards cannot be compared. Run in every call whose sizes do not decide: a verdict kept across calls
@@ -420,17 +453,24 @@ def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, .
     return dims
 
 
-def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
-    """Sets which of the call's argument leaves and outputs have the batch in dim 0 (size B here, size 1 in the
-    probe's call, ``dims``; None, no probe (B = 1, or the sizes decide): size B here); False if the calls differ."""
+def _reading(call: _Call, batch: int, dims: tuple | None) -> tuple | None:
+    """Which of the call's argument leaves and outputs have the batch in dim 0: size B here and size 1 in the
+    probe's call, ``dims``; None, no probe (B = 1, or the sizes decide): size B here. None if the calls differ."""
     size0 = _sizes0(call.leaves())
     if dims is None:
         dims = ((1,) * len(size0), {i: 1 for i, *_ in call.outs})
     elif len(dims[0]) != len(size0) or any(i >= len(dims[1]) for i, *_ in call.outs):
+        return None
+    return (tuple(s == batch and d == 1 for s, d in zip(size0, dims[0])),
+            tuple(len(shape) > 0 and shape[0] == batch and dims[1][i] == 1 for i, shape, _, _ in call.outs))
+
+
+def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
+    """Sets the call's ``batched`` and ``outs_batched`` (:func:`_reading`); False if the calls differ."""
+    reading = _reading(call, batch, dims)
+    if reading is None:
         return False
-    call.batched = tuple(s == batch and d == 1 for s, d in zip(size0, dims[0]))
-    call.outs_batched = tuple(len(shape) > 0 and shape[0] == batch and dims[1][i] == 1
-                              for i, shape, _, _ in call.outs)
+    call.batched, call.outs_batched = reading
     return True
 
 
@@ -501,7 +541,7 @@ def _record(p: Plan, model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         return None, resolution
     active, zeros = resolution
     batch = inputs.shape[0]
-    dims = _probe(p, model, inputs, counts) if batch > 1 and not _sizes_decide(p, active, calls, inputs) else None
+    dims = _batch_dims(p, model, inputs, counts, active, calls)
     if isinstance(dims, str):
         return None, dims
     # every use of a parameter must reach the alias of the unit that owns it: the parameter itself and the
