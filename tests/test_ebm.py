@@ -1152,6 +1152,88 @@ def test_mlp_kernel_every_configuration(widths, precision):
         torch.testing.assert_close(state, traj_state, **tol)
 
 
+def _preactivations(x, weights, biases, activation, slope, precision):
+    """Every hidden layer's pre-activations [B, n] with the twin's operand roundings (mlp_math's forward)."""
+    a, hs = x, []
+    for w, b in zip(weights[:-1], biases[:-1]):
+        h = twins._operand(a, precision) @ twins._operand(w, precision).T + b
+        hs.append(h)
+        a = twins.activation_math(h, activation, slope)[0]
+    return hs
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("activation", ["relu", "leaky_relu"])
+@pytest.mark.parametrize("widths", [(3, [20]), (33, [40, 24])], ids=str)
+def test_mlp_kernel_relu_and_leaky_relu(widths, activation, precision):
+    # ReLU and LeakyReLU(0.1) in the fused kernel, as test_mlp_kernel_every_configuration checks SiLU. Their
+    # derivatives jump at 0: a unit whose pre-activation the kernel and the twin put on opposite sides (float32
+    # summation order, or a bf16/TF32 operand rounding that this flips) changes the score by O(|w|), far past any
+    # tolerance. So the chains are drawn from a pool and kept where the twin's pre-activations stay clear of 0,
+    # by more than those differences, at every state the chain evaluates; both signs still occur in every layer.
+    energy = _mlp_energy([widths[0], *widths[1]], activation, "cuda", seed=13)
+    code = PRECISIONS.index(precision)
+    args = energy.kernel_args()
+    n_steps, step, pool, batch = 3, 0.02, 2000, 45
+    x = randn(pool, widths[0], device="cuda")
+    noise = randn(n_steps, pool, widths[0], device="cuda")
+    traj = twins.mlp_langevin_chain_(x.clone(), *args, step, 1.0, None, None, n_steps, 1, True, noise=noise,
+                                     precision=code)[0]
+    margin = 1e-3 if precision == "fp32" else 1e-2
+    clear = torch.ones(pool, dtype=torch.bool, device="cuda")
+    for t in range(n_steps):  # the states the steps take their gradients at: x, then after steps 1 .. n_steps - 1
+        state = x if t == 0 else traj[:, t - 1]
+        for h in _preactivations(state, *args, code):
+            clear &= (h.abs() > margin).all(1)
+    assert clear.sum() >= batch, f"only {int(clear.sum())} of {pool} chains stay clear of the kink"
+    x, noise = x[clear][:batch].contiguous(), noise[:, clear][:, :batch].contiguous()
+    for h in _preactivations(x, *args, code):
+        assert (h > 0).any() and (h < 0).any()
+    e_tw, s_tw = twins.mlp_energy_and_score(x, *args, code)
+    traj_state = x.clone()
+    twins.mlp_langevin_chain_(traj_state, *args, step, 1.0, None, None, n_steps, 1, noise=noise, precision=code)
+    tol = dict(rtol=2e-5, atol=2e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
+    layouts = _layouts(energy, x, precision, hmc=False)
+    assert layouts, "no configuration fits"
+    for layout in layouts:
+        e, s = torch.ops.torchkern.mlp_energy_and_score(x, *args, code, layout)
+        torch.testing.assert_close(e, e_tw, **tol)
+        torch.testing.assert_close(s, s_tw, **tol)
+        state = x.clone()
+        torch.ops.torchkern.mlp_langevin_chain_(state, *args, step, 1.0, None, None, n_steps, 1, False, False, 0.0,
+                                                None, None, code, layout, None, noise)
+        torch.testing.assert_close(state, traj_state, **tol)
+
+
+@requires_cuda
+def test_mlp_kernel_input_dim_1024_bf16():
+    # Inputs up to 1024 wide take the fused bf16 kernel (here its weights stream: 16 chains per block fit an H100's
+    # 227 KiB of shared memory), and its energy, score and chain equal the twin's with the same injected noise
+    # (the bf16 tolerance of test_mlp_kernel_every_configuration).
+    energy = _mlp_energy([1024, 256, 256], "silu", "cuda", seed=14)
+    n_steps, step, code = 3, 0.02, ebm_constants.BF16
+    x = randn(40, 1024, device="cuda")
+    noise = randn(n_steps, 40, 1024, device="cuda")
+    layout = ebm_mlp.plan(energy, x, code, hmc=False)
+    assert layout, f"the fused kernel does not take d = 1024 in bf16 (plan: {layout})"
+    args = energy.kernel_args()
+    tol = dict(rtol=2e-2, atol=2e-2)
+    e, s = torch.ops.torchkern.mlp_energy_and_score(x, *args, code, layout)
+    e_tw, s_tw = twins.mlp_energy_and_score(x, *args, code)
+    torch.testing.assert_close(e, e_tw, **tol)
+    torch.testing.assert_close(s, s_tw, **tol)
+    want = x.clone()
+    w_traj, w_energy = twins.mlp_langevin_chain_(want, *args, step, 1.0, None, None, n_steps, 1, True, True,
+                                                 noise=noise, precision=code)
+    state = x.clone()
+    traj, energies = torch.ops.torchkern.mlp_langevin_chain_(state, *args, step, 1.0, None, None, n_steps, 1, True,
+                                                             True, 0.0, None, None, code, layout, None, noise)
+    torch.testing.assert_close(state, want, **tol)
+    torch.testing.assert_close(traj, w_traj, **tol)
+    torch.testing.assert_close(energies, w_energy, **tol)
+
+
 # --------------------------------------------------------------------------- Hamiltonian Monte Carlo
 
 
@@ -1219,6 +1301,48 @@ def test_mlp_hmc_chain_fp32_matches_twin(device):
     torch.testing.assert_close(out[0], w_out[0], rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(out[1], w_out[1], rtol=2e-4, atol=2e-4)
     assert 0 < out[3].sum() < 37 * n_steps
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_mlp_hmc_chain_low_precision_error(precision, device):
+    # Tensor-core operands in the fused HMC (the energy and step of test_mlp_hmc_chain_fp32_matches_twin). The
+    # kernel differs from the twin's float32 emulation of the same roundings only in summation order (and the rare
+    # operand rounding that this tips), which moves H0 - H1 by far less than its spread: a decision flips only where
+    # log u falls that close to it, so at most 2 of the 37 chains may decide differently (the twin with inputs moved
+    # by 1e-6 flipped none in 12 runs). On the chains where the kernel, the twin and a float64 generic run all
+    # decide alike, the kernel is at most 2x as far from the float64 run as the twin (as
+    # test_mlp_langevin_chain_low_precision_error).
+    energy = _mlp_energy([5, 24, 16], "tanh", device, seed=10)
+    with torch.no_grad():
+        energy.layers[-1].weight.mul_(30.0)  # curvature enough to reject some trajectories at this step
+    n_steps, step, code = 5, 1.2, PRECISIONS.index(precision)
+    x = randn(37, 5, device=device)
+    noise = randn(n_steps, 37, 5, device=device)
+    uniform = torch.rand(n_steps, 37, device=device)
+    got = x.clone()
+    out = torch.ops.torchkern.mlp_hmc_chain_(got, *energy.kernel_args(), step, 4, n_steps, 1, True, True, True, code,
+                                             ebm_mlp.plan(energy, x, code, True), None, noise, uniform)
+    want = x.double()
+    w_out = twins.hmc_loop(want, lambda s: _autograd_energy_and_grad(energy.double(), s), step, 4, n_steps, 1, True,
+                           True, True, None, noise, uniform)
+    emulated = x.cpu().clone()
+    t_out = twins.mlp_hmc_chain_(emulated, *energy.cpu().float().kernel_args(), step, 4, n_steps, 1, True, True, True,
+                                 code, noise=noise.cpu(), uniform=uniform.cpu())
+    acc, w_acc, t_acc = out[2].cpu(), w_out[2].cpu(), t_out[2]
+    flipped = (acc != t_acc).any(1)
+    assert flipped.sum() <= 2, (acc, t_acc)
+    assert torch.equal(out[3].cpu()[~flipped], t_out[3][~flipped])
+    assert 0 < t_out[3].sum() < 37 * n_steps
+    alike = ~flipped & (t_acc == w_acc).all(1)
+    assert alike.sum() >= 37 // 2, alike
+    want, w_energy = want.cpu()[alike], w_out[1].cpu()[alike]
+    err = (got.cpu().double()[alike] - want).abs().max().item()
+    base = (emulated.double()[alike] - want).abs().max().item()
+    assert 0 < base and err <= 2 * base + 1e-6, (err, base)
+    e_err = (out[1].cpu().double()[alike] - w_energy).abs().max().item()
+    e_base = (t_out[1].double()[alike] - w_energy).abs().max().item()
+    assert e_err <= 2 * e_base + 1e-5 * (w_energy.abs().max().item() + 1), (e_err, e_base)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "chain_checks.h"
 #include "energies.cuh"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
@@ -238,31 +239,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hmc_chain_cuda(
   check_analytic_args(torchkern_op_name, x, kind, params);
   TORCHKERN_CHECK(step_size > 0 && std::isfinite(step_size), "step_size must be a finite number > 0, got ", step_size);
   TORCHKERN_CHECK(n_leapfrog >= 1, "n_leapfrog must be >= 1, got ", n_leapfrog);
-  TORCHKERN_CHECK(n_steps >= 0, "n_steps must be >= 0, got ", n_steps);
-  TORCHKERN_CHECK(thin >= 1, "thin must be >= 1, got ", thin);
+  check_chain_run(torchkern_op_name, x, n_steps, thin, noise, uniform);
   const int64_t batch = x.size(0), d = x.size(1), kept = n_steps / thin;
-  if (noise.has_value()) {
-    const at::Tensor& noise_ = *noise;
-    TORCHKERN_CHECK_FLOAT(noise_);
-    TORCHKERN_CHECK(noise_.device() == x.device(), "noise must be on ", x.device().str(), " like x, got ",
-                    noise_.device().str());
-    TORCHKERN_CHECK(noise_.dim() == 3 && noise_.size(0) == n_steps && noise_.size(1) == batch && noise_.size(2) == d,
-                    "noise must have shape [", n_steps, ", ", batch, ", ", d, "] ([n_steps, B, d]), got ",
-                    noise_.sizes());
-  }
-  if (uniform.has_value()) {
-    const at::Tensor& uniform_ = *uniform;
-    TORCHKERN_CHECK_FLOAT(uniform_);
-    TORCHKERN_CHECK(uniform_.device() == x.device(), "uniform must be on ", x.device().str(), " like x, got ",
-                    uniform_.device().str());
-    TORCHKERN_CHECK(uniform_.dim() == 2 && uniform_.size(0) == n_steps && uniform_.size(1) == batch,
-                    "uniform must have shape [", n_steps, ", ", batch, "] ([n_steps, B]), got ", uniform_.sizes());
-  }
   TORCHKERN_CHECK(d <= 32 * 4 * kMaxChunks, "x must have at most ", 32 * 4 * kMaxChunks,
                   " columns for the fused HMC kernel (HamiltonianMonteCarlo samples wider rows by its generic path), "
                   "got ", x.sizes());
-  TORCHKERN_CHECK(n_steps <= (1 << 30) && n_leapfrog <= (1 << 20), "n_steps must be < 2^30 and n_leapfrog <= 2^20, "
-                  "got ", n_steps, " and ", n_leapfrog);
+  TORCHKERN_CHECK(n_leapfrog <= (1 << 20), "n_leapfrog must be <= 2^20, got ", n_leapfrog);
   TORCHKERN_CHECK_CUDA(x);
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

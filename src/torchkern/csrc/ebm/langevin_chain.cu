@@ -17,6 +17,7 @@
 
 #include <tuple>
 
+#include "chain_checks.h"
 #include "langevin_chain.cuh"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
@@ -131,19 +132,8 @@ std::tuple<at::Tensor, at::Tensor> langevin_chain_cuda(const at::Tensor& x, int6
   TORCHKERN_OP("langevin_chain");
   check_analytic_args(torchkern_op_name, x, kind, params);
   check_step_args(torchkern_op_name, step_size, noise_scale, clamp_min, clamp_max);
-  TORCHKERN_CHECK(n_steps >= 0, "n_steps must be >= 0, got ", n_steps);
-  TORCHKERN_CHECK(thin >= 1, "thin must be >= 1, got ", thin);
+  check_chain_run(torchkern_op_name, x, n_steps, thin, noise);
   const int64_t batch = x.size(0), d = x.size(1);
-  if (noise.has_value()) {
-    const at::Tensor& noise_ = *noise;
-    TORCHKERN_CHECK_FLOAT(noise_);
-    TORCHKERN_CHECK(noise_.device() == x.device(), "noise must be on ", x.device().str(), " like x, got ",
-                    noise_.device().str());
-    TORCHKERN_CHECK(noise_.dim() == 3 && noise_.size(0) == n_steps && noise_.size(1) == batch && noise_.size(2) == d,
-                    "noise must have shape [", n_steps, ", ", batch, ", ", d, "] ([n_steps, B, d]), got ",
-                    noise_.sizes());
-  }
-  TORCHKERN_CHECK(n_steps <= std::numeric_limits<int>::max(), "n_steps must fit in 32 bits, got ", n_steps);
   TORCHKERN_CHECK_CUDA(x);
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const int64_t kept = return_trajectory ? n_steps / thin : 0;

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "chain_checks.h"
 #include "mlp_host.h"
 #include "torchkern/philox.cuh"
 
@@ -22,16 +23,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_hmc_chain_cuda(
   mlp::check_mlp(torchkern_op_name, x, weights, biases, activation, precision);
   TORCHKERN_CHECK(step_size > 0 && std::isfinite(step_size), "step_size must be a finite number > 0, got ", step_size);
   TORCHKERN_CHECK(n_leapfrog >= 1, "n_leapfrog must be >= 1, got ", n_leapfrog);
-  mlp::check_chain_run(torchkern_op_name, x, n_steps, thin, noise);
+  check_chain_run(torchkern_op_name, x, n_steps, thin, noise, uniform);
   const int64_t batch = x.size(0), d = x.size(1), kept = n_steps / thin;
-  if (uniform.has_value()) {
-    const at::Tensor& uniform_ = *uniform;
-    TORCHKERN_CHECK_FLOAT(uniform_);
-    TORCHKERN_CHECK(uniform_.device() == x.device(), "uniform must be on ", x.device().str(), " like x, got ",
-                    uniform_.device().str());
-    TORCHKERN_CHECK(uniform_.dim() == 2 && uniform_.size(0) == n_steps && uniform_.size(1) == batch,
-                    "uniform must have shape [", n_steps, ", ", batch, "] ([n_steps, B]), got ", uniform_.sizes());
-  }
   TORCHKERN_CHECK(n_leapfrog <= (1 << 20), "n_leapfrog must be <= 2^20, got ", n_leapfrog);
   TORCHKERN_CHECK_CUDA(x);
   const at::cuda::OptionalCUDAGuard guard(x.device());

@@ -8,7 +8,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <optional>
 #include <string>
 #include <utility>
 
@@ -51,23 +50,6 @@ inline void check_mlp(const char* torchkern_op_name, const at::Tensor& x, at::Te
   TORCHKERN_CHECK(activation >= 0 && activation < kActivations, "activation must be in [0, ",
                   static_cast<int>(kActivations), "), got ", activation);
   TORCHKERN_CHECK(precision >= 0 && precision < 3, "precision must be in [0, 3), got ", precision);
-}
-
-inline void check_chain_run(const char* torchkern_op_name, const at::Tensor& x, int64_t n_steps, int64_t thin,
-                            const std::optional<at::Tensor>& noise) {
-  TORCHKERN_CHECK(n_steps >= 0, "n_steps must be >= 0, got ", n_steps);
-  TORCHKERN_CHECK(thin >= 1, "thin must be >= 1, got ", thin);
-  if (noise.has_value()) {
-    const at::Tensor& noise_ = *noise;
-    TORCHKERN_CHECK_FLOAT(noise_);
-    TORCHKERN_CHECK(noise_.device() == x.device(), "noise must be on ", x.device().str(), " like x, got ",
-                    noise_.device().str());
-    TORCHKERN_CHECK(noise_.dim() == 3 && noise_.size(0) == n_steps && noise_.size(1) == x.size(0) &&
-                        noise_.size(2) == x.size(1),
-                    "noise must have shape [", n_steps, ", ", x.size(0), ", ", x.size(1), "] ([n_steps, B, d]), got ",
-                    noise_.sizes());
-  }
-  TORCHKERN_CHECK(n_steps <= (1 << 30), "n_steps must be < 2^30, got ", n_steps);
 }
 
 // The planner's layout [rows, resident, byte offsets in Slot order] (ebm/mlp.py), checked against this device.

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "chain_checks.h"
 #include "energies.cuh"
 #include "mlp_host.h"
 #include "torchkern/philox.cuh"
@@ -24,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
   TORCHKERN_OP("mlp_langevin_chain_");
   mlp::check_mlp(torchkern_op_name, x, weights, biases, activation, precision);
   check_step_args(torchkern_op_name, step_size, noise_scale, clamp_min, clamp_max);
-  mlp::check_chain_run(torchkern_op_name, x, n_steps, thin, noise);
+  check_chain_run(torchkern_op_name, x, n_steps, thin, noise);
   TORCHKERN_CHECK(restart_fraction >= 0 && restart_fraction <= 1, "restart_fraction must be in [0, 1], got ",
                   restart_fraction);
   TORCHKERN_CHECK(restart_low.has_value() == restart_high.has_value(),

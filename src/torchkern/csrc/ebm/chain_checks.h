@@ -1,0 +1,42 @@
+// Host checks of the run arguments every chain op of the family takes (langevin_chain, hmc_chain_,
+// mlp_langevin_chain_, mlp_hmc_chain_), in the words of twins.check_chain_run and twins.check_hmc. Op-specific
+// limits (n_leapfrog, step sizes, row widths) stay with their ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+#include "torchkern/checks.h"
+
+namespace torchkern {
+
+// `uniform` is HMC's injected acceptance draws; the Langevin ops have none.
+inline void check_chain_run(const char* torchkern_op_name, const at::Tensor& x, int64_t n_steps, int64_t thin,
+                            const std::optional<at::Tensor>& injected_noise,
+                            const std::optional<at::Tensor>& injected_uniform = std::nullopt) {
+  TORCHKERN_CHECK(n_steps >= 0, "n_steps must be >= 0, got ", n_steps);
+  TORCHKERN_CHECK(thin >= 1, "thin must be >= 1, got ", thin);
+  const int64_t batch = x.size(0), d = x.size(1);
+  if (injected_noise.has_value()) {
+    const at::Tensor& noise = *injected_noise;  // named so that TORCHKERN_CHECK_FLOAT's message says "noise"
+    TORCHKERN_CHECK_FLOAT(noise);
+    TORCHKERN_CHECK(noise.device() == x.device(), "noise must be on ", x.device().str(), " like x, got ",
+                    noise.device().str());
+    TORCHKERN_CHECK(noise.dim() == 3 && noise.size(0) == n_steps && noise.size(1) == batch && noise.size(2) == d,
+                    "noise must have shape [", n_steps, ", ", batch, ", ", d, "] ([n_steps, B, d]), got ",
+                    noise.sizes());
+  }
+  if (injected_uniform.has_value()) {
+    const at::Tensor& uniform = *injected_uniform;
+    TORCHKERN_CHECK_FLOAT(uniform);
+    TORCHKERN_CHECK(uniform.device() == x.device(), "uniform must be on ", x.device().str(), " like x, got ",
+                    uniform.device().str());
+    TORCHKERN_CHECK(uniform.dim() == 2 && uniform.size(0) == n_steps && uniform.size(1) == batch,
+                    "uniform must have shape [", n_steps, ", ", batch, "] ([n_steps, B]), got ", uniform.sizes());
+  }
+  // The kernels count steps in int, and HMC reserves 2 Philox draws per step.
+  TORCHKERN_CHECK(n_steps <= (1 << 30), "n_steps must be <= 2^30, got ", n_steps);
+}
+
+}  // namespace torchkern
