@@ -1134,21 +1134,29 @@ def test_mlp_kernel_every_configuration(widths, precision):
     energy = _mlp_energy([widths[0], *widths[1]], "silu", "cuda", seed=9)
     x = randn(45, widths[0], device="cuda")
     noise = randn(3, 45, widths[0], device="cuda")
+    _assert_every_layout_is_the_twin(energy, x, noise, precision, step=0.02)
+
+
+def _assert_every_layout_is_the_twin(energy, x, noise, precision, step, layouts=None):
+    """The fused energy and score and a Langevin chain with injected ``noise`` ([n_steps, B, d]) in every layout
+    that fits this device (``layouts``), against the twin: float32 rounding for fp32; for bf16/tf32, whose
+    roundings the twin emulates, 2e-2."""
     code = PRECISIONS.index(precision)
     args = energy.kernel_args()
+    n_steps = noise.shape[0]
     e_tw, s_tw = twins.mlp_energy_and_score(x, *args, code)
     traj_state = x.clone()
-    twins.mlp_langevin_chain_(traj_state, *args, 0.02, 1.0, None, None, 3, 1, noise=noise, precision=code)
+    twins.mlp_langevin_chain_(traj_state, *args, step, 1.0, None, None, n_steps, 1, noise=noise, precision=code)
     tol = dict(rtol=2e-5, atol=2e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
-    layouts = _layouts(energy, x, precision, hmc=False)
+    layouts = _layouts(energy, x, precision, hmc=False) if layouts is None else layouts
     assert layouts, "no configuration fits"
     for layout in layouts:
         e, s = torch.ops.torchkern.mlp_energy_and_score(x, *args, code, layout)
         torch.testing.assert_close(e, e_tw, **tol)
         torch.testing.assert_close(s, s_tw, **tol)
         state = x.clone()
-        torch.ops.torchkern.mlp_langevin_chain_(state, *args, 0.02, 1.0, None, None, 3, 1, False, False, 0.0, None,
-                                                None, code, layout, None, noise)
+        torch.ops.torchkern.mlp_langevin_chain_(state, *args, step, 1.0, None, None, n_steps, 1, False, False, 0.0,
+                                                None, None, code, layout, None, noise)
         torch.testing.assert_close(state, traj_state, **tol)
 
 
@@ -1190,20 +1198,7 @@ def test_mlp_kernel_relu_and_leaky_relu(widths, activation, precision):
     x, noise = x[clear][:batch].contiguous(), noise[:, clear][:, :batch].contiguous()
     for h in _preactivations(x, *args, code):
         assert (h > 0).any() and (h < 0).any()
-    e_tw, s_tw = twins.mlp_energy_and_score(x, *args, code)
-    traj_state = x.clone()
-    twins.mlp_langevin_chain_(traj_state, *args, step, 1.0, None, None, n_steps, 1, noise=noise, precision=code)
-    tol = dict(rtol=2e-5, atol=2e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
-    layouts = _layouts(energy, x, precision, hmc=False)
-    assert layouts, "no configuration fits"
-    for layout in layouts:
-        e, s = torch.ops.torchkern.mlp_energy_and_score(x, *args, code, layout)
-        torch.testing.assert_close(e, e_tw, **tol)
-        torch.testing.assert_close(s, s_tw, **tol)
-        state = x.clone()
-        torch.ops.torchkern.mlp_langevin_chain_(state, *args, step, 1.0, None, None, n_steps, 1, False, False, 0.0,
-                                                None, None, code, layout, None, noise)
-        torch.testing.assert_close(state, traj_state, **tol)
+    _assert_every_layout_is_the_twin(energy, x, noise, precision, step)
 
 
 @requires_cuda
