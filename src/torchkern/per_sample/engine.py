@@ -39,7 +39,9 @@ which is right for all of them; ``method="fused"`` raises ValueError saying whic
 
 * a trainable parameter held by two modules (tied weights), or a unit that ran more than once in one forward;
 * a parameter used outside the call of the module that holds it (e.g. a parent reading a child's weight);
-* a layer input without the batch in dim 0 (see above), or modified in place after the layer ran;
+* a layer input without the batch in dim 0 (see above), a torch.func unit's argument with the batch in another
+  dim (size B there and 1 in the probe's call: vmap would share it between the samples), or an input modified in
+  place after the layer ran;
 * a forward on one sample that runs other modules (where the probe runs), or a module whose exception the model
   caught;
 * ``nn.Embedding(sparse=True)`` or ``scale_grad_by_freq=True``.
@@ -209,9 +211,10 @@ def _version(x: object) -> int | None:
 class _Call:
     """One recorded call of a unit: its arguments, their versions then, for each output leaf that requires grad
     its position, metadata and gradient edge, the aliases its call swapped in for parameters below the unit
-    (qualified name -> alias), and (set once the probe is known) which argument leaves and outputs are batched."""
+    (qualified name -> alias), and (set once the probe is known) which argument leaves and outputs are batched and
+    the argument leaves' shapes in the probe's call (None where no probe ran)."""
 
-    __slots__ = ("args", "kwargs", "versions", "outs", "edges", "aliases", "batched", "outs_batched")
+    __slots__ = ("args", "kwargs", "versions", "outs", "edges", "aliases", "batched", "outs_batched", "probe_shapes")
 
     def __init__(self, args: tuple, kwargs: dict | None, output: object, aliases: dict | None = None):
         self.args, self.kwargs, self.aliases = args, kwargs, aliases
@@ -267,13 +270,21 @@ def _sizes0(tensors) -> tuple:
     return tuple(t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in tensors)
 
 
+def _shapes(tensors) -> tuple:
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tensors)
+
+
+def _dim0(shape: tuple | None) -> int | None:
+    return shape[0] if shape else None
+
+
 def _sizer(unit: _Unit, calls: list) -> Callable:
-    """Forward hook of the batch-dim probe: dim 0's sizes of the call's argument leaves (as ``_Call.leaves``) and
-    of every leaf of its output."""
+    """Forward hook of the batch-dim probe: the shapes of the call's argument leaves (as ``_Call.leaves``) and of
+    every leaf of its output."""
     def hook(module, args, kwargs, output):
         leaves = args if unit.rule is not None else tree_flatten((args, kwargs))[0]
         outs = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
-        calls.append((_sizes0(leaves), _sizes0(outs)))
+        calls.append((_shapes(leaves), _shapes(outs)))
 
     return hook
 
@@ -458,11 +469,12 @@ def _reading(call: _Call, batch: int, dims: tuple | None) -> tuple | None:
     probe's call, ``dims``; None, no probe (B = 1, or the sizes decide): size B here. None if the calls differ."""
     size0 = _sizes0(call.leaves())
     if dims is None:
-        dims = ((1,) * len(size0), {i: 1 for i, *_ in call.outs})
-    elif len(dims[0]) != len(size0) or any(i >= len(dims[1]) for i, *_ in call.outs):
+        return (tuple(s == batch for s in size0),
+                tuple(len(shape) > 0 and shape[0] == batch for _, shape, _, _ in call.outs))
+    if len(dims[0]) != len(size0) or any(i >= len(dims[1]) for i, *_ in call.outs):
         return None
-    return (tuple(s == batch and d == 1 for s, d in zip(size0, dims[0])),
-            tuple(len(shape) > 0 and shape[0] == batch and dims[1][i] == 1 for i, shape, _, _ in call.outs))
+    return (tuple(s == batch and _dim0(d) == 1 for s, d in zip(size0, dims[0])),
+            tuple(len(shape) > 0 and shape[0] == batch and _dim0(dims[1][i]) == 1 for i, shape, _, _ in call.outs))
 
 
 def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
@@ -471,6 +483,7 @@ def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
     if reading is None:
         return False
     call.batched, call.outs_batched = reading
+    call.probe_shapes = None if dims is None else dims[0]
     return True
 
 
@@ -512,6 +525,15 @@ def _check_call(unit: _Unit, call: _Call, batch: int) -> str | None:
         if not ok:
             return (f"{unit.describe()}: its output {list(shape)} has no batch dim 0 of size {batch} (or that dim "
                     f"is not the batch: a forward on one sample does not make it 1)")
+    # an argument without the batch in dim 0 is shared by every sample's vmapped call: one that carries the batch
+    # in another dim (size B there, 1 in the probe's call) would be summed over the samples, silently
+    for leaf, ok, probed in zip(call.leaves(), call.batched, call.probe_shapes or ()):
+        if ok or not isinstance(leaf, torch.Tensor) or probed is None or len(probed) != leaf.dim():
+            continue
+        dims = [k for k in range(1, leaf.dim()) if leaf.shape[k] == batch and probed[k] == 1]
+        if dims:
+            return (f"{unit.describe()}: its argument {list(leaf.shape)} has the batch in dim {dims[0]}, not dim 0 "
+                    f"(a forward on one sample makes that dim 1)")
     return None
 
 
