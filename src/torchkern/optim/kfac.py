@@ -128,7 +128,7 @@ class KFAC(GuardedOptimizer):
                  factor_update_freq: int = 1, inv_update_freq: int = 10, kl_clip: float | None = 1e-3,
                  momentum: float = 0.0, weight_decay: float = 0.0, batch_averaged: bool = True,
                  grad_scaler: torch.amp.GradScaler | None = None):
-        name = "KFAC"
+        name = self._name
         check_arg(name, "model", type(model).__name__, isinstance(model, nn.Module), "must be a torch.nn.Module")
         check_arg(name, "lr", lr, is_real(lr) and lr > 0, "must be a finite number > 0")
         check_arg(name, "damping", damping, is_real(damping) and damping > 0,

@@ -23,8 +23,9 @@ Optimizers: AdamW (torch), SGD with momentum 0.9 (torch), torchkern Shampoo, SOA
 documented defaults except the learning rate, which is taken from a small grid per task. Every configuration
 runs with fixed seeds (model init and minibatch order); the table reports, per optimizer, the best learning
 rate by the seed-averaged final loss (plus ``shampoo_bf16`` and ``soap_bf16``, ``precision="bf16"``, at their
-float32 sibling's best learning rate: the precision option's effect on loss and time), that loss, the wall-clock of training (evaluations excluded) and the time
-at which the seed-averaged curve first reaches AdamW's final loss. The suite then prints whether the bars hold:
+float32 sibling's best learning rate: the precision option's effect on loss and time), that loss, the
+wall-clock of training (evaluations excluded) and the time at which the seed-averaged curve first reaches AdamW's
+final loss. The suite then prints whether the bars hold:
 on >= 3 of the 4 tasks the better of SOAP and Shampoo ends below AdamW at equal steps, and on >= 2 tasks one of
 them reaches AdamW's final loss in less wall-clock.
 

@@ -245,7 +245,7 @@ class Shampoo(GuardedOptimizer):
                  max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
                  grafting_beta2: float = 0.999, grafting_eps: float = 1e-8, root_method: str = "auto",
                  relative_eps: bool = True, precision: str = "fp32"):
-        name = "Shampoo"
+        name = self._name
         check_common_hyperparameters(name, lr, weight_decay, max_preconditioner_dim, precondition_frequency,
                                      precision)
         check_arg(name, "betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2

@@ -62,9 +62,8 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor) -> torch.Tensor:
     eigenbasis: that is well conditioned, and Cholesky QR (the Cholesky factor of the Gram matrix, then a
     triangular solve) in float64 factors it; a first pass shifted by ``11 (n^2 + n (n + 1)) u ||X||^2`` (Fukaya
     et al. 2020, shifted CholeskyQR) cannot break down on rank-deficient statistics, and unshifted passes restore
-    orthogonality. A column at the level of rounding (a direction the statistics never saw) keeps its
-    own axis. 12 ms for
-    eight 1024^2 factors on an H100 (docs/design.md, "SOAP")."""
+    orthogonality. A column at the level of rounding (a direction the statistics never saw) keeps its own axis.
+    12 ms for eight 1024^2 factors on an H100 (docs/design.md, "SOAP")."""
     n = S.shape[-1]
     wide = torch.float64
     M = (Q0.mT @ (S @ Q0)).to(wide)
@@ -122,7 +121,7 @@ class SOAP(GuardedOptimizer):
                  shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
                  precondition_frequency: int = 10, max_preconditioner_dim: int = 1024, refresh: str = "qr",
                  precision: str = "fp32"):
-        name = "SOAP"
+        name = self._name
         check_common_hyperparameters(name, lr, weight_decay, max_preconditioner_dim, precondition_frequency,
                                      precision)
         check_arg(name, "betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2

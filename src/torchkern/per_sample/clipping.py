@@ -167,9 +167,9 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     Batch dim and parameter uses (see ``torchkern.per_sample``): on the fused path a layer's input has the batch in
     dim 0 only when that dim has size B here and size 1 in a forward on ``inputs[:1]`` (run, RNG state restored,
     in every call in which B also shows in another dim or size in sight; otherwise on the first call of each input
-    shape, after which the sizes decide where it agreed with them), so T = B
-    coincidences (``arange(T)`` positions, sequence-first inputs) are never taken for a batch; a parameter used
-    outside the forward of the module holding it is detected in every call.
+    shape, after which the sizes decide where it agreed with them), so T = B coincidences (``arange(T)``
+    positions, sequence-first inputs) are never taken for a batch; a parameter used outside the forward of the
+    module holding it is detected in every call.
     Either makes ``"auto"`` fall back to torch.func (right for both) and ``"fused"`` raise ValueError.
 
     Noise: float32 (float64 for float64 parameters) whatever the parameters' dtype, drawn once per step from

@@ -437,8 +437,8 @@ def _batch_dims(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple, 
 
 
 def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, ...]) -> tuple | str:
-    """dim 0's sizes (``_sizer``) of every unit call in a forward on ``inputs[:1]``, per unit, or why the
-    two forwards cannot be compared. Run in every call whose sizes do not decide: a verdict kept across calls
+    """The shapes (``_sizer``) of every unit call's arguments and outputs in a forward on ``inputs[:1]``, per unit,
+    or why the two forwards cannot be compared. Run in every call whose sizes do not decide: a verdict kept across calls
     could go stale when the model changes what it feeds a layer. Only a CUDA-graph capture reuses the verdict of
     the warm-up call that ran just before it on the same shapes (its replays repeat what it captured anyway)."""
     key = (counts, inputs.shape[1:])
@@ -768,6 +768,22 @@ def _neighbours(prev: tuple, item: tuple, anywhere: bool) -> bool:
                         and where1[1] == where0[2])
 
 
+def _sq_terms(run: Run, keep: bool, writer: Writer | None) -> tuple[list, list, list]:
+    """Every entry's squared-norm terms, (B,) each, with the rows' square-sums among them; the rules' clip states
+    as (entry, state); the runs of materialized rows (``_runs``, grouped for ``writer``)."""
+    sqs, states, rows = [], [], []
+    for e in run.entries:
+        sq, state, r = entry_sq_norms(e, run, keep)
+        if sq is not None:
+            sqs.append(sq)
+        if state is not None:
+            states.append((e, state))
+        rows += r
+    runs = _runs(rows, writer)
+    sqs += [_sq_any(mat) for _, mat, _ in runs]
+    return sqs, states, runs
+
+
 def _runs_clip(runs: list, c: torch.Tensor, writer: Writer) -> None:
     for members, mat, span in runs:
         if span is not None and mat.dtype == span.dtype:  # c in the accumulator's dtype, as Writer.mv does
@@ -808,12 +824,7 @@ def norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torc
         with torch.no_grad():
             return sum_terms([_sq_any(g) for g in grads.values()]).sqrt_()
     with plain_math(inputs.device.type):
-        sqs, rows = [], []
-        for e in run.entries:
-            sq, _, r = entry_sq_norms(e, run, keep=False)
-            sqs += [sq] if sq is not None else []
-            rows += r
-        sqs += [_sq_any(mat) for _, mat, _ in _runs(rows, None)]
+        sqs = _sq_terms(run, keep=False, writer=None)[0]
         if not sqs:
             return torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         # clamp: the Gram form's rounding can take a zero norm a hair below zero
@@ -831,14 +842,7 @@ def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: to
         if run is None:
             sq = sum_terms([_sq_any(g) for g in grads.values()])
         else:
-            states, sqs, rows = [], [], []
-            for e in run.entries:
-                s, state, r = entry_sq_norms(e, run, keep=True)
-                sqs += [s] if s is not None else []
-                states += [(e, state)] if state is not None else []
-                rows += r
-            runs = _runs(rows, writer)
-            sqs += [_sq_any(mat) for _, mat, _ in runs]
+            sqs, states, runs = _sq_terms(run, keep=True, writer=writer)
             sq = sum_terms(sqs) if sqs else torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         result = sq.clamp_(min=0).sqrt_()
         c = (max_norm / result).clamp_(max=1.0)  # a zero norm: max_norm / 0 = inf -> 1
