@@ -18,7 +18,6 @@
 
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
-#include <mma.h>
 
 #include <type_traits>
 
@@ -31,48 +30,44 @@
 namespace torchkern {
 namespace mlp {
 
-namespace wmma = nvcuda::wmma;
-
 // ------------------------------------------------------------------------------------------ operand policies
-// T: how operands are kept in shared memory; store() rounds a float into it. Tensor-core policies also name
-// the wmma fragments and round() converts loaded fragments (tf32 needs it, bf16 is stored rounded).
+// T: how operands are kept in shared memory; store() rounds a float into it. Tensor-core policies name the mma
+// shape: bf16 m16n8k16, tf32 m16n8k8, FP32 accumulators; fragments are loaded with ldmatrix (16-byte rows;
+// a tf32 element is two of its b16 halves, so the non-transposed loads serve tf32 too).
 
 struct Bf16Op {
   using T = __nv_bfloat16;
   static constexpr bool kTensorCores = true;
   static constexpr int kK = 16;
-  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-  template <bool kFwd>
-  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16,
-                               std::conditional_t<kFwd, wmma::col_major, wmma::row_major>>;
-  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-  template <class Frag>
-  __device__ static void round(Frag&) {}
   __device__ static T store(float v) { return __float2bfloat16_rn(v); }
   __device__ static float load(T v) { return __bfloat162float(v); }
+  __device__ static uint32_t round(uint32_t bits) { return bits; }  // stored rounded
+  // d (16 x 8) += a (16 x 16, row-major) b (16 x 8, column-major)
+  __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 };
 
 struct Tf32Op {
   using T = float;
   static constexpr bool kTensorCores = true;
   static constexpr int kK = 8;
-  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, wmma::row_major>;
-  template <bool kFwd>
-  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32,
-                               std::conditional_t<kFwd, wmma::col_major, wmma::row_major>>;
-  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
-  template <class Frag>
-  __device__ static void round(Frag& f) {
-#pragma unroll
-    for (int t = 0; t < f.num_elements; ++t) {
-      // cvt.rna.tf32.f32, as wmma::__float_to_tf32 (whose inline asm made nvcc 13.0's cicc crash with -lineinfo)
-      uint32_t bits;
-      asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(bits) : "f"(f.x[t]));
-      f.x[t] = __uint_as_float(bits);
-    }
-  }
   __device__ static T store(float v) { return v; }
   __device__ static float load(T v) { return v; }
+  __device__ static uint32_t round(uint32_t bits) {  // cvt.rna.tf32.f32 (round to nearest, ties away)
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(__uint_as_float(bits)));
+    return r;
+  }
+  __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+                 "{%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
 };
 
 struct Fp32Op {  // the exact path: FP32 FMAs, each lane owning the elements its epilogue handles
@@ -82,48 +77,89 @@ struct Fp32Op {  // the exact path: FP32 FMAs, each lane owning the elements its
   __device__ static float load(T v) { return v; }
 };
 
-template <class Op, bool kTC = Op::kTensorCores>
-struct Accum;  // the accumulators of a warp's unit of at most 2 x 2 tiles
-
-template <class Op>
-struct Accum<Op, true> {
-  typename Op::FragC f[2][2];
+// The accumulators of a warp's unit of at most 2 x 2 tiles of 16 x 16. Tensor cores: tile (i, j) holds two
+// m16n8 accumulators, v[i][j][4 h + e] = row g + 8 (e / 2), column 8 h + 2 t + e % 2 (g = lane / 4,
+// t = lane % 4: the mma layout). FP32: row 16 i + (lane & 15), columns 16 j + 8 (lane >> 4) + [0, 8).
+struct Accum {
+  float v[2][2][8];
 };
 
-template <class Op>
-struct Accum<Op, false> {
-  float v[2][2][8];  // tile (i, j): row 16 i + (lane & 15), columns 16 j + 8 (lane >> 4) + [0, 8)
-};
+// Four 8 x 8 b16 matrices from shared memory (ldmatrix.x4): lane l gives the address of row l % 8 of matrix
+// l / 8 and receives its part of each matrix in r[0..3]; kTrans transposes each matrix.
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  }
+}
 
 // ------------------------------------------------------------------------------------------ small helpers
 
-// (phi(h), phi'(h)) by the formulas of torch's kernels (forward and backward), so the twins agree to rounding.
-// Not inlined: eight inlined copies per epilogue, in every product variant, made nvcc 13.0's cicc crash
-// (intermittently); a call per element costs little beside the products.
-static __device__ __noinline__ float2 activate(int act, float slope, float h) {
+// (phi(h), phi'(h)) of 8 pre-activations, by the formulas of torch's kernels (forward and backward), so the
+// twins agree to rounding. One call per 8 elements, the switch outside the loops: a call per element (with
+// its switch) was 40% of the bf16 kernel's instructions. Not inlined: inlined copies in every product
+// variant made nvcc 13.0's cicc crash (intermittently). Arguments and result travel in registers.
+struct Act8 {
+  float a[8], d[8];
+};
+
+static __device__ __noinline__ Act8 activate8(int act, float slope, float4 h0, float4 h1) {
+  const float h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+  Act8 r;
   switch (act) {
-    case kSilu: {
-      const float s = 1.f / (1.f + expf(-h));
-      return make_float2(h / (1.f + expf(-h)), s * (1.f + h * (1.f - s)));
-    }
-    case kSoftplus: {
-      const float z = expf(h);
-      return h > static_cast<float>(TORCHKERN_SOFTPLUS_THRESHOLD) ? make_float2(h, 1.f)
-                                                                   : make_float2(log1pf(z), z / (z + 1.f));
-    }
-    case kTanh: {
-      const float a = tanhf(h);
-      return make_float2(a, 1.f - a * a);
-    }
-    case kGelu: {
-      const float cdf = 0.5f * (1.f + erff(h * 0.70710678118654752f));
-      return make_float2(h * cdf, cdf + h * expf(-0.5f * h * h) * 0.39894228040143268f);  // 1 / sqrt(2 pi)
-    }
+    case kSilu:
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float s = 1.f / (1.f + expf(-h[q]));
+        r.a[q] = h[q] * s;
+        r.d[q] = s * (1.f + h[q] * (1.f - s));
+      }
+      break;
+    case kSoftplus:
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float z = expf(h[q]);
+        const bool linear = h[q] > static_cast<float>(TORCHKERN_SOFTPLUS_THRESHOLD);
+        r.a[q] = linear ? h[q] : log1pf(z);
+        r.d[q] = linear ? 1.f : z / (z + 1.f);
+      }
+      break;
+    case kTanh:
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        r.a[q] = tanhf(h[q]);
+        r.d[q] = 1.f - r.a[q] * r.a[q];
+      }
+      break;
+    case kGelu:
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const float cdf = 0.5f * (1.f + erff(h[q] * 0.70710678118654752f));
+        r.a[q] = h[q] * cdf;
+        r.d[q] = cdf + h[q] * expf(-0.5f * h[q] * h[q]) * 0.39894228040143268f;  // 1 / sqrt(2 pi)
+      }
+      break;
     case kRelu:
-      return make_float2(h < 0.f ? 0.f : h, h > 0.f ? 1.f : 0.f);  // NaN stays NaN
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        r.a[q] = h[q] < 0.f ? 0.f : h[q];  // NaN stays NaN
+        r.d[q] = h[q] > 0.f ? 1.f : 0.f;
+      }
+      break;
     default:  // kLeakyRelu
-      return h > 0.f ? make_float2(h, 1.f) : make_float2(h * slope, slope);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        r.a[q] = h[q] > 0.f ? h[q] : h[q] * slope;
+        r.d[q] = h[q] > 0.f ? 1.f : slope;
+      }
+      break;
   }
+  return r;
 }
 
 // 8 consecutive elements (16-byte aligned) of T in shared memory, as floats.
@@ -156,6 +192,11 @@ __device__ __forceinline__ void store8(typename Op::T* dst, const float (&v)[8])
     reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
     reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
   }
+}
+
+// v[q0 + i] + bias[q0 + i], i < 4.
+__device__ __forceinline__ float4 pre_activation(const float (&v)[8], const float (&bias)[8], int q0) {
+  return make_float4(v[q0] + bias[q0], v[q0 + 1] + bias[q0 + 1], v[q0 + 2] + bias[q0 + 2], v[q0 + 3] + bias[q0 + 3]);
 }
 
 // 8 consecutive floats of global memory (32-byte aligned: offsets are multiples of kAlign, columns of 8).
@@ -299,27 +340,56 @@ __device__ void issue_chunk(Ctx<Op>& c) {
 // acc(unit) += A[r0 + [0, 16 kUR), ka + [0, kc)] x B[[0, kc), c0 + [0, 16 kUC)], where B(k, n) is
 // B[n * ldb + k] (kFwd: column-major) or B[k * ldb + n].
 template <class Op, int kUR, int kUC, bool kFwd>
-__device__ __forceinline__ void mma_range(Accum<Op>& acc, const typename Op::T* A, int lda, int r0, int ka,
+__device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, int lda, int r0, int ka,
                                           const typename Op::T* B, int ldb, int c0, int kc, int lane) {
   if constexpr (Op::kTensorCores) {
+    using T = typename Op::T;
+    constexpr int kHalf = 16 / sizeof(T);  // the k extent of one 8 x 8 b16 matrix: 8 bf16 or 4 tf32
+    // Lane l's row addresses. A (row-major): rows r0 + 16 i + l % 16, k + 8 (l / 16) b16 columns.
+    // B fwd (B(k, n) = B[n ldb + k], as W): n rows (l % 8) + 8 (l / 16), k + kHalf ((l / 8) % 2).
+    // B bwd bf16 (B[k ldb + n], transposed loads): k rows (l % 8) + 8 ((l / 8) % 2), n + 8 (l / 16).
+    const T* a_row = A + (r0 + (lane & 15)) * lda + ka + (lane >> 4) * kHalf;
+    const T* b_row = kFwd ? B + (c0 + (lane & 7) + ((lane >> 4) << 3)) * ldb + ((lane >> 3) & 1) * kHalf
+                          : B + ((lane & 7) + (((lane >> 3) & 1) << 3)) * ldb + c0 + ((lane >> 4) << 3);
+    const int g = lane >> 2, t = lane & 3;
 #pragma unroll 2
     for (int k = 0; k < kc; k += Op::kK) {
-      typename Op::FragA a[kUR];
-      typename Op::template FragB<kFwd> b[kUC];
+      uint32_t a[kUR][4], b[kUC][4];  // b[j]: {b0, b1} of the n8 tile 16 j, then of 16 j + 8
+#pragma unroll
+      for (int i = 0; i < kUR; ++i) ldmatrix_x4<false>(a[i], a_row + 16 * i * lda + k);
+#pragma unroll
+      for (int j = 0; j < kUC; ++j) {
+        if constexpr (kFwd) {
+          ldmatrix_x4<false>(b[j], b_row + 16 * j * ldb + k);
+        } else if constexpr (sizeof(T) == 2) {
+          ldmatrix_x4<true>(b[j], b_row + k * ldb + 16 * j);
+        } else {  // tf32 B(k = t (+4), n = g (+8)): 32-bit elements, no transposed load
+          const T* bk = B + (k + t) * ldb + c0 + 16 * j + g;
+          b[j][0] = __float_as_uint(bk[0]);
+          b[j][1] = __float_as_uint(bk[4 * ldb]);
+          b[j][2] = __float_as_uint(bk[8]);
+          b[j][3] = __float_as_uint(bk[4 * ldb + 8]);
+        }
+      }
 #pragma unroll
       for (int i = 0; i < kUR; ++i) {
-        wmma::load_matrix_sync(a[i], A + (r0 + 16 * i) * lda + ka + k, lda);
-        Op::round(a[i]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) a[i][q] = Op::round(a[i][q]);
       }
 #pragma unroll
       for (int j = 0; j < kUC; ++j) {
-        wmma::load_matrix_sync(b[j], kFwd ? B + (c0 + 16 * j) * ldb + k : B + k * ldb + c0 + 16 * j, ldb);
-        Op::round(b[j]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) b[j][q] = Op::round(b[j][q]);
       }
 #pragma unroll
       for (int i = 0; i < kUR; ++i) {
 #pragma unroll
-        for (int j = 0; j < kUC; ++j) wmma::mma_sync(acc.f[i][j], a[i], b[j], acc.f[i][j]);
+        for (int j = 0; j < kUC; ++j) {
+          float(&lo)[4] = *reinterpret_cast<float(*)[4]>(&acc.v[i][j][0]);
+          float(&hi)[4] = *reinterpret_cast<float(*)[4]>(&acc.v[i][j][4]);
+          Op::mma(lo, a[i], b[j][0], b[j][1]);
+          Op::mma(hi, a[i], b[j][2], b[j][3]);
+        }
       }
     }
   } else {
@@ -405,23 +475,17 @@ __device__ __forceinline__ void epilogue(Ctx<Op>& c, const Gemm& G, int row, int
     float bias[8];
     load8_global(p.vecs + p.b_off[l] + col, bias);
     if (l < p.n_hidden - 1) {
-      float a[8], d[8];
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float2 ad = activate(p.activation, p.slope, v[q] + bias[q]);
-        a[q] = ad.x;
-        d[q] = ad.y;
-      }
-      store8<Op>(c.act(l & 1) + row * c.ld_act + col, a);
-      store8<Op>(c.deriv(l) + row * c.ld_deriv(l) + col, d);
+      const Act8 ad = activate8(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
+      store8<Op>(c.act(l & 1) + row * c.ld_act + col, ad.a);
+      store8<Op>(c.deriv(l) + row * c.ld_deriv(l) + col, ad.d);
     } else {
       float w[8], d[8], e = 0.f;
       load8_global(p.vecs + p.wlast_off + col, w);
+      const Act8 ad = activate8(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
-        const float2 ad = activate(p.activation, p.slope, v[q] + bias[q]);
-        d[q] = ad.y * w[q];
-        e += ad.x * w[q];
+        d[q] = ad.d[q] * w[q];
+        e += ad.a[q] * w[q];
       }
       store8<Op>(c.deriv(l) + row * c.ld_deriv(l) + col, d);
       if (c.need_energy) {  // warp-uniform; lanes l and l ^ 16 hold the two halves of the tile's row
@@ -462,21 +526,13 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
   for (int pass = 0; pass < G.passes; ++pass) {
     const int n0 = pass * G.pw;
     const bool active = n0 + c0 < G.N;  // warp-uniform; units never straddle N (widths are multiples of 32)
-    Accum<Op> acc;
-    if constexpr (Op::kTensorCores) {
+    Accum acc;
 #pragma unroll
-      for (int i = 0; i < kUR; ++i) {
+    for (int i = 0; i < kUR; ++i) {
 #pragma unroll
-        for (int j = 0; j < kUC; ++j) wmma::fill_fragment(acc.f[i][j], 0.f);
-      }
-    } else {
+      for (int j = 0; j < kUC; ++j) {
 #pragma unroll
-      for (int i = 0; i < kUR; ++i) {
-#pragma unroll
-        for (int j = 0; j < kUC; ++j) {
-#pragma unroll
-          for (int q = 0; q < 8; ++q) acc.v[i][j][q] = 0.f;
-        }
+        for (int q = 0; q < 8; ++q) acc.v[i][j][q] = 0.f;
       }
     }
     if (p.resident) {
@@ -502,7 +558,13 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
       for (int j = 0; j < kUC; ++j) {
         float v[8];
         if constexpr (Op::kTensorCores) {
-          wmma::store_matrix_sync(c.scratch, acc.f[i][j], kScratchLd, wmma::mem_row_major);
+          // through the warp's scratch tile, from the mma layout to 8 consecutive columns per lane
+          const int g = c.lane >> 2, t2 = 2 * (c.lane & 3);
+#pragma unroll
+          for (int q = 0; q < 8; q += 2) {
+            *reinterpret_cast<float2*>(c.scratch + (g + 4 * (q & 2)) * kScratchLd + 8 * (q >> 2) + t2) =
+                make_float2(acc.v[i][j][q], acc.v[i][j][q + 1]);
+          }
           __syncwarp();
           const float4 a = *reinterpret_cast<const float4*>(c.scratch + rr * kScratchLd + cc);
           const float4 b = *reinterpret_cast<const float4*>(c.scratch + rr * kScratchLd + cc + 4);
