@@ -1263,9 +1263,16 @@ def test_hmc_chain_matches_twin(name, dtype, device):
     # trajectory (seen: 2.5e-4 relative on an energy of 13); float64 shows the computations are the same
     rough = name in ("rastrigin", "ackley")
     scale = (200.0 if rough else 20.0) if dtype == torch.float32 else 1e3
-    assert torch.equal(acc, w_acc) and torch.equal(count, w_count)
-    assert_close(got, want, scale=scale)
-    assert_close(traj, w_traj, scale=scale)
+    # ...so a proposal whose Metropolis margin log u - (H0 - H1) is within that error can go either way (seen once
+    # on an H100: one decision of 54 flipped). There, at most one chain may decide differently; the others match.
+    same = (acc == w_acc).all(dim=1)
+    if rough and dtype == torch.float32:
+        assert same.sum() >= len(same) - 1, f"{(~same).sum()} chains decided differently"
+    else:
+        assert same.all()
+    assert torch.equal(count[same], w_count[same])
+    assert_close(got[same], want[same], scale=scale)
+    assert_close(traj[same], w_traj[same], scale=scale)
     # the energies at the kernel's own states (Rastrigin's slope, up to 2 pi A per unit, turns a position within
     # tolerance into an energy 0.06 off the twin's trajectory: seen on an H100), and then against the twin's
     at_states = twins.analytic_math(traj.reshape(-1, 7), energy.kind, energy.params)[0].reshape(e.shape)

@@ -108,6 +108,9 @@ struct Act8 {
   float a[8], d[8];
 };
 
+// kFast (the tensor-core precisions, whose operands are rounded to bf16 or tf32 anyway): SiLU's sigmoid from the
+// hardware exp2 and reciprocal (relative error ~1e-6 instead of an ulp; 18 instructions per element to 4).
+template <bool kFast>
 static __device__ __noinline__ Act8 activate8(int act, float slope, float4 h0, float4 h1) {
   const float h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
   Act8 r;
@@ -115,7 +118,7 @@ static __device__ __noinline__ Act8 activate8(int act, float slope, float4 h0, f
     case kSilu:
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
-        const float s = 1.f / (1.f + expf(-h[q]));
+        const float s = kFast ? __fdividef(1.f, 1.f + __expf(-h[q])) : 1.f / (1.f + expf(-h[q]));
         r.a[q] = h[q] * s;
         r.d[q] = s * (1.f + h[q] * (1.f - s));
       }
@@ -475,13 +478,13 @@ __device__ __forceinline__ void epilogue(Ctx<Op>& c, const Gemm& G, int row, int
     float bias[8];
     load8_global(p.vecs + p.b_off[l] + col, bias);
     if (l < p.n_hidden - 1) {
-      const Act8 ad = activate8(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
+      const Act8 ad = activate8<Op::kTensorCores>(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
       store8<Op>(c.act(l & 1) + row * c.ld_act + col, ad.a);
       store8<Op>(c.deriv(l) + row * c.ld_deriv(l) + col, ad.d);
     } else {
       float w[8], d[8], e = 0.f;
       load8_global(p.vecs + p.wlast_off + col, w);
-      const Act8 ad = activate8(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
+      const Act8 ad = activate8<Op::kTensorCores>(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         d[q] = ad.d[q] * w[q];
@@ -596,9 +599,9 @@ __device__ void row_sums(Ctx<Op>& c, const float* src, int ld, int n, float scal
 }
 
 // Energy (when `energy`) and gradient of the block's rows; full = false: the forward products only.
-// Ends after a __syncthreads; row value kRowE holds the energies.
+// Ends after a __syncthreads; row value kRowE holds the energies. Called from two sites (eval/Langevin, HMC).
 template <class Op>
-__device__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
+__device__ __forceinline__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
   const Params& p = *c.p;
   const int H = p.n_hidden;
   c.need_energy = energy;
@@ -707,27 +710,32 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
   }
   __syncthreads();
 
-  if (p.mode == kEval) {
-    evaluate(c, true, true);
-    if (c.tid < c.nvalid) p.energy[c.row0 + c.tid] = c.row_value(kRowE)[c.tid];
-  } else if (p.mode == kLangevin) {
+  if (p.mode != kHmc) {
+    // Eval: one evaluation. Langevin: steps t < n_steps (with the energy where the trace records it: the state
+    // after t steps, slot t / thin - 1), then the final state's energy where recorded. One call site, so that
+    // evaluate is inlined and c stays in registers (a call taking c by reference put it in local memory).
+    const bool eval = p.mode == kEval;
     for (int t = 0;; ++t) {
-      // the energy of the state after t steps: trace slot t / thin - 1
-      const bool record = p.energy && t > 0 && t % p.thin == 0;
-      if (t == p.n_steps) {
-        if (record) evaluate(c, false, true);
-      } else {
-        c.t = t;
-        c.keep = p.traj && (t + 1) % p.thin == 0;
-        c.slot = (t + 1) / p.thin - 1;
-        evaluate(c, true, record);
-      }
+      const bool record = eval || (p.energy && t > 0 && t % p.thin == 0);
+      const bool full = eval || t < p.n_steps;
+      if (!full && !record) break;
+      c.t = t;
+      c.keep = !eval && p.traj && (t + 1) % p.thin == 0;
+      c.slot = eval ? 0 : (t + 1) / p.thin - 1;
+      evaluate(c, full, record);
       if (record && c.tid < c.nvalid) {
-        p.energy[(c.row0 + c.tid) * p.kept + t / p.thin - 1] = c.row_value(kRowE)[c.tid];
+        const float e = c.row_value(kRowE)[c.tid];
+        if (eval) {
+          p.energy[c.row0 + c.tid] = e;
+        } else {
+          p.energy[(c.row0 + c.tid) * p.kept + t / p.thin - 1] = e;
+        }
       }
-      if (t == p.n_steps) break;
+      if (eval || t == p.n_steps) break;
     }
-    for (int i = c.tid; i < c.nvalid * d; i += kThreads) p.x[c.row0 * d + i] = c.xs[(i / d) * c.ld_xs + i % d];
+    if (!eval) {
+      for (int i = c.tid; i < c.nvalid * d; i += kThreads) p.x[c.row0 * d + i] = c.xs[(i / d) * c.ld_xs + i % d];
+    }
   } else {  // HMC
     const float* e_row = c.row_value(kRowE);
     for (int t = 0; t < p.n_steps; ++t) {
