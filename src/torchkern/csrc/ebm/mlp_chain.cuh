@@ -5,8 +5,8 @@
 // The energy: E(x) = w^T phi(h_H) + b, h_1 = W_0 x + b_0, h_{l+1} = W_l phi(h_l) + b_l (H hidden layers).
 // Its input gradient: D_{H-1} = phi'(h_H) * w, D_{l-1} = (D_l W_l) * phi'(h_l), dE/dx = D_0 W_0.
 // A block owns `rows` (32 or 16) chains for the whole run: their states, activations and phi' values stay
-// in shared memory, every step is 2H matrix products (H forward, H backward) on tensor cores (bf16 16x16x16
-// or tf32 16x16x8 wmma, FP32 accumulation) or on FP32 FMAs (the exact path), each followed by an
+// in shared memory, every step is 2H matrix products (H forward, H backward) on tensor cores (mma.sync bf16 m16n8k16
+// or tf32 m16n8k8, fragments by ldmatrix, FP32 accumulation) or on FP32 FMAs (the exact path), each followed by an
 // elementwise epilogue (bias + activation, the chain rule, or the sampler's update).
 //
 // Geometry: every width is padded with zeros to a multiple of kAlign. A warp owns a unit of output tiles:

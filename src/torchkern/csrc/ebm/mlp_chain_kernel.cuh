@@ -253,9 +253,10 @@ __device__ __forceinline__ Gemm gemm_info(const Params& p, int g, int rt) {
   G.N = G.fwd ? out : in;
   // Wide units (rt x 2 tiles) reuse each loaded fragment most; narrow ones (1 x 1) keep every warp busy on
   // narrow outputs. Cost in tile-products per warp: wide passes x 2 rt, narrow passes x 1; ties go wide.
+  // (rt is 1 or 2: constant divisors, no integer division in the step loop)
   const int wide_passes = ceil_div(G.N, kWidePass);
-  const int narrow_pw = kWarps / rt * 16;
-  const int narrow_passes = ceil_div(G.N, narrow_pw);
+  const int narrow_pw = rt == 1 ? kWarps * 16 : kWarps * 8;
+  const int narrow_passes = rt == 1 ? ceil_div(G.N, kWarps * 16) : ceil_div(G.N, kWarps * 8);
   if (narrow_passes < wide_passes * 2 * rt) {
     G.ur = 1, G.uc = 1, G.ru = rt, G.pw = narrow_pw, G.passes = narrow_passes;
   } else {
@@ -523,8 +524,8 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
     A = c.deriv(l);
     lda = c.ld_deriv(l);
   }
-  const int r0 = (c.warp % G.ru) * kUR * 16;
-  const int c0 = (c.warp / G.ru) * kUC * 16;  // the unit's first column within a pass
+  const int r0 = (G.ru == 1 ? 0 : c.warp & 1) * kUR * 16;  // G.ru is 1 or 2 (= rt)
+  const int c0 = (G.ru == 1 ? c.warp : c.warp >> 1) * kUC * 16;  // the unit's first column within a pass
   const int rr = c.lane & 15, cc = (c.lane >> 4) * 8;
   for (int pass = 0; pass < G.passes; ++pass) {
     const int n0 = pass * G.pw;
