@@ -846,6 +846,24 @@ def test_mlp_langevin_chain_fp32_equals_generic_path(widths, device):
 
 
 @requires_cuda
+def test_mlp_plan_is_cached_on_what_it_reads():
+    # The plan is cached per energy; a change of what it depends on (dtype, batch, layers) must plan again.
+    energy = _mlp_energy([6, 32, 32], "silu", "cuda", seed=4)
+    small, large = randn(16, 6, device="cuda"), randn(4096, 6, device="cuda")
+    first = ebm_mlp.plan(energy, small, ebm_constants.BF16, hmc=False)
+    assert first is not None and ebm_mlp.plan(energy, small, ebm_constants.BF16, hmc=False) is first
+    assert ebm_mlp.plan(energy, large, ebm_constants.BF16, hmc=False)[0] == 32  # more 16-row blocks than SMs
+    assert first[0] == 16  # a batch of 16: one block, the smaller tile
+    energy.double()
+    assert ebm_mlp.plan(energy, small, ebm_constants.BF16, hmc=False) is None  # float64 weights: no kernel
+    energy.float()
+    energy.layers[1] = torch.nn.Linear(32, 64, device="cuda")
+    energy.layers[2] = torch.nn.Linear(64, 1, device="cuda")
+    assert ebm_mlp.plan(energy, small, ebm_constants.BF16, hmc=False) == ebm_mlp.shared_memory_layout(
+        [6, 32, 64], ebm_constants.BF16, False, 16, True)
+
+
+@requires_cuda
 def test_mlp_fallback_replays_a_graph_and_follows_replaced_weights():
     # Nine hidden layers: past the fused kernel's eight, so the chain takes the layer-by-layer path, which replays a
     # CUDA graph by default; it equals the eager steps (noise off: the capture's warm-up steps draw from the
