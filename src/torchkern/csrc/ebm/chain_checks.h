@@ -1,10 +1,11 @@
 // Host checks of the run arguments every chain op of the family takes (langevin_chain, hmc_chain_,
 // mlp_langevin_chain_, mlp_hmc_chain_), in the words of twins.check_chain_run and twins.check_hmc. Op-specific
-// limits (n_leapfrog, step sizes, row widths) stay with their ops.
+// limits (Langevin step arguments, row widths) stay with their ops.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <cmath>
 #include <optional>
 
 #include "torchkern/checks.h"
@@ -37,6 +38,16 @@ inline void check_chain_run(const char* torchkern_op_name, const at::Tensor& x, 
   }
   // The kernels count steps in int, and HMC reserves 2 Philox draws per step.
   TORCHKERN_CHECK(n_steps <= (1 << 30), "n_steps must be <= 2^30, got ", n_steps);
+}
+
+// The HMC ops (hmc_chain_, mlp_hmc_chain_): twins.check_hmc, plus the kernels' bound on leapfrog steps.
+inline void check_hmc_run(const char* torchkern_op_name, const at::Tensor& x, double step_size, int64_t n_leapfrog,
+                          int64_t n_steps, int64_t thin, const std::optional<at::Tensor>& injected_noise,
+                          const std::optional<at::Tensor>& injected_uniform) {
+  TORCHKERN_CHECK(step_size > 0 && std::isfinite(step_size), "step_size must be a finite number > 0, got ", step_size);
+  TORCHKERN_CHECK(n_leapfrog >= 1, "n_leapfrog must be >= 1, got ", n_leapfrog);
+  check_chain_run(torchkern_op_name, x, n_steps, thin, injected_noise, injected_uniform);
+  TORCHKERN_CHECK(n_leapfrog <= (1 << 20), "n_leapfrog must be <= 2^20, got ", n_leapfrog);
 }
 
 }  // namespace torchkern

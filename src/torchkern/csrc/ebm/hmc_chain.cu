@@ -237,14 +237,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hmc_chain_cuda(
     const std::optional<at::Tensor>& uniform) {
   TORCHKERN_OP("hmc_chain_");
   check_analytic_args(torchkern_op_name, x, kind, params);
-  TORCHKERN_CHECK(step_size > 0 && std::isfinite(step_size), "step_size must be a finite number > 0, got ", step_size);
-  TORCHKERN_CHECK(n_leapfrog >= 1, "n_leapfrog must be >= 1, got ", n_leapfrog);
-  check_chain_run(torchkern_op_name, x, n_steps, thin, noise, uniform);
+  check_hmc_run(torchkern_op_name, x, step_size, n_leapfrog, n_steps, thin, noise, uniform);
   const int64_t batch = x.size(0), d = x.size(1), kept = n_steps / thin;
   TORCHKERN_CHECK(d <= 32 * 4 * kMaxChunks, "x must have at most ", 32 * 4 * kMaxChunks,
                   " columns for the fused HMC kernel (HamiltonianMonteCarlo samples wider rows by its generic path), "
                   "got ", x.sizes());
-  TORCHKERN_CHECK(n_leapfrog <= (1 << 20), "n_leapfrog must be <= 2^20, got ", n_leapfrog);
   TORCHKERN_CHECK_CUDA(x);
   const at::cuda::OptionalCUDAGuard guard(x.device());
   const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

@@ -45,9 +45,9 @@ struct Bf16Op {
   // d (16 x 8) += a (16 x 16, row-major) b (16 x 8, column-major)
   __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
 
@@ -64,9 +64,9 @@ struct Tf32Op {
   }
   __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-                 "{%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
 
@@ -478,14 +478,14 @@ __device__ __forceinline__ void epilogue(Ctx<Op>& c, const Gemm& G, int row, int
   if (G.fwd) {
     float bias[8];
     load8_global(p.vecs + p.b_off[l] + col, bias);
+    const Act8 ad =
+        activate8<Op::kTensorCores>(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
     if (l < p.n_hidden - 1) {
-      const Act8 ad = activate8<Op::kTensorCores>(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
       store8<Op>(c.act(l & 1) + row * c.ld_act + col, ad.a);
       store8<Op>(c.deriv(l) + row * c.ld_deriv(l) + col, ad.d);
     } else {
       float w[8], d[8], e = 0.f;
       load8_global(p.vecs + p.wlast_off + col, w);
-      const Act8 ad = activate8<Op::kTensorCores>(p.activation, p.slope, pre_activation(v, bias, 0), pre_activation(v, bias, 4));
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
         d[q] = ad.d[q] * w[q];

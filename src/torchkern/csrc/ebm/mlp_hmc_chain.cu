@@ -4,7 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <algorithm>
 #include <tuple>
 
 #include "chain_checks.h"
@@ -21,11 +21,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_hmc_chain_cuda(
     const std::optional<at::Tensor>& noise, const std::optional<at::Tensor>& uniform) {
   TORCHKERN_OP("mlp_hmc_chain_");
   mlp::check_mlp(torchkern_op_name, x, weights, biases, activation, precision);
-  TORCHKERN_CHECK(step_size > 0 && std::isfinite(step_size), "step_size must be a finite number > 0, got ", step_size);
-  TORCHKERN_CHECK(n_leapfrog >= 1, "n_leapfrog must be >= 1, got ", n_leapfrog);
-  check_chain_run(torchkern_op_name, x, n_steps, thin, noise, uniform);
+  check_hmc_run(torchkern_op_name, x, step_size, n_leapfrog, n_steps, thin, noise, uniform);
   const int64_t batch = x.size(0), d = x.size(1), kept = n_steps / thin;
-  TORCHKERN_CHECK(n_leapfrog <= (1 << 20), "n_leapfrog must be <= 2^20, got ", n_leapfrog);
   TORCHKERN_CHECK_CUDA(x);
   const at::cuda::OptionalCUDAGuard guard(x.device());
   at::Tensor traj = at::empty({batch, return_trajectory ? kept : 0, d}, x.options().dtype(at::kFloat));
