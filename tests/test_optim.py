@@ -950,6 +950,91 @@ def test_soap_state_dict_roundtrip():
     assert opt.state[next(iter(opt.state))]["step"] == 8  # 9 calls, the first statistics-only
 
 
+def _soap_layers(refresh: str, merge: bool, monkeypatch, steps: int = 7):
+    import torchkern.optim.soap as soap_module
+
+    if not merge:
+        monkeypatch.setattr(soap_module, "_fits", lambda count, m, n, exact: False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(9, 5), nn.Tanh(), nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2)).double()
+    opt = SOAP(model.parameters(), lr=0.02, betas=(0.9, 0.95), precondition_frequency=2, refresh=refresh)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 9, generator=g, dtype=torch.float64), torch.randn(16, 2, generator=g, dtype=torch.float64)
+    for step in range(steps):
+        opt.zero_grad()
+        F.mse_loss(model(x + 0.1 * step), y).backward()
+        opt.step()
+    monkeypatch.undo()
+    return model, opt
+
+
+@pytest.mark.parametrize("refresh", ["eigh", "qr"])
+def test_soap_buckets_pad_blocks_of_other_shapes(refresh, monkeypatch):
+    """The three weights (5x9, 7x5, 2x7) share one bucket padded to 7x9, their state entries views of its storage;
+    the steps equal those with one bucket per block."""
+    merged, opt = _soap_layers(refresh, True, monkeypatch)
+    separate, opt_sep = _soap_layers(refresh, False, monkeypatch)
+    assert len(opt._plans[0].buckets) == 1 and len(opt_sep._plans[0].buckets) == 3
+    weights = [merged[i].weight for i in (0, 2, 4)]
+    for key in ("L", "R", "QL", "QR", "exp_avg", "exp_avg_sq"):
+        assert len({opt.state[w][key][0].untyped_storage().data_ptr() for w in weights}) == 1
+    for p, q in zip(merged.parameters(), separate.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    for w, v in zip(weights, [separate[i].weight for i in (0, 2, 4)]):
+        for key in ("L", "QL", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[w][key][0], opt_sep.state[v][key][0], rtol=1e-9, atol=1e-12)
+
+
+def test_soap_block_without_gradient_keeps_its_state(monkeypatch):
+    """A weight without a gradient in one step leaves its bucket for that step: its state stays as it was, the others
+    go on, and the next steps take it back (the buckets built anew from the state)."""
+    model, opt = _soap_layers("qr", True, monkeypatch, steps=4)
+    before = {k: [t.clone() for t in v] if isinstance(v, list) else v for k, v in opt.state[model[0].weight].items()}
+    other = opt.state[model[2].weight]["exp_avg"][0].clone()
+    opt.zero_grad()
+    F.mse_loss(model(torch.randn(16, 9, dtype=torch.float64)), torch.zeros(16, 2, dtype=torch.float64)).backward()
+    model[0].weight.grad = None
+    opt.step()
+    for key, value in before.items():
+        if isinstance(value, list):
+            assert all(torch.equal(a, b) for a, b in zip(opt.state[model[0].weight][key], value)), key
+        else:
+            assert opt.state[model[0].weight][key] == value
+    assert not torch.equal(opt.state[model[2].weight]["exp_avg"][0], other)
+    for _ in range(3):
+        opt.zero_grad()
+        F.mse_loss(model(torch.randn(16, 9, dtype=torch.float64)), torch.zeros(16, 2, dtype=torch.float64)).backward()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.state[model[0].weight]["step"] == before["step"] + 3
+    assert len({opt.state[model[i].weight]["L"][0].untyped_storage().data_ptr() for i in (0, 2, 4)}) == 1
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_soap_power_step_of_padded_matrices(device, dtype):
+    """power_step with ``sizes``: each padded matrix's step is the unpadded matrix's step (to rounding), with the
+    identity on the padding and exact zeros between the two."""
+    from torchkern.optim.soap import power_step
+
+    g = torch.Generator().manual_seed(0)
+    sizes, n = [5, 8, 3, 1], 8
+    S, Q0 = torch.zeros(4, n, n, dtype=torch.float64), torch.eye(n, dtype=torch.float64).repeat(4, 1, 1)
+    for j, d in enumerate(sizes):
+        W = torch.randn(d, d + 2, generator=g, dtype=torch.float64)
+        S[j, :d, :d] = W @ W.T
+        Q0[j, :d, :d] = torch.linalg.eigh(S[j, :d, :d] + 0.1 * torch.diag(torch.rand(d, generator=g,
+                                                                                    dtype=torch.float64)))[1]
+    S, Q0 = S.to(device, dtype), Q0.to(device, dtype)
+    Q = power_step(S, Q0, torch.tensor(sizes, device=device))
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for j, d in enumerate(sizes):
+        ref = power_step(S[j:j + 1, :d, :d], Q0[j:j + 1, :d, :d])[0]
+        torch.testing.assert_close(Q[j, :d, :d], ref, rtol=tol, atol=tol)
+        assert torch.equal(Q[j, d:, d:], torch.eye(n - d, dtype=dtype, device=device))
+        assert not Q[j, :d, d:].any() and not Q[j, d:, :d].any()
+
+
 # ----------------------------------------------------------------------------- precision
 
 

@@ -537,8 +537,9 @@ class Shampoo(GuardedOptimizer):
                 dn = self._graft_norms(entries)
                 raw = dn / pn
                 # else (overflow, all zero, or a norm so tiny that the ratio overflows and 0 * inf would be NaN)
-                # the grafting direction itself
-                good = torch.isfinite(pn) & (pn > 0) & torch.isfinite(raw)
+                # the grafting direction itself. pn * raw (= dn) is finite exactly when pn is finite and nonzero and
+                # the ratio finite (inf * 0 and 0 * inf are NaN): one product and one comparison, NaN failing it
+                good = (pn * raw).abs() < math.inf
                 ratio = torch.where(good, raw, 0.0)[:, None, None]
                 P = torch.where(good[:, None, None], P * ratio, torch.stack([e[1] for e in entries]))
             else:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections import defaultdict
 from typing import Iterable
 
@@ -52,9 +51,13 @@ _REFRESHES = ("eigh", "qr")
 _STAT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "L", "R", "QL", "QR"})
 
 
-def power_step(S: torch.Tensor, Q0: torch.Tensor) -> torch.Tensor:
+def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = None) -> torch.Tensor:
     """One step of power iteration from the bases ``Q0``: ``qr(S Q0 P)`` for a batch (k, n, n), ``P`` ordering the
     columns by their Rayleigh quotients ``q_j^T S q_j``, largest first, and R's diagonal positive.
+
+    ``sizes`` (k,) int64, optional: matrix j is padded, its own statistics in the leading ``sizes[j]`` rows and
+    columns, zeros around them, and Q0's padding the identity (SOAP's buckets). The padding's columns are ordered
+    last and keep their axes, so the result is the unpadded matrix's step with an identity block beside it.
 
     Householder QR of many 1024^2 matrices is slow on GPUs (its panels are sequential: 36 ms for eight on an
     H100). Since ``Q0`` is orthogonal, ``qr(S Q0 P) = Q0 qr(M P)`` with ``M = Q0^T S Q0``, whose columns, once
@@ -64,18 +67,23 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor) -> torch.Tensor:
     et al. 2020, shifted CholeskyQR) cannot break down on rank-deficient statistics, and unshifted passes restore
     orthogonality. A column at the level of rounding (a direction the statistics never saw) keeps its own axis.
     12 ms for eight 1024^2 factors on an H100 (docs/design.md, "SOAP")."""
-    n = S.shape[-1]
+    k, n = S.shape[0], S.shape[-1]
     wide = torch.float64
     M = (Q0.mT @ (S @ Q0)).to(wide)
-    order = M.diagonal(dim1=-2, dim2=-1).argsort(dim=-1, descending=True)
+    key = M.diagonal(dim1=-2, dim2=-1)
+    size = torch.full((k, 1, 1), n, dtype=wide, device=S.device) if sizes is None else sizes.to(wide)[:, None, None]
+    if sizes is not None:  # the padding's columns last
+        pad = torch.arange(n, device=S.device) >= sizes[:, None]
+        key = torch.where(pad, -math.inf, key)
+    order = key.argsort(dim=-1, descending=True)
     X = M.gather(-1, order.unsqueeze(-2).expand_as(M))
     norms = torch.linalg.vector_norm(X, dim=-2, keepdim=True)
     # a column below the rounding of M's products carries no direction: it keeps its own axis (which, M being
-    # PSD, its near-zero row leaves orthogonal to the other columns)
-    floor = n * torch.finfo(S.dtype).eps * norms.amax(dim=-1, keepdim=True)
+    # PSD, its near-zero row leaves orthogonal to the other columns); so do the padding's zero columns
+    floor = size * torch.finfo(S.dtype).eps * norms.amax(dim=-1, keepdim=True)
     eye = torch.eye(n, dtype=wide, device=S.device)
     X = torch.where(norms > floor, X / norms, eye)
-    shift = 11 * (n * n + n * (n + 1)) * torch.finfo(wide).eps * n  # ||X||_2^2 <= ||X||_F^2 = n
+    shift = 11 * (size * size + size * (size + 1)) * torch.finfo(wide).eps * size  # ||X||_2^2 <= ||X||_F^2 = n
     # after the shifted pass cond(X) <~ sqrt(n / shift); each unshifted pass leaves cond^2 u of orthogonality
     # error: one reaches float32's 1e-7 at worst, float64 statistics take a second
     for s in (shift, 0.0) if S.dtype != torch.float64 else (shift, 0.0, 0.0):
@@ -140,7 +148,7 @@ class SOAP(GuardedOptimizer):
 
     def _init_caches(self) -> None:
         super()._init_caches()
-        self._basis_stacks: dict = {}  # see _stacked_bases
+        self._plans: dict[int, _Plan] = {}  # param group index -> its buckets (see _Plan)
 
     # ------------------------------------------------------------------ state
 
@@ -179,7 +187,7 @@ class SOAP(GuardedOptimizer):
         naming the parameter); the statistics keep their saved dtype."""
         check_state_dict("SOAP", self, state_dict, self._state_spec)
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
-        self._basis_stacks.clear()
+        self._plans.clear()
 
     # ------------------------------------------------------------------ step
 
@@ -189,7 +197,6 @@ class SOAP(GuardedOptimizer):
                 self.state[p].clear()  # the first step of a parameter was skipped: as if it never ran
             else:
                 self.state[p]["step"] -= 1
-        self._basis_stacks.clear()
 
     def _step(self) -> None:
         stepped = self._params_with_grads()
@@ -197,16 +204,12 @@ class SOAP(GuardedOptimizer):
             return
         undo_entries = [(p, not self.state[p]) for p in stepped]
         ok, skip = self._guard.check([p.grad for p in stepped], functools.partial(self._undo, undo_entries))
-        refresh_due: dict[tuple, list] = defaultdict(list)  # (n, dtype, device, method) -> [(factor, state, key, i)]
-        carry: list = []  # blocks whose moments follow a basis change: (state, block index)
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             beta1, beta2 = group["betas"]
-            sbeta = beta2 if group["shampoo_beta"] is None else group["shampoo_beta"]
-            precision = group["precision"]
-            flat, buckets = [], defaultdict(list)  # 1-D params; (block shape, dtype, device) -> blocks
+            flat, first, regular = [], [], []  # 1-D params; blocks of a first step; blocks of an Adam step
             for p in params:
                 state = self._init_state(p, group)
                 dtype = opmath_dtype(p.dtype)
@@ -215,34 +218,23 @@ class SOAP(GuardedOptimizer):
                     state["step"] += 1
                     flat.append((p, g, state))
                     continue
-                first = "QL" not in state  # statistics and bases only, no update
-                if not first:
+                is_first = "QL" not in state  # statistics and bases only, no update
+                if not is_first:
                     state["step"] += 1
                 rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
                 for i, blk in enumerate(blocks(_as_matrix(g), rows, cols)):
-                    buckets[(blk.shape, blk.dtype, blk.device)].append((p, state, i, blk, first, len(cols)))
-
+                    (first if is_first else regular).append((p, state, i, blk))
             directions: dict[int, list] = {}
-            for (shape, dtype, device), entries in buckets.items():
-                G = torch.where(ok[device], torch.stack([e[3] for e in entries]), 0.0)
-                Gop = as_operand(G, precision)
-                adam = [e for e in entries if not e[4]]
-                if adam:
-                    N = self._adam_in_eigenbasis(adam, G if len(adam) == len(entries) else
-                                                 G[[j for j, e in enumerate(entries) if not e[4]]],
-                                                 beta1, beta2, group["eps"], precision, skip[device])
-                    for j, (p, state, i, _, _, n_cols) in enumerate(adam):
-                        directions.setdefault(id(p), [None] * len(state["L"]))[i] = N[j]
-                self._update_statistics(entries, Gop, sbeta, ok[device], precision)
-                for p, state, i, _, first, _ in entries:
-                    if first or state["step"] % group["precondition_frequency"] == 0:
-                        for side, n in (("L", shape[0]), ("R", shape[1])):
-                            refresh_due[(n, dtype, device, "eigh" if first else group["refresh"])].append(
-                                (state, side, i, first))
-                        if not first:
-                            carry.append((state, i))
-            flat_directions = self._adamw_flat(flat, beta1, beta2, group["eps"], skip) if flat else {}
+            if regular:
+                plan = self._plan(gi, group, regular)
+                for bucket, entries in plan.split(regular):
+                    N = bucket.adam_step(entries, ok, skip, group)
+                    for j, (p, state, i, _) in enumerate(entries):
+                        directions.setdefault(id(p), [None] * len(state["L"]))[i] = bucket.block(N, j)
+            if first:
+                self._first_step(first, group, ok)
             items = []
+            flat_directions = self._adamw_flat(flat, beta1, beta2, group["eps"], skip) if flat else {}
             for p in params:
                 if id(p) in directions:
                     rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
@@ -251,32 +243,51 @@ class SOAP(GuardedOptimizer):
                     items.append((p, flat_directions[id(p)]))
             if items:  # every direction comes from the fused Adam op, zero on a skipped step
                 apply_updates(items, group["lr"], group["weight_decay"], ok, zero_when_skipped=True)
-
-        if refresh_due:
-            old = {id(s): {k: list(s[k]) for k in ("QL", "QR") if k in s} for s, _ in carry}
-            for key, due in refresh_due.items():
-                self._refresh(key, due, ok[key[2]])
-            self._carry_moments(carry, old, ok)
-            self._basis_stacks.clear()
+            if regular:
+                freq = group["precondition_frequency"]
+                for bucket, entries in plan.split(regular):
+                    due = [j for j, (_, state, _, _) in enumerate(entries) if state["step"] % freq == 0]
+                    if due:
+                        bucket.refresh(due, group["refresh"], ok[bucket.device])
         self._guard.settle(wait=False)
 
-    def _adam_in_eigenbasis(self, entries: list, G: torch.Tensor, beta1: float, beta2: float, eps: float,
-                            precision: str, skip: torch.Tensor) -> torch.Tensor:
-        """Rotate the blocks' gradients into their eigenbases, take Adam's step there (one fused op for the
-        bucket), rotate the directions back: (k, m, n) directions."""
-        QL, QR = self._stacked_bases(entries, precision)
-        Gt = bmm(bmm(QL.mT, as_operand(G, precision), precision, G.dtype), QR, precision, G.dtype)
-        N = torch.empty_like(Gt)
-        steps = [e[1]["step"] for e in entries]
-        m = [e[1]["exp_avg"][e[2]] for e in entries]
-        v = [e[1]["exp_avg_sq"][e[2]] for e in entries]
-        bias1 = [1.0 - beta1 ** t for t in steps]
-        bias2 = [1.0 - beta2 ** t for t in steps]
-        eps_t = [eps * math.sqrt(b) for b in bias2]
-        scale = [math.sqrt(b) / a for a, b in zip(bias1, bias2)]
-        torch.ops.torchkern.shampoo_graft(list(Gt.unbind(0)), m, v, list(N.unbind(0)), beta1, beta2, 1.0 - beta2,
-                                          eps_t, scale, skip)
-        return bmm(bmm(QL, as_operand(N, precision), precision, N.dtype), QR.mT, precision, N.dtype)
+    def _plan(self, gi: int, group: dict, regular: list) -> _Plan:
+        """The group's buckets for these blocks: cached while the same blocks step and their state is the
+        buckets' storage (a load, a deepcopy or a parameter joining or leaving builds them anew)."""
+        plan = self._plans.get(gi)
+        key = tuple((id(p), i) for p, _, i, _ in regular)
+        if plan is None or plan.key != key or not plan.owns(regular):
+            plan = self._plans[gi] = _Plan(key, regular, group["precision"])
+        return plan
+
+    def _first_step(self, entries: list, group: dict, ok: dict) -> None:
+        """A matrix parameter's first step: its statistics from this gradient and eigenbases from them, per block
+        shape (rare: the blocks join the group's buckets at their next step)."""
+        beta = group["betas"][1] if group["shampoo_beta"] is None else group["shampoo_beta"]
+        by_shape: dict[tuple, list] = defaultdict(list)
+        for e in entries:
+            by_shape[(e[3].shape, e[3].dtype, e[3].device)].append(e)
+        due: dict[tuple, list] = defaultdict(list)  # (n, dtype, device) -> [(state, side, block index)]
+        for (shape, dtype, device), items in by_shape.items():
+            G = as_operand(torch.where(ok[device], torch.stack([e[3] for e in items]), 0.0), group["precision"])
+            decay = torch.where(ok[device], torch.full((), beta, dtype=dtype, device=device), 1.0)
+            for side, (a, b) in (("L", (G, G.mT)), ("R", (G.mT, G))):
+                stats = [e[1][side][e[2]] for e in items]
+                torch._foreach_mul_(stats, decay)
+                torch._foreach_add_(stats, bmm(a, b, group["precision"], dtype).unbind(0), alpha=1.0 - beta)
+                for _, state, i, _ in items:
+                    due[(state[side][i].shape[-1], dtype, device)].append((state, side, i))
+        for (n, dtype, device), items in due.items():
+            S = torch.stack([state[side][i] for state, side, i in items])
+            Q = eigh(S)[1]
+            eye = torch.eye(n, dtype=dtype, device=device)
+            good = ok[device] & torch.isfinite(Q).flatten(1).all(dim=1)
+            Q = torch.where(good[:, None, None], Q, eye)
+            for j, (state, side, i) in enumerate(items):
+                name = "Q" + side
+                if name not in state:
+                    state[name] = [None] * len(state["L"])
+                state[name][i] = Q[j].clone()
 
     @staticmethod
     def _adamw_flat(flat: list, beta1: float, beta2: float, eps: float, skip: dict) -> dict:
@@ -298,65 +309,172 @@ class SOAP(GuardedOptimizer):
                 directions[id(p)] = d
         return directions
 
-    @staticmethod
-    def _update_statistics(entries: list, G: torch.Tensor, beta: float, ok: torch.Tensor, precision: str) -> None:
-        """L <- lerp(L, G G^T, 1 - beta), R likewise, for one bucket (G zeroed on a skipped step, whose decay is 1:
-        bitwise no change)."""
-        dtype = entries[0][1]["L"][0].dtype
-        decay = torch.where(ok, torch.full((), beta, dtype=dtype, device=G.device), 1.0)
-        for side, (a, b) in (("L", (G, G.mT)), ("R", (G.mT, G))):
-            stats = [e[1][side][e[2]] for e in entries]
-            torch._foreach_mul_(stats, decay)
-            torch._foreach_add_(stats, bmm(a, b, precision, dtype).unbind(0), alpha=1.0 - beta)
 
-    def _stacked_bases(self, entries: list, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's bases stacked (as product operands), kept until the next refresh or load (cleared then);
-        a cached stack is used only for the very same basis tensors."""
-        bases = [t for e in entries for t in (e[1]["QL"][e[2]], e[1]["QR"][e[2]])]
-        key = (len(bases), precision) + tuple(map(id, bases[:2]))
-        hit = self._basis_stacks.get(key)
-        if hit is None or not all(map(operator.is_, hit[0], bases)):
-            hit = self._basis_stacks[key] = (bases, as_operand(torch.stack(bases[0::2]), precision),
-                                             as_operand(torch.stack(bases[1::2]), precision))
-        return hit[1], hit[2]
+# ----------------------------------------------------------------------------- buckets
 
-    @staticmethod
-    def _refresh(key: tuple, due: list, ok: torch.Tensor) -> None:
-        """New eigenbases for every factor of one size (one batched call); a basis replaces the old one only on a
-        good step and where it is finite."""
-        n, dtype, device, method = key
-        S = torch.stack([state[side][i] for state, side, i, _ in due])
-        old = [state.get("Q" + side, [None] * (i + 1))[i] for state, side, i, _ in due]
-        eye = torch.eye(n, dtype=dtype, device=device)
-        Q0 = torch.stack([q if q is not None else eye for q in old])
-        if method == "qr":
-            Q = power_step(S, Q0)
-        else:
-            warm = all(q is not None for q in old)
-            Q = eigh(S, Q0 if warm else None)[1]
-        good = ok & torch.isfinite(Q).flatten(1).all(dim=1)
-        Q = torch.where(good[:, None, None], Q, Q0)
-        for j, (state, side, i, first) in enumerate(due):
-            name = "Q" + side
-            if name not in state:
-                state[name] = [None] * len(state["L"])
-            state[name][i] = Q[j].clone()
+# A bucket's padding may add this many multiply-adds per step beyond its blocks' own products, or as many as those
+# products, whichever is more: about 25 us of float32 GEMM time on an H100, what the host spends on two launches.
+# Small layers of different shapes then share one bucket (the quality suite's CNN: 4 buckets -> 1), large ones of
+# one shape keep theirs (docs/design.md, "SOAP").
+_PAD_ALLOWANCE = 2 ** 29
+_KEYS = ("L", "R", "QL", "QR", "exp_avg", "exp_avg_sq")
 
-    @staticmethod
-    def _carry_moments(carry: list, old: dict, ok: dict) -> None:
-        """Carry Adam's moments of the refreshed blocks into the new bases: m <- C_L m C_R^T, v <- (C_L o C_L) v
-        (C_R o C_R)^T, C = Q_new^T Q_old; batched per block shape."""
-        groups: dict[tuple, list] = defaultdict(list)
-        for state, i in carry:
-            m = state["exp_avg"][i]
-            groups[(m.shape, m.dtype, m.device)].append((state, i))
-        for (_, _, device), items in groups.items():
-            CL = torch.stack([s["QL"][i].mT @ old[id(s)]["QL"][i] for s, i in items])
-            CR = torch.stack([s["QR"][i].mT @ old[id(s)]["QR"][i] for s, i in items])
-            m = [s["exp_avg"][i] for s, i in items]
-            v = [s["exp_avg_sq"][i] for s, i in items]
-            new_m = CL @ torch.stack(m) @ CR.mT
-            new_v = (CL * CL) @ torch.stack(v) @ (CR * CR).mT
-            flag = ok[device]
-            torch._foreach_copy_(m, list(torch.where(flag, new_m, torch.stack(m)).unbind(0)))
-            torch._foreach_copy_(v, list(torch.where(flag, new_v, torch.stack(v)).unbind(0)))
+
+def _work(m: int, n: int) -> int:
+    """Multiply-adds of one block's step: the statistics and both rotations, about 3 m n (m + n)."""
+    return 3 * m * n * (m + n)
+
+
+def _fits(count: int, m: int, n: int, exact: int) -> bool:
+    """Whether ``count`` blocks padded to (m, n), whose own work is ``exact``, may share a bucket."""
+    return count * _work(m, n) - exact <= max(exact, _PAD_ALLOWANCE)
+
+
+class _Plan:
+    """A param group's Adam-step blocks sorted into buckets: blocks of one dtype and device whose padding to a common
+    shape costs little (``_PAD_ALLOWANCE``). ``split`` hands each bucket its blocks of a step."""
+
+    def __init__(self, key: tuple, regular: list, precision: str):
+        self.key = key
+        order = sorted(range(len(regular)), key=lambda j: -_work(*regular[j][3].shape))
+        groups: list[list] = []  # [dims m, n, exact work, indices]
+        for j in order:
+            p, _, _, blk = regular[j]
+            m, n = blk.shape
+            for g in groups:
+                first = regular[g[3][0]][3]
+                if first.dtype != blk.dtype or first.device != blk.device:
+                    continue
+                M, N, exact = max(g[0], m), max(g[1], n), g[2] + _work(m, n)
+                if _fits(len(g[3]) + 1, M, N, exact):
+                    g[0], g[1], g[2] = M, N, exact
+                    g[3].append(j)
+                    break
+            else:
+                groups.append([m, n, _work(m, n), [j]])
+        self.buckets = [_Bucket([regular[j] for j in sorted(g[3])], g[0], g[1], precision) for g in groups]
+        self.members = [sorted(g[3]) for g in groups]
+
+    def owns(self, regular: list) -> bool:
+        return all(b.owns([regular[j] for j in idx]) for b, idx in zip(self.buckets, self.members))
+
+    def split(self, regular: list):
+        return ((b, [regular[j] for j in idx]) for b, idx in zip(self.buckets, self.members))
+
+
+class _Bucket:
+    """The state of k blocks, zero-padded to (m, n), in stacked tensors: L (k, m, m), R (k, n, n), the bases QL, QR
+    (the identity on the padding) and Adam's moments (k, m, n). Each block's state entries are views of these, so one
+    batched product or op per bucket updates every block in place. Zero padding stays zero through every product
+    and the Adam step; the padding's basis columns stay last and keep their axes (``power_step(sizes=...)``)."""
+
+    def __init__(self, entries: list, m: int, n: int, precision: str):
+        first = entries[0][3]
+        self.device, self.dtype, self.precision = first.device, first.dtype, precision
+        k = len(entries)
+        self.shapes = [tuple(e[3].shape) for e in entries]
+        self.rows = torch.tensor([s[0] for s in self.shapes], device=self.device)
+        self.cols = torch.tensor([s[1] for s in self.shapes], device=self.device)
+        new = functools.partial(torch.zeros, dtype=self.dtype, device=self.device)
+        dims = {"L": (m, m), "R": (n, n), "QL": (m, m), "QR": (n, n), "exp_avg": (m, n), "exp_avg_sq": (m, n)}
+        self.G = new(k, m, n)
+        self.views: dict[str, list] = {}
+        for name, (a, b) in dims.items():
+            buf = new(k, a, b)
+            if name in ("QL", "QR"):
+                buf.copy_(torch.eye(a, dtype=self.dtype, device=self.device).expand(k, a, a))
+            setattr(self, name, buf)
+            views = [buf[j, :self._dim(name, j, 0), :self._dim(name, j, 1)] for j in range(k)]
+            for view, (_, state, i, _) in zip(views, entries):
+                view.copy_(state[name][i])
+                state[name][i] = view
+            self.views[name] = views
+        self.G_views = [self.G[j, :r, :c] for j, (r, c) in enumerate(self.shapes)]
+        self.pad_rows, self.pad_cols = any(r < m for r, _ in self.shapes), any(c < n for _, c in self.shapes)
+        self.weight = torch.full((), math.nan, dtype=self.dtype, device=self.device)  # 1 - shampoo_beta
+        self._sbeta: float | None = None
+        self._operands: tuple | None = None  # QL, QR as product operands, until the next refresh
+
+    def _dim(self, name: str, j: int, axis: int) -> int:
+        r, c = self.shapes[j]
+        return {"L": (r, r), "R": (c, c), "QL": (r, r), "QR": (c, c)}.get(name, (r, c))[axis]
+
+    def owns(self, entries: list) -> bool:
+        """Whether the blocks' state entries are still this bucket's views."""
+        return all(state[name][i] is self.views[name][j] for j, (_, state, i, _) in enumerate(entries)
+                   for name in _KEYS)
+
+    def block(self, X: torch.Tensor, j: int) -> torch.Tensor:
+        r, c = self.shapes[j]
+        return X[j, :r, :c]
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._operands is None:
+            self._operands = (as_operand(self.QL, self.precision), as_operand(self.QR, self.precision))
+        return self._operands
+
+    def adam_step(self, entries: list, ok: dict, skip: dict, group: dict) -> torch.Tensor:
+        """Statistics, and Adam in the eigenbases for the bucket: returns the (k, m, n) directions (zero padding)."""
+        beta1, beta2 = group["betas"]
+        sbeta = beta2 if group["shampoo_beta"] is None else group["shampoo_beta"]
+        precision, flag = self.precision, ok[self.device]
+        torch._foreach_copy_(self.G_views, [e[3] for e in entries])
+        G = as_operand(torch.where(flag, self.G, 0.0), precision)  # zeroed on a skipped step
+        QL, QR = self.operands()
+        Gt = bmm(bmm(QL.mT, G, precision, self.dtype), QR, precision, self.dtype)
+        N = torch.empty_like(Gt)
+        steps = [e[1]["step"] for e in entries]
+        bias1 = [1.0 - beta1 ** t for t in steps]
+        bias2 = [1.0 - beta2 ** t for t in steps]
+        torch.ops.torchkern.shampoo_graft(list(Gt.unbind(0)), list(self.exp_avg.unbind(0)),
+                                          list(self.exp_avg_sq.unbind(0)), list(N.unbind(0)), beta1, beta2,
+                                          1.0 - beta2, [group["eps"] * math.sqrt(b) for b in bias2],
+                                          [math.sqrt(b) / a for a, b in zip(bias1, bias2)], skip[self.device])
+        N = bmm(bmm(QL, as_operand(N, precision), precision, self.dtype), QR.mT, precision, self.dtype)
+        # L <- lerp(L, G G^T, 1 - beta): weight 0 on a skipped step (G is zero then), bitwise no change
+        if self._sbeta != sbeta:
+            self.weight.fill_(1.0 - sbeta)
+            self._sbeta = sbeta
+        weight = torch.where(flag, self.weight, 0.0)
+        self.L.lerp_(bmm(G, G.mT, precision, self.dtype), weight)
+        self.R.lerp_(bmm(G.mT, G, precision, self.dtype), weight)
+        return N
+
+    def refresh(self, due: list, method: str, ok: torch.Tensor) -> None:
+        """New bases for the blocks ``due`` (indices into the bucket) after their Adam step, and Adam's moments
+        carried into them (module docstring); a basis changes only on a good step and where it is finite."""
+        idx = None if len(due) == len(self.shapes) else torch.tensor(due, device=self.device)
+        pick = (lambda X: X) if idx is None else (lambda X: X.index_select(0, idx))
+        old = {side: pick(getattr(self, "Q" + side)) for side in ("L", "R")}
+        if method == "qr" and self.L.shape == self.R.shape:  # square padding: both sides in one call
+            k = old["L"].shape[0]
+            sizes = torch.cat([pick(self.rows), pick(self.cols)]) if self.pad_rows or self.pad_cols else None
+            Q = power_step(torch.cat([pick(self.L), pick(self.R)]), torch.cat([old["L"], old["R"]]), sizes)
+            new = {"L": Q[:k], "R": Q[k:]}
+        elif method == "qr":
+            new = {side: power_step(pick(getattr(self, side)), old[side], pick(sizes) if padded else None)
+                   for side, sizes, padded in (("L", self.rows, self.pad_rows), ("R", self.cols, self.pad_cols))}
+        else:  # one warm eigh per block size, unpadded (a padded one would mix the padding into the null space)
+            new = {side: old[side].clone() for side in ("L", "R")}
+            by_size: dict[int, list] = defaultdict(list)
+            for t, j in enumerate(due):
+                for side in ("L", "R"):
+                    by_size[self._dim("Q" + side, j, 0)].append((side, t, j))
+            for d, items in by_size.items():
+                S = torch.stack([getattr(self, side)[j, :d, :d] for side, _, j in items])
+                Q = eigh(S, torch.stack([old[side][t, :d, :d] for side, t, _ in items]))[1]
+                for q, (side, t, _) in zip(Q.unbind(0), items):
+                    new[side][t, :d, :d] = q
+        for side in ("L", "R"):
+            good = ok & torch.isfinite(new[side]).flatten(1).all(dim=1)
+            new[side] = torch.where(good[:, None, None], new[side], old[side])
+        CL, CR = new["L"].mT @ old["L"], new["R"].mT @ old["R"]
+        m, v = pick(self.exp_avg), pick(self.exp_avg_sq)
+        m_new = torch.where(ok, CL @ m @ CR.mT, m)
+        v_new = torch.where(ok, (CL * CL) @ v @ (CR * CR).mT, v)
+        for name, value in (("QL", new["L"]), ("QR", new["R"]), ("exp_avg", m_new), ("exp_avg_sq", v_new)):
+            if idx is None:
+                getattr(self, name).copy_(value)
+            else:
+                getattr(self, name).index_copy_(0, idx, value)
+        self._operands = None
