@@ -289,29 +289,44 @@ class KFAC(GuardedOptimizer):
         self._eigen_stacks.clear()
 
     def _fold_factors(self, ok: dict) -> None:
+        """A <- lerp(A, A_new, 1 - factor_decay), G likewise, for the layers with contributions since the last step;
+        a layer whose contributions are not all finite, or any layer on a skipped step, keeps its factors. The
+        factors of one dtype and device fold in a handful of multi-tensor ops, not a dozen ops per layer."""
         inv_scale2 = None
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = self.grad_scaler._get_scale_async()  # the scale of this iteration's backward (no sync)
             if scale is not None:
                 inv_scale2 = scale.double().reciprocal().square()
-        decay = self.factor_decay
+        groups: dict[tuple, list] = defaultdict(list)
         for layer in self._layers:
             if layer.A_count and layer.G_count:
+                groups[(layer.A_sum.dtype, layer.A_sum.device)].append(layer)
+        for (dtype, device), layers in groups.items():
+            k = len(layers)
+            news = torch._foreach_div([layer.A_sum for layer in layers] + [layer.G_sum for layer in layers],
+                                      [float(layer.A_count) for layer in layers] + [float(layer.G_count)
+                                                                                    for layer in layers])
+            if inv_scale2 is not None:
+                torch._foreach_mul_(news[k:], inv_scale2.to(device=device, dtype=dtype))
+            # max |x| per factor: NaN propagates through it, and inf/NaN fail "< inf"
+            finite = torch.stack(torch._foreach_max(torch._foreach_abs(news))) < math.inf
+            good = finite[:k] & finite[k:]
+            if device in ok:
+                good = good & ok[device]
+            olds, targets = [], []
+            for i, layer in enumerate(layers):
                 state = self.state[layer.weight]
-                A_new = layer.A_sum / layer.A_count
-                G_new = layer.G_sum / layer.G_count
-                if inv_scale2 is not None:
-                    G_new = G_new * inv_scale2.to(device=G_new.device, dtype=G_new.dtype)
-                good = torch.isfinite(A_new).all() & torch.isfinite(G_new).all()
-                if A_new.device in ok:
-                    good = good & ok[A_new.device]
-                for key, new in (("A", A_new), ("G", G_new)):
+                for key, new in (("A", news[i]), ("G", news[k + i])):
                     old = state.get(key)
                     if old is None:  # first fold: no bias towards an arbitrary start
-                        old = torch.eye(new.shape[0], dtype=new.dtype, device=new.device)
-                        state[key] = torch.where(good, new, old)
-                    else:
-                        state[key] = torch.where(good, torch.lerp(new, old, decay), old)
+                        eye = torch.eye(new.shape[0], dtype=new.dtype, device=new.device)
+                        state[key] = torch.where(good[i], new, eye)
+                    else:  # lerp towards the old factor itself where the contribution is dropped: no change
+                        olds.append(old)
+                        targets.append(torch.where(good[i], new, old))
+            if olds:
+                torch._foreach_lerp_(olds, targets, 1.0 - self.factor_decay)
+        for layer in self._layers:
             layer.clear()
 
     def _update_eigen(self, force: bool, ok: dict) -> None:
@@ -375,17 +390,24 @@ class KFAC(GuardedOptimizer):
             if b is not None and b.grad is None:
                 continue
             gi, group = group_of[w]
-            dtype = state["QA"].dtype
-            grad = w.grad.reshape(w.shape[0], -1).to(dtype)
-            if b is not None:
-                grad = torch.cat([grad, b.grad.to(dtype)[:, None]], dim=1)
-            buckets[(grad.shape, dtype, grad.device, gi)].append((layer, grad))
+            rows, n_w = w.shape[0], w.numel() // w.shape[0]
+            shape = (rows, n_w + (b is not None))
+            buckets[(shape, state["QA"].dtype, w.device, gi)].append((layer, n_w))
         updates: dict[torch.Tensor, torch.Tensor] = {}
         vg_sums: dict[int, torch.Tensor] = {}
         results = []
         for key, items in buckets.items():
             group = group_of[items[0][0].weight][1]
-            grads = torch.stack([g for _, g in items])
+            # the layers' [W_grad, b_grad] matrices, written into one stack by one multi-tensor copy
+            grads = torch.empty((len(items), *key[0]), dtype=key[1], device=key[2])
+            views, sources = [], []
+            for i, (layer, n_w) in enumerate(items):
+                views.append(grads[i, :, :n_w])
+                sources.append(layer.weight.grad.reshape(key[0][0], n_w))
+                if layer.bias is not None:
+                    views.append(grads[i, :, n_w])
+                    sources.append(layer.bias.grad)
+            torch._foreach_copy_(views, sources)
             if key[2] in ok:  # a skipped step's gradients may hold NaN/Inf: zeroed, its update is dropped anyway
                 grads = torch.where(ok[key[2]], grads, 0.0)
             QG, dG, QA, dA = self._stacked_eigen(key, [layer for layer, _ in items])
@@ -399,7 +421,7 @@ class KFAC(GuardedOptimizer):
                 vg = vg_sums[gi]
                 nu = (torch.ones((), dtype=V.dtype, device=V.device) if group["kl_clip"] is None else
                       torch.sqrt(group["kl_clip"] / vg.clamp_min(0.0)).clamp(max=1.0))
-                nus[gi] = (nu, torch.isfinite(vg))
+                nus[gi] = (nu, vg.abs() < math.inf)  # False for inf and NaN
             nu, finite = nus[gi]
             V = torch.where(finite, V * nu, 0.0)  # an overflowing <V, grad> drops the group's update
             for (layer, _), v in zip(items, V.unbind(0)):
@@ -413,14 +435,22 @@ class KFAC(GuardedOptimizer):
     def _apply(self, updates: dict[torch.Tensor, torch.Tensor], ok: dict) -> None:
         for group in self.param_groups:
             lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
+            params, dirs = [], []
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                flag = ok[p.device]
                 d = updates.get(p)
                 if d is None:  # SGD for the layers K-FAC does not precondition; a skipped step's gradient zeroed
-                    d = torch.where(flag, p.grad if p.dtype not in (torch.float16, torch.bfloat16) else p.grad.float(),
-                                    0.0)
+                    d = torch.where(ok[p.device], p.grad if p.dtype not in (torch.float16, torch.bfloat16)
+                                    else p.grad.float(), 0.0)
+                params.append(p)
+                dirs.append(d)
+            if mom == 0 and wd == 0:  # every direction is zero on a skipped step: one multi-tensor update
+                torch._foreach_add_(params, [d if d.dtype == p.dtype else d.to(p.dtype) for p, d in zip(params, dirs)],
+                                    alpha=-lr)
+                continue
+            for p, d in zip(params, dirs):
+                flag = ok[p.device]
                 if wd != 0:
                     d = d + wd * p.to(d.dtype)
                 if mom != 0:
