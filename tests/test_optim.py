@@ -1012,6 +1012,24 @@ def test_soap_block_without_gradient_keeps_its_state(monkeypatch):
     assert len({opt.state[model[i].weight]["L"][0].untyped_storage().data_ptr() for i in (0, 2, 4)}) == 1
 
 
+def test_soap_deepcopy_mid_training_steps_independently(monkeypatch):
+    """A deepcopy of a model and its SOAP (state entries are views of the buckets' storage) trains on its own: the
+    copy builds buckets of its own, and the same gradients give both the same parameters."""
+    model, opt = _soap_layers("qr", True, monkeypatch, steps=4)
+    model2, opt2 = copy.deepcopy((model, opt))
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(16, 6, generator=g, dtype=torch.float64), torch.randn(16, 7, generator=g, dtype=torch.float64)
+    for _ in range(3):
+        for m, o in ((model, opt), (model2, opt2)):
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            o.step()
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    a, b = opt.state[model[0].weight]["exp_avg"][0], opt2.state[model2[0].weight]["exp_avg"][0]
+    assert torch.equal(a, b) and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_soap_power_step_of_padded_matrices(device, dtype):
