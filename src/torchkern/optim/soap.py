@@ -26,8 +26,9 @@ moment, whose rotation needs the full covariance, as if the coordinates were ind
 them by the squared overlaps otherwise.
 
 Cost per step and m x n block: 2 products for the statistics (m^2 n + m n^2 multiply-adds) and 4 for the
-rotations (2 (m^2 n + m n^2)); same-shape blocks of a param group go through one batched product each, and
-Adam's moments through one fused op (``torch.ops.torchkern.shampoo_graft``) for the whole group. The refresh
+rotations (2 (m^2 n + m n^2)). The blocks of a param group live in buckets (``_Bucket``: stacked state, zero-padded
+to a common shape where that costs little), and each bucket takes one batched product each and one fused Adam op
+(``torch.ops.torchkern.shampoo_graft``): a step's launches do not grow with the number of layer shapes. The refresh
 (eigendecompositions or QR, plus 6 products per block to carry the moments over) is amortized over
 ``precondition_frequency`` steps. ``precision="bf16"`` runs the statistics and rotation products with bfloat16
 operands and float32 accumulation and results.
