@@ -951,10 +951,10 @@ def test_soap_state_dict_roundtrip():
 
 
 def _soap_layers(refresh: str, merge: bool, monkeypatch, steps: int = 7):
-    import torchkern.optim.soap as soap_module
+    import torchkern.optim._buckets as buckets
 
     if not merge:
-        monkeypatch.setattr(soap_module, "_fits", lambda count, m, n, exact: False)
+        monkeypatch.setattr(buckets, "fits", lambda count, m, n, exact: False)
     # weights 5x6, 6x5, 7x6: every factor's null space has dimension <= 1 (as in _soap_model), so the bases are unique
     # up to sign and the two layouts' rounding cannot send the steps apart
     torch.manual_seed(0)

@@ -46,6 +46,7 @@ import torch
 from .._checks import opmath_dtype
 from ._common import (GuardedOptimizer, as_operand, bmm, check_arg, check_state_dict, eigh, is_real,
                       load_state_dict_keeping_dtypes)
+from ._buckets import Storage, cached_plan
 from .shampoo import _as_matrix, apply_updates, assemble, block_grid, blocks, check_common_hyperparameters
 
 _REFRESHES = ("eigh", "qr")
@@ -149,7 +150,7 @@ class SOAP(GuardedOptimizer):
 
     def _init_caches(self) -> None:
         super()._init_caches()
-        self._plans: dict[int, _Plan] = {}  # param group index -> its buckets (see _Plan)
+        self._plans: dict = {}  # param group index -> its buckets (_buckets.Plan)
 
     # ------------------------------------------------------------------ state
 
@@ -227,7 +228,8 @@ class SOAP(GuardedOptimizer):
                     (first if is_first else regular).append((p, state, i, blk))
             directions: dict[int, list] = {}
             if regular:
-                plan = self._plan(gi, group, regular)
+                plan = cached_plan(self._plans, gi, regular,
+                                   lambda e, m, n, precision=group["precision"]: _Bucket(e, m, n, precision))
                 for bucket, entries in plan.split(regular):
                     N = bucket.adam_step(entries, ok, skip, group)
                     for j, (p, state, i, _) in enumerate(entries):
@@ -251,15 +253,6 @@ class SOAP(GuardedOptimizer):
                     if due:
                         bucket.refresh(due, group["refresh"], ok[bucket.device])
         self._guard.settle(wait=False)
-
-    def _plan(self, gi: int, group: dict, regular: list) -> _Plan:
-        """The group's buckets for these blocks: cached while the same blocks step and their state is the
-        buckets' storage (a load, a deepcopy or a parameter joining or leaving builds them anew)."""
-        plan = self._plans.get(gi)
-        key = tuple((id(p), i) for p, _, i, _ in regular)
-        if plan is None or plan.key != key or not plan.owns(regular):
-            plan = self._plans[gi] = _Plan(key, regular, group["precision"])
-        return plan
 
     def _first_step(self, entries: list, group: dict, ok: dict) -> None:
         """A matrix parameter's first step: its statistics from this gradient and eigenbases from them, per block
@@ -313,101 +306,20 @@ class SOAP(GuardedOptimizer):
 
 # ----------------------------------------------------------------------------- buckets
 
-# A bucket's padding may add this many multiply-adds per step beyond its blocks' own products, or as many as those
-# products, whichever is more: about 25 us of float32 GEMM time on an H100, what the host spends on two launches.
-# Small layers of different shapes then share one bucket (the quality suite's CNN: 4 buckets -> 1), large ones of
-# one shape keep theirs (docs/design.md, "SOAP").
-_PAD_ALLOWANCE = 2 ** 29
-_KEYS = ("L", "R", "QL", "QR", "exp_avg", "exp_avg_sq")
+_LAYOUT = {"L": "rr", "R": "cc", "QL": "rr", "QR": "cc", "exp_avg": "rc", "exp_avg_sq": "rc"}
 
 
-def _work(m: int, n: int) -> int:
-    """Multiply-adds of one block's step: the statistics and both rotations, about 3 m n (m + n)."""
-    return 3 * m * n * (m + n)
-
-
-def _fits(count: int, m: int, n: int, exact: int) -> bool:
-    """Whether ``count`` blocks padded to (m, n), whose own work is ``exact``, may share a bucket."""
-    return count * _work(m, n) - exact <= max(exact, _PAD_ALLOWANCE)
-
-
-class _Plan:
-    """A param group's Adam-step blocks sorted into buckets: blocks of one dtype and device whose padding to a common
-    shape costs little (``_PAD_ALLOWANCE``). ``split`` hands each bucket its blocks of a step."""
-
-    def __init__(self, key: tuple, regular: list, precision: str):
-        self.key = key
-        order = sorted(range(len(regular)), key=lambda j: -_work(*regular[j][3].shape))
-        groups: list[list] = []  # [dims m, n, exact work, indices]
-        for j in order:
-            p, _, _, blk = regular[j]
-            m, n = blk.shape
-            for g in groups:
-                first = regular[g[3][0]][3]
-                if first.dtype != blk.dtype or first.device != blk.device:
-                    continue
-                M, N, exact = max(g[0], m), max(g[1], n), g[2] + _work(m, n)
-                if _fits(len(g[3]) + 1, M, N, exact):
-                    g[0], g[1], g[2] = M, N, exact
-                    g[3].append(j)
-                    break
-            else:
-                groups.append([m, n, _work(m, n), [j]])
-        self.buckets = [_Bucket([regular[j] for j in sorted(g[3])], g[0], g[1], precision) for g in groups]
-        self.members = [sorted(g[3]) for g in groups]
-
-    def owns(self, regular: list) -> bool:
-        return all(b.owns([regular[j] for j in idx]) for b, idx in zip(self.buckets, self.members))
-
-    def split(self, regular: list):
-        return ((b, [regular[j] for j in idx]) for b, idx in zip(self.buckets, self.members))
-
-
-class _Bucket:
-    """The state of k blocks, zero-padded to (m, n), in stacked tensors: L (k, m, m), R (k, n, n), the bases QL, QR
-    (the identity on the padding) and Adam's moments (k, m, n). Each block's state entries are views of these, so one
-    batched product or op per bucket updates every block in place. Zero padding stays zero through every product
-    and the Adam step; the padding's basis columns stay last and keep their axes (``power_step(sizes=...)``)."""
+class _Bucket(Storage):
+    """SOAP's state of k blocks (``Storage``): L (k, m, m), R (k, n, n), the bases QL, QR (the identity on the padding)
+    and Adam's moments (k, m, n). Zero padding stays zero through every product and the Adam step; the padding's basis
+    columns stay last and keep their axes (``power_step(sizes=...)``)."""
 
     def __init__(self, entries: list, m: int, n: int, precision: str):
-        first = entries[0][3]
-        self.device, self.dtype, self.precision = first.device, first.dtype, precision
-        k = len(entries)
-        self.shapes = [tuple(e[3].shape) for e in entries]
-        self.rows = torch.tensor([s[0] for s in self.shapes], device=self.device)
-        self.cols = torch.tensor([s[1] for s in self.shapes], device=self.device)
-        new = functools.partial(torch.zeros, dtype=self.dtype, device=self.device)
-        dims = {"L": (m, m), "R": (n, n), "QL": (m, m), "QR": (n, n), "exp_avg": (m, n), "exp_avg_sq": (m, n)}
-        self.G = new(k, m, n)
-        self.views: dict[str, list] = {}
-        for name, (a, b) in dims.items():
-            buf = new(k, a, b)
-            if name in ("QL", "QR"):
-                buf.copy_(torch.eye(a, dtype=self.dtype, device=self.device).expand(k, a, a))
-            setattr(self, name, buf)
-            views = [buf[j, :self._dim(name, j, 0), :self._dim(name, j, 1)] for j in range(k)]
-            for view, (_, state, i, _) in zip(views, entries):
-                view.copy_(state[name][i])
-                state[name][i] = view
-            self.views[name] = views
-        self.G_views = [self.G[j, :r, :c] for j, (r, c) in enumerate(self.shapes)]
-        self.pad_rows, self.pad_cols = any(r < m for r, _ in self.shapes), any(c < n for _, c in self.shapes)
+        super().__init__(entries, m, n, _LAYOUT, eye=frozenset({"QL", "QR"}))
+        self.precision = precision
         self.weight = torch.full((), math.nan, dtype=self.dtype, device=self.device)  # 1 - shampoo_beta
         self._sbeta: float | None = None
         self._operands: tuple | None = None  # QL, QR as product operands, until the next refresh
-
-    def _dim(self, name: str, j: int, axis: int) -> int:
-        r, c = self.shapes[j]
-        return {"L": (r, r), "R": (c, c), "QL": (r, r), "QR": (c, c)}.get(name, (r, c))[axis]
-
-    def owns(self, entries: list) -> bool:
-        """Whether the blocks' state entries are still this bucket's views."""
-        return all(state[name][i] is self.views[name][j] for j, (_, state, i, _) in enumerate(entries)
-                   for name in _KEYS)
-
-    def block(self, X: torch.Tensor, j: int) -> torch.Tensor:
-        r, c = self.shapes[j]
-        return X[j, :r, :c]
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._operands is None:
@@ -419,8 +331,7 @@ class _Bucket:
         beta1, beta2 = group["betas"]
         sbeta = beta2 if group["shampoo_beta"] is None else group["shampoo_beta"]
         precision, flag = self.precision, ok[self.device]
-        torch._foreach_copy_(self.G_views, [e[3] for e in entries])
-        G = as_operand(torch.where(flag, self.G, 0.0), precision)  # zeroed on a skipped step
+        G = as_operand(self.load_gradients(entries, flag), precision)
         QL, QR = self.operands()
         Gt = bmm(bmm(QL.mT, G, precision, self.dtype), QR, precision, self.dtype)
         N = torch.empty_like(Gt)
@@ -460,7 +371,7 @@ class _Bucket:
             by_size: dict[int, list] = defaultdict(list)
             for t, j in enumerate(due):
                 for side in ("L", "R"):
-                    by_size[self._dim("Q" + side, j, 0)].append((side, t, j))
+                    by_size[self.dim("Q" + side, j, 0)].append((side, t, j))
             for d, items in by_size.items():
                 S = torch.stack([getattr(self, side)[j, :d, :d] for side, _, j in items])
                 Q = eigh(S, torch.stack([old[side][t, :d, :d] for side, t, _ in items]))[1]
