@@ -950,7 +950,7 @@ def test_soap_state_dict_roundtrip():
     assert opt.state[next(iter(opt.state))]["step"] == 8  # 9 calls, the first statistics-only
 
 
-def _soap_layers(refresh: str, merge: bool, monkeypatch, steps: int = 7):
+def _soap_layers(refresh: str, merge: bool, monkeypatch, steps: int = 7, make=None):
     import torchkern.optim._buckets as buckets
 
     if not merge:
@@ -959,7 +959,8 @@ def _soap_layers(refresh: str, merge: bool, monkeypatch, steps: int = 7):
     # up to sign and the two layouts' rounding cannot send the steps apart
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 7)).double()
-    opt = SOAP(model.parameters(), lr=0.02, betas=(0.9, 0.95), precondition_frequency=2, refresh=refresh)
+    opt = (make or (lambda params: SOAP(params, lr=0.02, betas=(0.9, 0.95), precondition_frequency=2,
+                                        refresh=refresh)))(model.parameters())
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(16, 6, generator=g, dtype=torch.float64), torch.randn(16, 7, generator=g, dtype=torch.float64)
     for step in range(steps):
@@ -985,6 +986,24 @@ def test_soap_buckets_pad_blocks_of_other_shapes(refresh, monkeypatch):
     for w, v in zip(weights, [separate[i].weight for i in (0, 2, 4)]):
         for key in ("L", "QL", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[w][key][0], opt_sep.state[v][key][0], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("grafting", ["adam", None])
+def test_shampoo_buckets_pad_blocks_of_other_shapes(grafting, monkeypatch):
+    """Shampoo's three weights share one padded bucket (state entries views of its storage, the roots' padding the
+    identity); the steps, with root updates every other step, equal those with one bucket per block."""
+    make = lambda params: Shampoo(params, lr=0.02, betas=(0.9, 0.99), precondition_frequency=2,  # noqa: E731
+                                  start_preconditioning_step=2, grafting=grafting)
+    merged, opt = _soap_layers("qr", True, monkeypatch, make=make)
+    separate, opt_sep = _soap_layers("qr", False, monkeypatch, make=make)
+    assert len(opt._plans[0].buckets) == 1 and len(opt_sep._plans[0].buckets) == 3
+    weights = [merged[i].weight for i in (0, 2, 4)]
+    for key in ("L", "R", "L_root", "R_root"):
+        assert len({opt.state[w][key][0].untyped_storage().data_ptr() for w in weights}) == 1
+    bucket = opt._plans[0].buckets[0]
+    assert torch.equal(bucket.L_root[0, 5:, 5:], torch.eye(2, dtype=torch.float64))  # the 5x6 weight's L padding
+    for p, q in zip(merged.parameters(), separate.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 
 def test_soap_block_without_gradient_keeps_its_state(monkeypatch):

@@ -39,6 +39,7 @@ class Storage:
         first = entries[0][3]
         self.device, self.dtype = first.device, first.dtype
         self.m, self.n = m, n
+        self.keys = [(id(p), i) for p, _, i, _ in entries]  # (id(param), block index) of each block
         self.shapes = [tuple(e[3].shape) for e in entries]
         self.rows = torch.tensor([r for r, _ in self.shapes], device=self.device)
         self.cols = torch.tensor([c for _, c in self.shapes], device=self.device)

@@ -18,7 +18,8 @@ parameters with more (conv weights) are viewed as ``(shape[0], prod(shape[1:]))`
 
 The grafting step (the gradient EMA, the second moment, the direction and its norm) is one fused op
 per param group (``torch.ops.torchkern.shampoo_graft``; ``csrc/optim``), the products are batched per
-block shape, and the step never waits for the device.
+bucket (``_buckets``: the group's blocks stacked, padded to a common shape where that costs little; their state
+entries are views of the stacks), and the step never waits for the device.
 
 All inverse roots due at a step are computed by one batched inverse-root call per block size,
 across all parameters and param groups: :func:`torchkern.linalg.matrix_inverse_root`, or, for the
@@ -37,13 +38,13 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections import defaultdict
 from typing import Iterable
 
 import torch
 
 from .._checks import opmath_dtype
+from ._buckets import Storage, cached_plan
 from ._common import (PRECISIONS, GuardedOptimizer, as_operand, bmm, check_arg, check_state_dict, is_int, is_real,
                       load_state_dict_keeping_dtypes)
 
@@ -276,7 +277,7 @@ class Shampoo(GuardedOptimizer):
 
     def _init_caches(self) -> None:
         super()._init_caches()
-        self._root_stacks: dict = {}  # see _stacked_roots
+        self._plans: dict = {}  # param group index -> its buckets (_buckets.Plan of _Bucket)
         self._root_budgets: dict[tuple, _RootBudget] = {}  # see _RootBudget
         self._norm_picks: dict[tuple, torch.Tensor] = {}  # see _graft_norms
 
@@ -323,7 +324,7 @@ class Shampoo(GuardedOptimizer):
         naming the parameter); the statistics keep their saved dtype."""
         check_state_dict("Shampoo", self, state_dict, self._state_spec)
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
-        self._root_stacks.clear()
+        self._plans.clear()
         self._root_budgets.clear()
 
     # ------------------------------------------------------------------ step
@@ -338,9 +339,9 @@ class Shampoo(GuardedOptimizer):
             return
         ok, skip = self._guard.check([p.grad for p in stepped], functools.partial(self._undo, stepped))
         roots_due: dict[tuple, list] = defaultdict(list)
-        stat_buckets: dict[tuple, list] = defaultdict(list)  # (block shape, dtype, device, beta2, prec) -> (G, L, R)
+        buckets_of: dict[int, object] = {}  # param group index -> its plan of buckets this step
         work = []  # (param, group, state, filtered grad M, graft direction D or None, its norm)
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
@@ -380,56 +381,43 @@ class Shampoo(GuardedOptimizer):
             else:
                 filtered = [torch.where(ok[g.device], g, 0.0) for g in grads]
 
-            # Kronecker factors (every step) and the roots due at this step.
+            # Kronecker factors (every step, in the group's buckets) and the roots due at this step.
+            entries, due = [], []  # (param, state, block index, gradient block) of every block with statistics
             for p, g, m, d, dn in zip(params, grads, filtered, grafted, graft_norms):
                 state = self.state[p]
                 if "L" in state:
                     rows, cols = self._block_sizes(p, group)
-                    for blk, left, right in zip(blocks(_as_matrix(g), rows, cols), state["L"], state["R"]):
-                        stat_buckets[(blk.shape, blk.dtype, blk.device, beta2, group["precision"])].append(
-                            (blk, left, right))
+                    entries += [(p, state, i, blk) for i, blk in enumerate(blocks(_as_matrix(g), rows, cols))]
                     t, start = state["step"], group["start_preconditioning_step"]
                     if t >= start and (t - start) % group["precondition_frequency"] == 0:
-                        for stats, roots in ((state["L"], state["L_root"]), (state["R"], state["R_root"])):
-                            for s, r in zip(stats, roots):
-                                key = (s.shape[-1], s.dtype, s.device, group["root_method"], group["eps"],
-                                       group["relative_eps"])
-                                roots_due[key].append((s, r))
+                        due.append(state)
                 work.append((p, group, state, m, d, dn))
+            if entries:
+                plan = cached_plan(self._plans, gi, entries,
+                                   lambda e, m, n, precision=group["precision"]: _Bucket(e, m, n, precision))
+                for bucket, items in plan.split(entries):
+                    bucket.update_statistics(items, beta2, ok[bucket.device])
+                buckets_of[gi] = plan
+            for state in due:  # the state entries as the plan left them (views of its buckets)
+                for stats, roots in ((state["L"], state["L_root"]), (state["R"], state["R_root"])):
+                    for s, r in zip(stats, roots):
+                        key = (s.shape[-1], s.dtype, s.device, group["root_method"], group["eps"], group["relative_eps"])
+                        roots_due[key].append((s, r))
 
-        for (_, _, device, beta2, precision), entries in stat_buckets.items():
-            self._update_statistics(entries, beta2, ok[device], precision)
+        # roots per factor size, of the unpadded factors (views of the buckets' storage): rare, and exact
         for key, pairs in roots_due.items():
             self._update_roots(key, pairs, ok[key[2]])
         if roots_due:
-            self._root_stacks.clear()
+            for plan in buckets_of.values():
+                for bucket in plan.buckets:
+                    bucket.operands = None
 
-        directions = self._directions(work)
+        directions = self._directions(work, buckets_of)
         for group in self.param_groups:
             items = [(p, directions[id(p)]) for p in group["params"] if id(p) in directions]
             if items:  # with grafting every direction is zero on a skipped step (the grafting op's are)
                 apply_updates(items, group["lr"], group["weight_decay"], ok, group["grafting"] is not None)
         self._guard.settle(wait=False)
-
-    @staticmethod
-    def _update_statistics(entries: list, beta2: float, ok: torch.Tensor, precision: str) -> None:
-        """L <- beta2 L + G G^T, R <- beta2 R + G^T G for blocks of one shape: one batched product per side.
-
-        One (k, m, n) product fills the GPU where k separate m x n ones do not (four 1024^2 blocks:
-        368 against 484 us on an H200); the products are added in place with one foreach call per side.
-        A skipped step multiplies by 1 and adds the products of a zeroed G: bitwise no change.
-        """
-        G = torch.stack([e[0] for e in entries])
-        G = as_operand(torch.where(ok, G, 0.0), precision)
-        dtype = entries[0][1].dtype
-        decay = None
-        if beta2 != 1.0:
-            decay = torch.where(ok, torch.full((), beta2, dtype=dtype, device=G.device), 1.0)
-        for side, (a, b) in ((1, (G, G.mT)), (2, (G.mT, G))):
-            stats = [e[side] for e in entries]
-            if decay is not None:
-                torch._foreach_mul_(stats, decay)
-            torch._foreach_add_(stats, bmm(a, b, precision, dtype).unbind(0))
 
     def _update_roots(self, key: tuple, pairs: list, ok: torch.Tensor) -> None:
         """All factors of one size: one batched inverse-4th-root call, scaled by each factor's norm.
@@ -481,73 +469,110 @@ class Shampoo(GuardedOptimizer):
         budget.record(iters, accepted)
         return root, accepted
 
-    def _stacked_roots(self, key: tuple, entries: list, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bucket's L and R roots stacked (as product operands at ``precision``), kept between steps (one more
-        copy of the roots in memory, two fewer stacking kernels per step): roots change only at root updates and
-        state loads, which clear the cache, and a cached stack is used only for the very same root tensors."""
-        roots = [t for e in entries for t in e[2:4]]
-        hit = self._root_stacks.get(key)
-        if hit is None or len(hit[0]) != len(roots) or not all(map(operator.is_, hit[0], roots)):
-            hit = self._root_stacks[key] = (roots, as_operand(torch.stack(roots[0::2]), precision),
-                                            as_operand(torch.stack(roots[1::2]), precision))
-        return hit[1], hit[2]
-
-    def _graft_norms(self, entries: list) -> torch.Tensor:
-        """The grafting directions' norms of a bucket's blocks: picked from shampoo_graft's norms when every block
-        is a whole parameter of one graft call (the usual case), else computed from the blocks."""
-        refs = [e[4] for e in entries]
+    def _graft_norms(self, items: list, k: int, js: list) -> torch.Tensor:
+        """The (k,) grafting norms of a bucket's blocks, ``items`` [(D block, norm ref)] at indices ``js`` (any others
+        0): picked from shampoo_graft's norms when every block is a whole parameter of one graft call (the usual
+        case), else computed from the blocks."""
+        refs = [r for _, r in items]
         norms = refs[0][0] if refs[0] is not None else None
         if norms is None or not all(r is not None and r[0] is norms for r in refs):
-            return torch.stack(torch._foreach_norm([e[1] for e in entries]))
-        picks = tuple(r[1] for r in refs)
-        index = self._norm_picks.get((norms.device, picks))
-        if index is None:  # once per bucket layout; a non-blocking copy, as the steps never wait for the device
-            index = self._norm_picks[(norms.device, picks)] = torch.tensor(picks).to(norms.device, non_blocking=True)
-        return norms.index_select(0, index)
+            values = torch.stack(torch._foreach_norm([db for db, _ in items]))
+        else:
+            picks = tuple(r[1] for r in refs)
+            index = self._norm_picks.get((norms.device, picks))
+            if index is None:  # once per bucket layout; a non-blocking copy, as the steps never wait for the device
+                index = self._norm_picks[(norms.device, picks)] = torch.tensor(picks).to(norms.device,
+                                                                                          non_blocking=True)
+            values = norms.index_select(0, index)
+        if js == list(range(k)):
+            return values
+        return values.new_zeros(k).index_copy_(0, torch.tensor(js, device=values.device), values)
 
-    def _directions(self, work: list) -> dict:
-        """The update direction of every parameter, by id(param); preconditioned blocks of one shape in one batch."""
-        out = {}
-        buckets: dict[tuple, list] = defaultdict(list)  # (block shape, dtype, device, graft, precision) -> blocks
-        assembled = []  # (param, cols, first bucket entries)
+    def _directions(self, work: list, buckets_of: dict) -> dict:
+        """The update direction of every parameter, by id(param): each bucket's blocks preconditioned in one batch."""
+        out, slots = {}, {}  # slots: (id(param), block index) -> (bucket, index in it)
+        for plan in buckets_of.values():
+            for bucket in plan.buckets:
+                for j, key in enumerate(bucket.keys):
+                    slots[key] = (bucket, j)
+        per_bucket: dict[int, list] = defaultdict(list)  # id(bucket) -> [(j, M block, D block, D norm ref)]
+        buckets, assembled = {}, []
         for p, group, state, m, d, dn in work:
             if "L" not in state or state["step"] < group["start_preconditioning_step"]:
                 out[id(p)] = d if d is not None else m
                 continue
             rows, cols = self._block_sizes(p, group)
             m_blocks = blocks(_as_matrix(m), rows, cols)
-            d_blocks = (blocks(_as_matrix(d), rows, cols) if d is not None
-                        else [None] * len(m_blocks))
+            d_blocks = blocks(_as_matrix(d), rows, cols) if d is not None else [None] * len(m_blocks)
             dn = dn if len(m_blocks) == 1 else None  # the grafting norm is the whole parameter's
-            slots = []
-            for mb, db, left, right in zip(m_blocks, d_blocks, state["L_root"], state["R_root"]):
-                key = (mb.shape, mb.dtype, mb.device, db is not None, group["precision"])
-                slots.append((key, len(buckets[key])))
-                buckets[key].append((mb, db, left, right, dn))
-            assembled.append((p, cols, slots))
+            where = []
+            for i, (mb, db) in enumerate(zip(m_blocks, d_blocks)):
+                bucket, j = slots[(id(p), i)]
+                buckets[id(bucket)] = bucket
+                per_bucket[id(bucket)].append((j, mb, db, dn))
+                where.append((bucket, j))
+            assembled.append((p, cols, where))
         results = {}
-        for key, entries in buckets.items():
-            M = torch.stack([e[0] for e in entries])
-            precision = key[4]
-            left, right = self._stacked_roots(key, entries, precision)
-            P = bmm(bmm(left, as_operand(M, precision), precision, M.dtype), as_operand(right, precision), precision,
-                    M.dtype) if precision != "fp32" else torch.matmul(torch.matmul(left, M), right)
-            pn = torch.linalg.vector_norm(P, dim=(-2, -1))
-            if key[3]:  # layer-wise (per block) grafting: Shampoo's direction at the grafting direction's norm
-                dn = self._graft_norms(entries)
-                raw = dn / pn
-                # else (overflow, all zero, or a norm so tiny that the ratio overflows and 0 * inf would be NaN)
-                # the grafting direction itself. pn * raw (= dn) is finite exactly when pn is finite and nonzero and
-                # the ratio finite (inf * 0 and 0 * inf are NaN): one product and one comparison, NaN failing it
-                good = (pn * raw).abs() < math.inf
-                ratio = torch.where(good, raw, 0.0)[:, None, None]
-                P = torch.where(good[:, None, None], P * ratio, torch.stack([e[1] for e in entries]))
-            else:
-                P = torch.where(torch.isfinite(pn)[:, None, None], P, M)
-            results[key] = P
-        for p, cols, slots in assembled:
-            out[id(p)] = assemble([results[key][i] for key, i in slots], len(cols))
+        for key, items in per_bucket.items():
+            bucket = buckets[key]
+            results[key] = bucket.precondition(items, self._graft_norms)
+        for p, cols, where in assembled:
+            out[id(p)] = assemble([bucket.block(results[id(bucket)], j) for bucket, j in where], len(cols))
         return out
+
+
+class _Bucket(Storage):
+    """Shampoo's state of k blocks (``_buckets.Storage``): L (k, m, m), R (k, n, n) and their roots (the identity on
+    the padding), plus buffers for the filtered gradient M and the grafting direction D of a step. Zero padding in
+    G and M stays zero through the statistics and L_root M R_root; the roots are computed from the unpadded factors
+    (``Shampoo._update_roots`` on the views) and written into the roots' blocks, so the padding's identity stays."""
+
+    def __init__(self, entries: list, m: int, n: int, precision: str):
+        super().__init__(entries, m, n, _LAYOUT, eye=frozenset({"L_root", "R_root"}))
+        self.precision = precision
+        self.M = torch.zeros(len(entries), m, n, dtype=self.dtype, device=self.device)
+        self.D = torch.zeros_like(self.M)
+        self.operands: tuple | None = None  # the roots as product operands, until the next root update
+
+    def update_statistics(self, entries: list, beta2: float, ok: torch.Tensor) -> None:
+        """L <- beta2 L + G G^T, R <- beta2 R + G^T G for the bucket: one batched product per side. A skipped step
+        multiplies by 1 and adds the products of a zeroed G: bitwise no change."""
+        G = as_operand(self.load_gradients(entries, ok), self.precision)
+        if beta2 != 1.0:
+            decay = torch.where(ok, torch.full((), beta2, dtype=self.dtype, device=self.device), 1.0)
+            self.L.mul_(decay)
+            self.R.mul_(decay)
+        self.L.add_(bmm(G, G.mT, self.precision, self.dtype))
+        self.R.add_(bmm(G.mT, G, self.precision, self.dtype))
+
+    def precondition(self, items: list, graft_norms) -> torch.Tensor:
+        """L_root M R_root for the bucket's blocks ``items`` [(index, M block, D block or None, D's norm ref)]; with
+        grafting rescaled to each block's grafting norm (where that is finite), else D itself. (k, m, n)."""
+        views = [self.block(self.M, j) for j, _, _, _ in items]
+        torch._foreach_copy_(views, [mb for _, mb, _, _ in items])
+        precision = self.precision
+        if self.operands is None:
+            self.operands = (as_operand(self.L_root, precision), as_operand(self.R_root, precision))
+        left, right = self.operands
+        M = self.M
+        P = bmm(bmm(left, as_operand(M, precision), precision, M.dtype), right, precision, M.dtype) \
+            if precision != "fp32" else torch.matmul(torch.matmul(left, M), right)
+        pn = torch.linalg.vector_norm(P, dim=(-2, -1))
+        if items[0][2] is None:
+            return torch.where(torch.isfinite(pn)[:, None, None], P, M)
+        torch._foreach_copy_([self.block(self.D, j) for j, _, _, _ in items], [db for _, _, db, _ in items])
+        # layer-wise (per block) grafting: Shampoo's direction at the grafting direction's norm; else (overflow, all
+        # zero, or a norm so tiny that the ratio overflows and 0 * inf would be NaN) the grafting direction itself.
+        # pn * raw (= dn) is finite exactly when pn is finite and nonzero and the ratio finite (inf * 0 and 0 * inf
+        # are NaN): one product and one comparison, NaN failing it
+        dn = graft_norms([(db, dn) for _, _, db, dn in items], len(self.shapes), [j for j, _, _, _ in items])
+        raw = dn / pn
+        good = (pn * raw).abs() < math.inf
+        ratio = torch.where(good, raw, 0.0)[:, None, None]
+        return torch.where(good[:, None, None], P * ratio, self.D)
+
+
+_LAYOUT = {"L": "rr", "R": "cc", "L_root": "rr", "R_root": "cc"}
 
 
 def _eigh_fallback(A: torch.Tensor, roots: torch.Tensor, eps: float, err: torch.Tensor | None) -> torch.Tensor:
