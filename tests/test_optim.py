@@ -1006,6 +1006,26 @@ def test_shampoo_buckets_pad_blocks_of_other_shapes(grafting, monkeypatch):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("make", [lambda ps: SOAP(ps, lr=0.02), lambda ps: Shampoo(ps, lr=0.02, precondition_frequency=2,
+                                                                                    start_preconditioning_step=2)],
+                         ids=["soap", "shampoo"])
+def test_precision_change_mid_training_rebuilds_the_buckets(make):
+    """A param group's precision changed between steps reaches the buckets (their cached product operands)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = make(model.parameters())
+    x = torch.randn(16, 6)
+    for step in range(6):
+        if step == 3:
+            opt.param_groups[0]["precision"] = "bf16"
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if step:  # SOAP's first step only takes statistics: no buckets yet
+            assert all(b.precision == ("bf16" if step >= 3 else "fp32") for b in opt._plans[0].buckets)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
 def test_soap_block_without_gradient_keeps_its_state(monkeypatch):
     """A weight without a gradient in one step leaves its bucket for that step: its state stays as it was, the others
     go on, and the next steps take it back (the buckets built anew from the state)."""

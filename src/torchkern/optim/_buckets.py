@@ -115,10 +115,11 @@ class Plan:
         return ((b, [entries[j] for j in idx]) for b, idx in zip(self.buckets, self.members))
 
 
-def cached_plan(plans: dict, gi: int, entries: list, make) -> Plan:
-    """The plan of param group ``gi`` for these blocks: the cached one while it holds, else a new one."""
+def cached_plan(plans: dict, gi: int, entries: list, make, precision: str) -> Plan:
+    """The plan of param group ``gi`` for these blocks at ``precision`` (the group's product precision, which its
+    buckets' cached operands follow): the cached one while it holds, else a new one."""
     plan = plans.get(gi)
-    key = tuple((id(p), i) for p, _, i, _ in entries)
+    key = (precision, *((id(p), i) for p, _, i, _ in entries))
     if plan is None or plan.key != key or not plan.owns(entries):
         plan = plans[gi] = Plan(key, entries, make)
     return plan

@@ -394,14 +394,16 @@ class Shampoo(GuardedOptimizer):
                 work.append((p, group, state, m, d, dn))
             if entries:
                 plan = cached_plan(self._plans, gi, entries,
-                                   lambda e, m, n, precision=group["precision"]: _Bucket(e, m, n, precision))
+                                   lambda e, m, n, precision=group["precision"]: _Bucket(e, m, n, precision),
+                                   group["precision"])
                 for bucket, items in plan.split(entries):
                     bucket.update_statistics(items, beta2, ok[bucket.device])
                 buckets_of[gi] = plan
             for state in due:  # the state entries as the plan left them (views of its buckets)
                 for stats, roots in ((state["L"], state["L_root"]), (state["R"], state["R_root"])):
                     for s, r in zip(stats, roots):
-                        key = (s.shape[-1], s.dtype, s.device, group["root_method"], group["eps"], group["relative_eps"])
+                        key = (s.shape[-1], s.dtype, s.device, group["root_method"], group["eps"],
+                               group["relative_eps"])
                         roots_due[key].append((s, r))
 
         # roots per factor size, of the unpadded factors (views of the buckets' storage): rare, and exact

@@ -229,7 +229,8 @@ class SOAP(GuardedOptimizer):
             directions: dict[int, list] = {}
             if regular:
                 plan = cached_plan(self._plans, gi, regular,
-                                   lambda e, m, n, precision=group["precision"]: _Bucket(e, m, n, precision))
+                                   lambda e, m, n, precision=group["precision"]: _Bucket(e, m, n, precision),
+                                   group["precision"])
                 for bucket, entries in plan.split(regular):
                     N = bucket.adam_step(entries, ok, skip, group)
                     for j, (p, state, i, _) in enumerate(entries):
