@@ -626,6 +626,22 @@ def test_autocast_bf16_trains_with_float32_statistics(opt_name):
                 assert value.dtype == torch.float32 and torch.isfinite(value).all()
 
 
+def test_kfac_step_with_a_param_group_without_gradients():
+    """A param group none of whose parameters has a gradient (or a step with no gradients at all) changes nothing."""
+    torch.manual_seed(0)
+    model, extra = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), nn.Linear(2, 2)
+    opt = KFAC(model, lr=0.1)
+    opt.add_param_group({"params": list(extra.parameters())})
+    before = [p.detach().clone() for p in extra.parameters()]
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(extra.parameters(), before))
+    opt.zero_grad()
+    trained = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), trained))
+
+
 def test_kfac_drops_nonfinite_contributions_without_zero_grad():
     model, x, y = _amp_case("cpu", "kfac", None)
     opt = KFAC(model, lr=0.05)

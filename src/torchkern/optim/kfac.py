@@ -445,6 +445,8 @@ class KFAC(GuardedOptimizer):
                                     else p.grad.float(), 0.0)
                 params.append(p)
                 dirs.append(d)
+            if not params:
+                continue
             if mom == 0 and wd == 0:  # every direction is zero on a skipped step: one multi-tensor update
                 torch._foreach_add_(params, [d if d.dtype == p.dtype else d.to(p.dtype) for p, d in zip(params, dirs)],
                                     alpha=-lr)
