@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ._common import as_operand
+
 # A bucket's padding may add this many multiply-adds per step beyond its blocks' own products, or as many as those
 # products, whichever is more: about 25 us of float32 GEMM time on an H100, what the host spends on two launches.
 # Small layers of different shapes then share one bucket (the quality suite's CNN: 4 buckets -> 1), large ones of
@@ -33,12 +35,14 @@ class Storage:
     """The stacked state of k blocks, each entry ``(param, state, block index, block)`` with ``block`` of shape
     (r, c). ``layout`` maps each per-block state key to the dims of its entries: "rr" (r, r), "cc" (c, c) or "rc"
     (r, c); the bucket's tensors are (k, m, m), (k, n, n) and (k, m, n), zero on the padding, or the identity there
-    for the keys in ``eye`` (bases, roots). Each block's state entries are replaced by views of these tensors."""
+    for the keys in ``eye`` (bases, roots), which are also the bucket's product operands at ``precision``
+    (:meth:`operands`). Each block's state entries are replaced by views of these tensors."""
 
-    def __init__(self, entries: list, m: int, n: int, layout: dict[str, str], eye: frozenset = frozenset()):
+    def __init__(self, entries: list, m: int, n: int, layout: dict[str, str], eye: tuple[str, str], precision: str):
         first = entries[0][3]
-        self.device, self.dtype = first.device, first.dtype
-        self.m, self.n = m, n
+        self.device, self.dtype, self.precision = first.device, first.dtype, precision
+        self.eye = eye
+        self._operands: tuple | None = None
         self.keys = [(id(p), i) for p, _, i, _ in entries]  # (id(param), block index) of each block
         self.shapes = [tuple(e[3].shape) for e in entries]
         self.rows = torch.tensor([r for r, _ in self.shapes], device=self.device)
@@ -69,6 +73,16 @@ class Storage:
         """Whether the blocks' state entries are still this bucket's views."""
         return all(state[name][i] is self.views[name][j] for j, (_, state, i, _) in enumerate(entries)
                    for name in self.layout)
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two ``eye`` tensors (left and right basis or root) as product operands at the bucket's precision, kept
+        until :meth:`forget_operands` (called whenever they change)."""
+        if self._operands is None:
+            self._operands = tuple(as_operand(getattr(self, name), self.precision) for name in self.eye)
+        return self._operands
+
+    def forget_operands(self) -> None:
+        self._operands = None
 
     def block(self, X: torch.Tensor, j: int) -> torch.Tensor:
         """Block j's part of a (k, m, n) result."""

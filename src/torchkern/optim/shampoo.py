@@ -412,7 +412,7 @@ class Shampoo(GuardedOptimizer):
         if roots_due:
             for plan in buckets_of.values():
                 for bucket in plan.buckets:
-                    bucket.operands = None
+                    bucket.forget_operands()
 
         directions = self._directions(work, buckets_of)
         for group in self.param_groups:
@@ -530,11 +530,9 @@ class _Bucket(Storage):
     (``Shampoo._update_roots`` on the views) and written into the roots' blocks, so the padding's identity stays."""
 
     def __init__(self, entries: list, m: int, n: int, precision: str):
-        super().__init__(entries, m, n, _LAYOUT, eye=frozenset({"L_root", "R_root"}))
-        self.precision = precision
+        super().__init__(entries, m, n, _LAYOUT, ("L_root", "R_root"), precision)
         self.M = torch.zeros(len(entries), m, n, dtype=self.dtype, device=self.device)
         self.D = torch.zeros_like(self.M)
-        self.operands: tuple | None = None  # the roots as product operands, until the next root update
 
     def update_statistics(self, entries: list, beta2: float, ok: torch.Tensor) -> None:
         """L <- beta2 L + G G^T, R <- beta2 R + G^T G for the bucket: one batched product per side. A skipped step
@@ -553,9 +551,7 @@ class _Bucket(Storage):
         views = [self.block(self.M, j) for j, _, _, _ in items]
         torch._foreach_copy_(views, [mb for _, mb, _, _ in items])
         precision = self.precision
-        if self.operands is None:
-            self.operands = (as_operand(self.L_root, precision), as_operand(self.R_root, precision))
-        left, right = self.operands
+        left, right = self.operands()
         M = self.M
         P = bmm(bmm(left, as_operand(M, precision), precision, M.dtype), right, precision, M.dtype) \
             if precision != "fp32" else torch.matmul(torch.matmul(left, M), right)

@@ -316,16 +316,9 @@ class _Bucket(Storage):
     columns stay last and keep their axes (``power_step(sizes=...)``)."""
 
     def __init__(self, entries: list, m: int, n: int, precision: str):
-        super().__init__(entries, m, n, _LAYOUT, eye=frozenset({"QL", "QR"}))
-        self.precision = precision
+        super().__init__(entries, m, n, _LAYOUT, ("QL", "QR"), precision)
         self.weight = torch.full((), math.nan, dtype=self.dtype, device=self.device)  # 1 - shampoo_beta
         self._sbeta: float | None = None
-        self._operands: tuple | None = None  # QL, QR as product operands, until the next refresh
-
-    def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._operands is None:
-            self._operands = (as_operand(self.QL, self.precision), as_operand(self.QR, self.precision))
-        return self._operands
 
     def adam_step(self, entries: list, ok: dict, skip: dict, group: dict) -> torch.Tensor:
         """Statistics, and Adam in the eigenbases for the bucket: returns the (k, m, n) directions (zero padding)."""
@@ -390,4 +383,4 @@ class _Bucket(Storage):
                 getattr(self, name).copy_(value)
             else:
                 getattr(self, name).index_copy_(0, idx, value)
-        self._operands = None
+        self.forget_operands()
