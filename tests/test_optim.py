@@ -912,13 +912,35 @@ def test_soap_one_eigh_call_per_size(monkeypatch):
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_soap_power_step_is_qr_of_the_ordered_product(device, dtype):
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 40, 64, 65, 100])
+def test_soap_triangular_inverse(device, dtype, n):
+    """triangular_inverse against the triangular solve with the identity, at sizes below, at and across its leaf
+    (here 16: one, two and more levels, padded and not), ignoring the upper triangle; the result is lower
+    triangular."""
+    from torchkern.optim.soap import triangular_inverse
+
+    g = torch.Generator().manual_seed(n)
+    A = torch.randn(3, n, n, generator=g, dtype=torch.float64)
+    L = torch.linalg.cholesky(A @ A.mT + n * torch.eye(n, dtype=torch.float64)).to(device, dtype)
+    ref = torch.linalg.solve_triangular(L.double(), torch.eye(n, dtype=torch.float64, device=device), upper=False)
+    noisy = L + torch.randn(3, n, n, generator=g, dtype=torch.float64).triu(1).to(device, dtype)
+    inverse = triangular_inverse(noisy, leaf=16)
+    assert inverse.dtype == dtype and inverse.shape == L.shape
+    assert torch.equal(inverse, inverse.tril())
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    assert ((inverse.double() - ref).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [48, 150])
+def test_soap_power_step_is_qr_of_the_ordered_product(device, dtype, n):
     """power_step against Householder QR of S Q0 P (float64), column by column up to sign, on statistics of full
-    rank, of rank 5, zero, and 1e8-conditioned; the result is orthonormal and finite in every case."""
+    rank, of rank 5, zero, and 1e8-conditioned; the result is orthonormal and finite in every case. n = 150
+    takes the triangular inverse's block levels (its leaf is 64)."""
     from torchkern.optim.soap import power_step
 
     g = torch.Generator().manual_seed(0)
-    n = 48
     W = torch.randn(4, n, n, generator=g, dtype=torch.float64)
     S = W @ W.mT / n
     S[1] = W[1, :, :5] @ W[1, :, :5].T  # rank 5

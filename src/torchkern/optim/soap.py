@@ -89,9 +89,48 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     # after the shifted pass cond(X) <~ sqrt(n / shift); each unshifted pass leaves cond^2 u of orthogonality
     # error: one reaches float32's 1e-7 at worst, float64 statistics take a second
     for s in (shift, 0.0) if S.dtype != torch.float64 else (shift, 0.0, 0.0):
-        lower = torch.linalg.cholesky_ex(X.mT @ X + s * eye)[0]  # no sync: a failure shows as non-finite Q
-        X = torch.linalg.solve_triangular(lower.mT, X, upper=True, left=False)
+        lower, info = torch.linalg.cholesky_ex(X.mT @ X + s * eye)
+        # X R^-1: above 128 rows as a product with the explicit inverse, because cuBLAS's triangular solve is
+        # slow there (eight 1024^2: 3.1 ms on an H200, the inverse and the product 0.8; the error is cond(L) u,
+        # below float32's rounding after the shift). A failed factorization (no sync to look) makes its matrix
+        # NaN, so the caller's finiteness check keeps the old basis.
+        X = (torch.linalg.solve_triangular(lower.mT, X, upper=True, left=False) if n <= 128
+             else X @ triangular_inverse(lower).mT)
+        X = torch.where(info[:, None, None] == 0, X, math.nan)
     return (Q0.to(wide) @ X).to(S.dtype)
+
+
+def triangular_inverse(L: torch.Tensor, leaf: int = 64) -> torch.Tensor:
+    """The inverse of a batch (k, n, n) of lower-triangular matrices, in batched products: the diagonal blocks of
+    ``leaf`` rows by one batched triangular solve, then, doubling the block size, the off-diagonal block of each
+    2 x 2 block matrix, ``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``, every block of a level in
+    two products (the blocks along the diagonal are one strided view). The leaves have at most ``leaf`` rows,
+    as few as a power-of-two count of them allows (n = 1025: 32 of 33 rows), the padding the identity. Only the
+    lower triangle of ``L`` is read."""
+    k, n = L.shape[0], L.shape[-1]
+    levels = max(0, math.ceil(math.log2(n / leaf)))
+    leaf = -(-n // (1 << levels))
+    if levels == 0:
+        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype, device=L.device).expand_as(L),
+                                             upper=False)
+    size = leaf << levels
+    P = torch.eye(size, dtype=L.dtype, device=L.device).repeat(k, 1, 1)
+    P[:, :n, :n] = L.tril()
+    inverse = torch.zeros_like(P)
+
+    def diagonal_blocks(T: torch.Tensor, b: int) -> torch.Tensor:  # (k, size / b, b, b), a view of T
+        return T.as_strided((k, size // b, b, b), (size * size, b * size + b, size, 1))
+
+    leaves = diagonal_blocks(P, leaf)
+    eye = torch.eye(leaf, dtype=L.dtype, device=L.device).expand_as(leaves)
+    diagonal_blocks(inverse, leaf).copy_(torch.linalg.solve_triangular(leaves, eye, upper=False))
+    b = leaf
+    while b < size:
+        blocks, inverses = diagonal_blocks(P, 2 * b), diagonal_blocks(inverse, 2 * b)
+        below = inverses[..., b:, b:] @ blocks[..., b:, :b] @ inverses[..., :b, :b]
+        inverses[..., b:, :b] = -below
+        b *= 2
+    return inverse[:, :n, :n]
 
 
 class SOAP(GuardedOptimizer):
