@@ -295,6 +295,50 @@ def test_kfac_inverse_schedule_and_other_params():
     assert opt.state[model[0].weight]["A"].shape == (5, 5)
 
 
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_kfac_qr_refresh_tracks_the_factors(device, monkeypatch):
+    """refresh="qr": the first decomposition is an eigh, later ones power steps (no eigh call), which converge to
+    a factor once the data stop changing: after the input distribution jumps (factor_decay 0, a learning rate
+    too small to move the weights), Q diag(d) Q^T reproduces the first layer's A, whose eigenvalues we set 1.7x
+    apart or more. Every factor's basis stays orthonormal with eigenvalues >= 0. A layer of 12 inputs and a bias
+    next to one of 12 outputs puts factors of 13 and 12 rows in one padded call."""
+    from torchkern.optim import kfac as kfac_module
+
+    original, calls, now = kfac_module.eigh, [], [0]
+
+    def counting(S, Q0=None):
+        calls.append(now[0])
+        return original(S, Q0)
+
+    monkeypatch.setattr(kfac_module, "eigh", counting)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 5)).to(device, torch.float64)
+    opt = KFAC(model, lr=1e-12, factor_decay=0.0, inv_update_freq=1, kl_clip=None, refresh="qr")
+    g = torch.Generator().manual_seed(1)
+    n = 256  # inputs with E[x] = 0 and E[x x^T] = R^T diag(3^(i - 5.5)) R exactly: A = diag(that, 1)
+    z = torch.linalg.qr(torch.cat([torch.ones(n, 1, dtype=torch.float64),
+                                   torch.randn(n, 12, generator=g, dtype=torch.float64)], 1))[0][:, 1:]
+    R = torch.linalg.qr(torch.randn(12, 12, generator=g, dtype=torch.float64))[0]
+    x1 = (math.sqrt(n) * z * 3.0 ** ((torch.arange(12, dtype=torch.float64) - 5.5) / 2)) @ R
+    x0 = torch.randn(n, 12, generator=g, dtype=torch.float64)
+    for step in range(60):
+        now[0] = step
+        opt.zero_grad()
+        model((x0 if step == 0 else x1).to(device)).square().mean().backward()  # a jump after the first step
+        opt.step()
+    assert calls and set(calls) == {0}  # the first step's cold decompositions only (two sizes: two calls)
+    for layer in (model[0], model[2]):
+        state = opt.state[layer.weight]
+        for key in ("A", "G"):
+            Q, d = state["Q" + key], state["d" + key]
+            assert torch.isfinite(Q).all() and (d >= 0).all()
+            torch.testing.assert_close(Q.mT @ Q, torch.eye(Q.shape[0], dtype=Q.dtype, device=device))
+    state = opt.state[model[0].weight]
+    A, Q, d = state["A"], state["QA"], state["dA"]
+    assert ((Q * d) @ Q.mT - A).norm() / A.norm() < 1e-8
+    torch.testing.assert_close(d.sort().values, torch.linalg.eigvalsh(A))
+
+
 # ----------------------------------------------------------------------------- state_dict round trip
 
 
@@ -684,7 +728,9 @@ def test_classification_beats_sgd():
     shampoo = _train(m, Shampoo(m.parameters(), lr=0.03, precondition_frequency=5), x, y, steps)  # measured 0.036
     m = _clf_model()
     kfac = _train(m, KFAC(m, lr=0.1, damping=0.01, inv_update_freq=5, kl_clip=0.1), x, y, steps)  # measured 0.018
-    assert shampoo < 0.8 * sgd_best and kfac < 0.5 * sgd_best, (shampoo, kfac, sgd_best)
+    m = _clf_model()
+    kfac_qr = _train(m, KFAC(m, lr=0.1, damping=0.01, inv_update_freq=5, kl_clip=0.1, refresh="qr"), x, y, steps)
+    assert shampoo < 0.8 * sgd_best and max(kfac, kfac_qr) < 0.5 * sgd_best, (shampoo, kfac, kfac_qr, sgd_best)
 
 
 def _ill_conditioned_regression(n=512, d=16, k=4, cond=1e5, seed=0):
@@ -751,7 +797,7 @@ def test_shampoo_bad_hyperparameters(kwargs, name):
                                                                                     "weight_decay"),
     (dict(factor_update_freq=0), "factor_update_freq"), (dict(inv_update_freq=-2), "inv_update_freq"),
     (dict(kl_clip=0.0), "kl_clip"), (dict(momentum=1.5), "momentum"), (dict(weight_decay=-1.0), "weight_decay"),
-    (dict(grad_scaler=3), "grad_scaler"),
+    (dict(grad_scaler=3), "grad_scaler"), (dict(refresh="lu"), "refresh"),
 ])
 def test_kfac_bad_hyperparameters(kwargs, name):
     kwargs = {"lr": 0.1, **kwargs}

@@ -56,9 +56,10 @@ from .soap import SOAP
 SEEDS = (0, 1)
 OPTIMIZERS = ("adamw", "sgd", "shampoo", "soap", "kfac")
 SECOND_ORDER = ("soap", "shampoo")
-# precision variants: run at their float32 sibling's best learning rate (same seeds), reported beside it, not in the
-# bars: what bfloat16 statistics and products cost in loss and save in time
-VARIANTS = {"shampoo_bf16": ("shampoo", dict(precision="bf16")), "soap_bf16": ("soap", dict(precision="bf16"))}
+# variants: run at their sibling's best learning rate (same seeds), reported beside it, not in the bars: what
+# bfloat16 statistics and products cost in loss and save in time; K-FAC refreshed by power steps instead of eigh
+VARIANTS = {"shampoo_bf16": ("shampoo", dict(precision="bf16")), "soap_bf16": ("soap", dict(precision="bf16")),
+            "kfac_qr": ("kfac", dict(refresh="qr"))}
 
 
 @dataclass
