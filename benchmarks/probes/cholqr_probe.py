@@ -80,8 +80,9 @@ def main():
     print(" ".join(f"{a}={v:.3f}" for a, v in r.items()), flush=True)
 
 
-def power_step_solve(S, Q0):
+def power_step_solve(S, Q0, sizes=None):
     """power_step as of 8a62a63 (the triangular solve), unpadded."""
+    assert sizes is None
     import math
     n, wide = S.shape[-1], torch.float64
     M = (Q0.mT @ (S @ Q0)).to(wide)
