@@ -731,11 +731,19 @@ def test_eigh_nan_names_the_matrices(device):
     Q0[1, 0, 0] = float("nan")
     with _raises("torchkern.eigh: Q0 contains NaN or Inf in the matrices at batch indices [1]"):
         linalg.eigh(spectrum("random", 6, batch=(3,)).float().to(device), Q0)
-    # the op itself: NaN for those matrices only, the others decomposed
-    w, V = torch.ops.torchkern.eigh(A.flatten(0, 1))
-    bad = torch.tensor([False, False, True, True, False, False])
-    assert torch.isnan(w[bad]).all() and torch.isnan(V[bad]).all()
-    check_eigh(A.flatten(0, 1)[~bad], w[~bad], V[~bad], torch.float32)
+    # the op itself: NaN for those matrices only, the others decomposed, with and without a warm start (one
+    # with a NaN in Q0 too); the sizes take the in-block kernel and the block method
+    for n in (6, 150):
+        A = spectrum("random", n, batch=(2, 3)).float().to(device)
+        A[0, 2, 1, 1] = float("nan")
+        A[1, 0, 3, 4] = float("inf")
+        Q0 = torch.linalg.qr(torch.randn(6, n, n, generator=_GEN, dtype=torch.float64))[0].float().to(device)
+        Q0[4, 2, 0] = float("nan")
+        for warm, bad in ((None, [2, 3]), (Q0, [2, 3, 4])):
+            w, V = torch.ops.torchkern.eigh(A.flatten(0, 1), warm)
+            bad = torch.isin(torch.arange(6), torch.tensor(bad))
+            assert torch.isnan(w[bad]).all() and torch.isnan(V[bad]).all()
+            check_eigh(A.flatten(0, 1)[~bad], w[~bad], V[~bad], torch.float32)
 
 
 def test_eigh_bad_inputs():

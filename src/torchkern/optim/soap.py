@@ -68,7 +68,7 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     triangular solve) in float64 factors it; a first pass shifted by ``11 (n^2 + n (n + 1)) u ||X||^2`` (Fukaya
     et al. 2020, shifted CholeskyQR) cannot break down on rank-deficient statistics, and unshifted passes restore
     orthogonality. A column at the level of rounding (a direction the statistics never saw) keeps its own axis.
-    12 ms for eight 1024^2 factors on an H100 (docs/design.md, "SOAP")."""
+    7.3 ms for eight 1024^2 factors on an H200 (docs/design.md, "SOAP")."""
     k, n = S.shape[0], S.shape[-1]
     wide = torch.float64
     M = (Q0.mT @ (S @ Q0)).to(wide)

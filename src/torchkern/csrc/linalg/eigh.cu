@@ -21,8 +21,9 @@
 // row stays, the others move one seat along a cycle; every pair of block rows meets once in nb - 1 rounds).
 // Per round, with Pi the move:  Y = Pi J^T A;  T = Y^T (= A J Pi^T);  A <- Pi J^T T;  W <- Pi J^T W;
 // each "Pi J^T X" is five batched products (shifted below). FLOPs per round 12 B N^2 b (three products of
-// 4 B N^2 b), per sweep about 12 B N^3. A matrix stops after the sweep in which its tiles' off-diagonal
-// norms summed to <= tol ||A||_F; the host reads the count of matrices still going once per sweep.
+// 4 B N^2 b), per sweep about 12 B N^3. A matrix stops after the first sweep that leaves its off-diagonal norm
+// <= tol ||A||_F (summed from the matrix after the sweep: a sum of the tiles' norms as the sweep reaches them
+// learns of convergence one sweep late); the host reads the count of matrices still going once per sweep.
 // Cold starts from n = TORCHKERN_EIGH_TORCH_FROM_N on (0: never) go to torch.linalg.eigh instead.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/abs.h>
@@ -45,6 +46,7 @@
 #include <ATen/ops/sort.h>
 #include <ATen/ops/square.h>
 #include <ATen/ops/sub.h>
+#include <ATen/ops/sum.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -83,9 +85,9 @@ at::Tensor times_pow2(const at::Tensor& x, const at::Tensor& k) {
   return at::mul(at::mul(x, low), high);
 }
 
-// sweep end, one thread per matrix: a matrix goes on while its tiles' off-diagonal norms of the sweep exceed
-// tol ||A||_F; counts the ones that go on; resets the sum.
-__global__ void sweep_end_kernel(double* __restrict__ off2,        // [B]
+// sweep end, one thread per matrix: a matrix goes on while its off-diagonal norm after the sweep exceeds
+// tol ||A||_F; counts the ones that go on.
+__global__ void sweep_end_kernel(const double* __restrict__ off2,   // [B]
                                  const double* __restrict__ stop2,  // [B] (tol ||A||_F)^2
                                  int* __restrict__ active,          // [B]
                                  int* __restrict__ count, int64_t batch) {
@@ -95,7 +97,6 @@ __global__ void sweep_end_kernel(double* __restrict__ off2,        // [B]
       active[b] = go;
       if (go) atomicAdd(count, 1);
     }
-    off2[b] = 0.0;
   }
 }
 
@@ -152,7 +153,7 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
   const at::Tensor norm = at::linalg_vector_norm(X, 2, at::IntArrayRef({1, 2}));
   const at::Tensor thr = at::mul(norm, tol / double(N)).contiguous();
   const at::Tensor stop2 = at::mul(norm, tol).square().contiguous();
-  at::Tensor off2 = at::zeros({B}, opt), active = at::ones({B}, opt.dtype(at::kInt));
+  at::Tensor active = at::ones({B}, opt.dtype(at::kInt));
   at::Tensor counts = at::zeros({kMaxSweeps}, opt.dtype(at::kInt));
   at::Tensor host = at::empty({kMaxSweeps}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
   cudaEvent_t event = nullptr;
@@ -170,7 +171,6 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
   pr.n = static_cast<int>(2 * b);
   pr.max_sweeps = kInnerSweeps;
   pr.U = U.mutable_data_ptr<double>();
-  pr.off2 = off2.mutable_data_ptr<double>();
   pr.thr = thr.const_data_ptr<double>();
   pr.stop_scale = double(N);
   pr.active = active.const_data_ptr<int>();
@@ -190,8 +190,11 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
       for (int pos = 0; pos < nb; ++pos) moved[next_position(pos, static_cast<int>(P))] = content[pos];
       content = std::move(moved);
     }
+    at::Tensor off = square(A_full).clone();  // the padding's rows and columns are zero
+    off.diagonal(0, 1, 2).zero_();
+    const at::Tensor off2 = at::sum(at::square(off), at::IntArrayRef({1, 2}));
     sweep_end_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
-        off2.mutable_data_ptr<double>(), stop2.const_data_ptr<double>(), active.mutable_data_ptr<int>(),
+        off2.const_data_ptr<double>(), stop2.const_data_ptr<double>(), active.mutable_data_ptr<int>(),
         counts.mutable_data_ptr<int>() + sweep, B);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     int* host_p = host.mutable_data_ptr<int>() + sweep;
@@ -278,6 +281,16 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   if (small && !warm_start.has_value()) {  // the kernel itself flags non-finite matrices, scales and symmetrizes
     solve_small(X, w, V);
     return finish(w, V);
+  }
+  if (small && !f64) {
+    // A warm start of float32 (or half) input: Q0^T A Q0 in float64 can neither overflow nor underflow, and the
+    // kernel scales, symmetrizes ((Q0^T A Q0 + Q0^T A^T Q0) / 2 = Q0^T A_sym Q0) and flags non-finite entries
+    // itself (a NaN or Inf in A or Q0 makes the product's matrix non-finite): five ops around the kernel
+    // instead of about twenty (64 x 128^2: the ops took a tenth of the warm call). The rotations in float64:
+    // float32 products would follow torch's global TF32 flag (1e-3 accuracy when a script turns it on).
+    const at::Tensor Q = warm_start->reshape({B, n, n}).to(at::kDouble);
+    solve_small(at::matmul(Q.transpose(1, 2), at::matmul(X.to(at::kDouble), Q)).to(at::kFloat), w, V);
+    return finish(w, at::matmul(Q, V.to(at::kDouble)));
   }
   // zero the non-finite matrices, scale by 2^-e (max |x| in [0.5, 1)), symmetrize (as the twin does)
   const at::Tensor zero = at::scalar_tensor(0.0, X.options());

@@ -17,8 +17,11 @@
 // the loss is invisible after the final rounding to float32.
 //
 // Entries with |a_pq| <= thr are not rotated (thr = tol ||A||_F / m for a whole matrix, so a sweep without
-// rotations leaves an off-diagonal norm <= tol ||A||_F); a matrix stops after the sweep whose rotated
-// entries (the sum of a_pq^2 as each pair came up) had 2 sum <= (tol ||A||_F)^2, or after max_sweeps.
+// rotations leaves an off-diagonal norm <= tol ||A||_F). A whole matrix stops as soon as its off-diagonal
+// norm, summed after each sweep (m^2 loads, against the m^3 of a sweep), is <= tol ||A||_F, or after
+// max_sweeps: this saves the last sweep of a rule that looks at the entries as the sweep reaches them, which
+// learns of convergence one sweep late (a sweep that only confirms it; of about 3 from a warm start). A tile
+// keeps that rule (below: the block method needs its tiles solved well below its own tolerance).
 // Input is scaled by a power of two so that max |a_ij| is in [0.5, 1) (nothing overflows or underflows
 // in theta^2 or the norms; the scaling is exact) and symmetrized (a_ij + a_ji) / 2.
 //
@@ -29,9 +32,9 @@
 // Two modes. Whole (kTile = false): one matrix per block (Problem: where each lives); outputs the eigenvalues
 // ascending and the eigenvectors as columns, in TA; a matrix with a NaN or Inf entry gets NaN outputs. Tile
 // (kTile = true, the block method of eigh.cu): the 2b x 2b diagonal tile `g % per` of matrix `g / per` of a
-// larger double matrix; outputs the unsorted eigenvector matrix U (double), adds the tile's initial
-// off-diagonal squared norm to off2[g / per], takes the rotation threshold from the caller (relative to the
-// whole matrix), and returns U = I at once for a matrix that has converged (active[g / per] == 0).
+// larger double matrix; outputs the unsorted eigenvector matrix U (double), takes the rotation threshold from
+// the caller (relative to the whole matrix), and returns U = I at once for a matrix that has converged
+// (active[g / per] == 0).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -67,7 +70,6 @@ struct Problem {
   TA* V;  // [G, n, n] eigenvectors as columns
   // tile mode
   double* U;             // [G, n, n] the subproblem's eigenvectors (unsorted)
-  double* off2;          // [G / per] += the tile's initial sum of squared off-diagonal entries
   const double* thr;     // [G / per] rotation threshold (unscaled: relative to the whole matrix)
   double stop_scale;     // a tile stops when 2 sum a_pq^2 over a sweep <= (stop_scale thr)^2
   const int* active;     // [G / per]: 0 for a matrix that has converged
@@ -167,10 +169,7 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
     }
   }
   norm2 = block_reduce<THREADS, double>(norm2, red_d);
-  if constexpr (kTile) {
-    off2 = block_reduce<THREADS, double>(off2, red_d);
-    if (tid == 0) atomicAdd(pr.off2 + mat, scale2(off2, 2 * e));
-  }
+  off2 = block_reduce<THREADS, double>(off2, red_d);
   // Threshold below which an entry is not rotated, and the stopping bound on 2 sum a_pq^2 per sweep.
   TA thr;
   double stop2;
@@ -185,7 +184,10 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
   }
 
   for (int sweep = 0; sweep < pr.max_sweeps; ++sweep) {
-    double swept = 0.0;  // sum of a_pq^2 over this thread's pairs of the sweep
+    if constexpr (!kTile) {
+      if (off2 <= stop2) break;  // uniform: every thread has the same sum
+    }
+    double swept = 0.0;  // tile: sum of a_pq^2 over this thread's pairs of the sweep
     for (int r = 0; r < m - 1; ++r) {
       if (tid < h) {
         const int k = tid;
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
           if (q < 0) q += m - 1;
         }
         const TA apq = A[p * ld + q], app = A[p * ld + p], aqq = A[q * ld + q];
-        swept += double(apq) * apq;
+        if constexpr (kTile) swept += double(apq) * apq;
         const bool rot = fabs(apq) > thr;
         Pair2<TA> cs{TA(1), TA(0)}, dg{app, aqq};
         Pair2<double> csd{1.0, 0.0};
@@ -262,8 +264,18 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
       }
       __syncthreads();  // A and V are complete before the next round reads them
     }
-    swept = block_reduce<THREADS, double>(swept, red_d);
-    if (2.0 * swept <= stop2) break;  // uniform: every thread has the same sum
+    if constexpr (kTile) {
+      swept = block_reduce<THREADS, double>(swept, red_d);
+      if (2.0 * swept <= stop2) break;  // uniform: every thread has the same sum
+    } else {
+      off2 = 0.0;
+      for (int i = tid; i < m * m; i += THREADS) {
+        const int r = i / m, c = i - r * m;
+        const TA v = A[r * ld + c];
+        if (r != c) off2 += double(v) * v;
+      }
+      off2 = block_reduce<THREADS, double>(off2, red_d);
+    }
   }
 
   if constexpr (kTile) {
