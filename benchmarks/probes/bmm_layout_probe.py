@@ -1,16 +1,16 @@
 """Device probe (2026-11-26): torch.bmm with bfloat16 operands and a float32 result (out_dtype) by operand layout, and
 the optimizers' own products as they call them, against float32."""
-import sys, time
+import sys
 import torch
+
+from _timing import per_call
 sys.path.insert(0, "src")
 from torchkern.optim._common import bmm
 
 a = torch.randn(4, 1024, 1024, device="cuda"); b = torch.randn(4, 1024, 1024, device="cuda")
 a16, b16 = a.bfloat16(), b.bfloat16()
-def t(fn, reps=20):
-    fn(); torch.cuda.synchronize(); s = time.perf_counter()
-    for _ in range(reps): fn()
-    torch.cuda.synchronize(); return (time.perf_counter() - s) / reps * 1e6
+def t(fn, reps=20):  # us
+    return per_call(fn, reps) * 1e6
 for name, (x, y) in {"a b": (a16, b16), "a b^T": (a16, b16.mT), "a^T b": (a16.mT, b16), "a^T b^T": (a16.mT, b16.mT),
                      "a a^T": (a16, a16.mT), "a^T a": (a16.mT, a16)}.items():
     print(f"bf16 out_dtype {name:8s} {t(lambda: torch.bmm(x, y, out_dtype=torch.float32)):7.0f} us   "

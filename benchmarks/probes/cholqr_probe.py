@@ -3,8 +3,10 @@
 whose work is mostly batched products, by block size, and the pieces at the blocks' sizes (``main``). Call 2
 (``--inverse``): the power step with the triangular solve (as before) against the explicit triangular inverse, by
 the inverse's leaf size."""
-import sys, time
+import sys
 import torch
+
+from _timing import per_call
 
 sys.path.insert(0, "src")
 from torchkern.optim import soap
@@ -12,12 +14,8 @@ from torchkern.optim import soap
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def t(fn, reps=10):
-    fn(); torch.cuda.synchronize()
-    a = time.perf_counter()
-    for _ in range(reps): fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - a) / reps * 1e3
+def t(fn, reps=10):  # ms
+    return per_call(fn, reps) * 1e3
 
 
 def unblocked(X, shift):

@@ -3,6 +3,8 @@ src/torchkern/optim/_soap_before.py for this run only) and after the buckets, pe
 suite's tasks and the optimizer benchmark's MLP, on one host; and bfloat16 batched products with a float32 result."""
 import sys, time
 import torch
+
+from _timing import per_call
 import torch.nn.functional as F
 
 sys.path.insert(0, "src")
@@ -50,10 +52,8 @@ print("bench mlp4x1024 ms/step:", " ".join(out), flush=True)
 
 a = torch.randn(4, 1024, 1024, device="cuda"); b = torch.randn(4, 1024, 1024, device="cuda")
 a16, b16 = a.bfloat16(), b.bfloat16()
-def t(fn, reps=20):
-    fn(); torch.cuda.synchronize(); s = time.perf_counter()
-    for _ in range(reps): fn()
-    torch.cuda.synchronize(); return (time.perf_counter() - s) / reps * 1e6
+def t(fn, reps=20):  # us
+    return per_call(fn, reps) * 1e6
 print("bmm 4x1024^3 us: fp32 %.0f, bf16 out_dtype=fp32 %.0f, bf16->bf16 %.0f, bf16->bf16 .float() %.0f" % (
     t(lambda: torch.bmm(a, b)), t(lambda: torch.bmm(a16, b16, out_dtype=torch.float32)), t(lambda: torch.bmm(a16, b16)),
     t(lambda: torch.bmm(a16, b16).float())))

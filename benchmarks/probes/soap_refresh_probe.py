@@ -1,7 +1,9 @@
 """Device probe (2026-11-26): the cost of SOAP's power-step refresh at the quality suite's and the optimizer
 benchmark's factor sizes, by component, and of alternatives for its Cholesky QR."""
-import sys, time
+import sys
 import torch
+
+from _timing import per_call
 
 sys.path.insert(0, "src")
 from torchkern.optim import soap, quality
@@ -28,12 +30,8 @@ for tname in ("regression", "classification", "cnn", "transformer"):
 soap.power_step = orig
 
 
-def t(fn, reps=10):
-    fn(); torch.cuda.synchronize()
-    a = time.perf_counter()
-    for _ in range(reps): fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - a) / reps * 1e3
+def t(fn, reps=10):  # ms
+    return per_call(fn, reps) * 1e3
 
 
 def case(k, n):
