@@ -26,8 +26,9 @@ the first one does: later refreshes take one step of power iteration from the pr
 the closest diagonal to the factor in that basis (for eight 1024^2 factors on an H200: about 8 ms against about
 90 ms for the warm eigensolver). Factors whose sizes differ
 by a few percent at most (a layer's A with its bias column, n + 1, next to another's G, n) share one call: each
-is padded to the largest size with a diagonal block far below its spectrum (minus its trace), whose eigenpairs
-come first in ascending order and are dropped. The preconditioning products of same-shape layers are batched.
+is padded to the largest size, for ``eigh`` with a diagonal block far below its spectrum (minus its trace), whose
+eigenpairs come first in ascending order and are dropped, for the power step with zeros and an identity basis,
+which it keeps apart and last. The preconditioning products of same-shape layers are batched.
 """
 
 from __future__ import annotations

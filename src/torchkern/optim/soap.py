@@ -65,7 +65,8 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     H100). Since ``Q0`` is orthogonal, ``qr(S Q0 P) = Q0 qr(M P)`` with ``M = Q0^T S Q0``, whose columns, once
     scaled to unit norm (which leaves Q unchanged), are close to the axes wherever ``Q0`` is close to the
     eigenbasis: that is well conditioned, and Cholesky QR (the Cholesky factor of the Gram matrix, then a
-    triangular solve) in float64 factors it; a first pass shifted by ``11 (n^2 + n (n + 1)) u ||X||^2`` (Fukaya
+    triangular solve, or above 128 rows a product with the factor's inverse: :func:`triangular_inverse`) in
+    float64 factors it; a first pass shifted by ``11 (n^2 + n (n + 1)) u ||X||^2`` (Fukaya
     et al. 2020, shifted CholeskyQR) cannot break down on rank-deficient statistics, and unshifted passes restore
     orthogonality. A column at the level of rounding (a direction the statistics never saw) keeps its own axis.
     7.3 ms for eight 1024^2 factors on an H200 (docs/design.md, "SOAP")."""

@@ -286,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
     // A warm start of float32 (or half) input: Q0^T A Q0 in float64 can neither overflow nor underflow, and the
     // kernel scales, symmetrizes ((Q0^T A Q0 + Q0^T A^T Q0) / 2 = Q0^T A_sym Q0) and flags non-finite entries
     // itself (a NaN or Inf in A or Q0 makes the product's matrix non-finite): five ops around the kernel
-    // instead of about twenty (64 x 128^2: the ops took a tenth of the warm call). The rotations in float64:
+    // instead of about twenty, each a launch the host pays for. The rotations in float64:
     // float32 products would follow torch's global TF32 flag (1e-3 accuracy when a script turns it on).
     const at::Tensor Q = warm_start->reshape({B, n, n}).to(at::kDouble);
     solve_small(at::matmul(Q.transpose(1, 2), at::matmul(X.to(at::kDouble), Q)).to(at::kFloat), w, V);

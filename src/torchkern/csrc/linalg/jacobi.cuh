@@ -20,7 +20,7 @@
 // rotations leaves an off-diagonal norm <= tol ||A||_F). A whole matrix stops as soon as its off-diagonal
 // norm, summed after each sweep (m^2 loads, against the m^3 of a sweep), is <= tol ||A||_F, or after
 // max_sweeps: this saves the last sweep of a rule that looks at the entries as the sweep reaches them, which
-// learns of convergence one sweep late (a sweep that only confirms it; of about 3 from a warm start). A tile
+// learns of convergence one sweep late (a sweep that only confirms it: 1 of 4 to 5 from a warm start). A tile
 // keeps that rule (below: the block method needs its tiles solved well below its own tolerance).
 // Input is scaled by a power of two so that max |a_ij| is in [0.5, 1) (nothing overflows or underflows
 // in theta^2 or the norms; the scaling is exact) and symmetrized (a_ij + a_ji) / 2.
