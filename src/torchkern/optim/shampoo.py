@@ -64,10 +64,13 @@ class _RootBudget:
     The Newton op's host loop waits for the device after every iteration to stop as soon as every matrix has
     converged: at 1024^2 factors that holds the host for the whole update (about 18 ms on an H100), while it
     could be queueing the next steps. So only the first update of a size waits; later ones queue ``iters``
-    iterations (the most the last update needed, plus one: statistics change slowly) with ``wait=False``, each
-    matrix still stopping on the device at its own tolerance, and copy back, without waiting, the most
-    iterations used and whether a root was rejected. The next update reads that copy: its budget is the most
-    used plus one, or, when the budget was used up, two more. A rejected root (not converged: the previous root
+    iterations (the most the last update needed: statistics change slowly) with ``wait=False``, each matrix
+    still stopping on the device at its own tolerance, and copy back, without waiting, the most iterations used,
+    whether a root was rejected and whether one was cut short (the whole budget used without reaching the
+    tolerance). The next update reads that copy: its budget is the most used, or, after a cut, two more. Queued
+    iterations cost the same whether or not a matrix is done (its products run with the identity), so a spare
+    iteration would cost a tenth of every update at 1024^2 (about 10 iterations); a root cut short by one is
+    still accepted (one quadratic step from the tolerance: a residual near 1e-3, a root within about 3e-4). A rejected root (not converged: the previous root
     stayed in use) turns the size to ``fallback``: its next update waits, runs Newton to convergence and
     replaces each root that still does not converge by a float64 eigendecomposition root; the size returns to
     queued updates once all its roots converge again.
@@ -76,13 +79,14 @@ class _RootBudget:
     __slots__ = ("iters", "fallback", "_host", "_done")
 
     def __init__(self, needed: int, fallback: bool):
-        self.iters = min(needed + 1, _MAX_ITERS)
+        self.iters = min(max(needed, 1), _MAX_ITERS)
         self.fallback = fallback
-        self._host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+        self._host = torch.empty(3, dtype=torch.int32, pin_memory=True)
         self._done: torch.cuda.Event | None = None
 
-    def record(self, iters: torch.Tensor, accepted: torch.Tensor) -> None:
-        flags = torch.stack([iters.max(), (~accepted).any().to(torch.int32)])
+    def record(self, iters: torch.Tensor, err: torch.Tensor, accepted: torch.Tensor) -> None:
+        short = ((iters >= self.iters) & ~(err <= _TOL)).any()
+        flags = torch.stack([iters.max(), (~accepted).any().to(torch.int32), short.to(torch.int32)])
         self._host.copy_(flags, non_blocking=True)
         self._done = torch.cuda.Event()
         self._done.record(torch.cuda.current_stream(iters.device))
@@ -92,9 +96,9 @@ class _RootBudget:
             return
         self._done.synchronize()  # recorded an update ago: long done
         self._done = None
-        used, rejected = self._host.tolist()
+        used, rejected, short = self._host.tolist()
         self.fallback = self.fallback or bool(rejected)
-        self.iters = min(self.iters + 2 if used >= self.iters else used + 1, _MAX_ITERS)
+        self.iters = min(self.iters + 2 if short else max(used, 1), _MAX_ITERS)
 
 
 # The step is launch- and Python-bound at common sizes (a 4 x 1024 MLP: about 30 kernels per step), so
@@ -468,7 +472,7 @@ class Shampoo(GuardedOptimizer):
             return root, torch.ones(A.shape[0], dtype=torch.bool, device=A.device)
         root, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(A, 4, eps, budget.iters, _TOL, False)
         accepted = err <= _NEWTON_ACCEPT  # NaN: rejected
-        budget.record(iters, accepted)
+        budget.record(iters, err, accepted)
         return root, accepted
 
     def _graft_norms(self, items: list, k: int, js: list) -> torch.Tensor:
