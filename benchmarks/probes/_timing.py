@@ -1,11 +1,13 @@
-"""The probes' timer: seconds per call of ``fn`` on the GPU, after one warm-up call, synchronized around ``reps``
-back-to-back calls (so it includes the host's launch time when the host is the bottleneck)."""
+"""The probes' timers (GPU, synchronized around the timed calls, so they include the host's launch time when the
+host is the bottleneck)."""
 import time
 
 import torch
+import torch.nn.functional as F
 
 
 def per_call(fn, reps: int = 10) -> float:
+    """Seconds per call of ``fn``, after one warm-up call, over ``reps`` back-to-back calls."""
     fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -13,3 +15,50 @@ def per_call(fn, reps: int = 10) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) / reps
+
+
+def best_ms_per_step(run, steps: int, warmup: int = 20, repeats: int = 2) -> float:
+    """The best of ``repeats`` timings of ``run(steps)`` (``steps`` training steps), in ms per step."""
+    run(warmup)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run(steps)
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / steps * 1e3)
+    return best
+
+
+def mse_steps(model, opt, x, y, set_to_none: bool = True):
+    """``run(n)`` for :func:`best_ms_per_step`: n training steps of ``model`` on the MSE of (x, y)."""
+    def run(n):
+        for _ in range(n):
+            opt.zero_grad(set_to_none=set_to_none)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    return run
+
+
+def print_quality_step_times(makers: dict, device) -> None:
+    """ms per training step of each ``makers[name](model, lr)`` at lr 1e-3 on the quality suite's four tasks (its
+    own minibatches), one line per task."""
+    from torchkern.optim import quality
+
+    for tname in ("regression", "classification", "cnn", "transformer"):
+        task = quality.TASKS[tname](device, quick=False)
+        out = []
+        for name, make in makers.items():
+            torch.manual_seed(0)
+            model = task.make_model()
+            opt = make(model, 1e-3)
+            next_batch = task.batches(torch.Generator().manual_seed(0))
+
+            def run(n):
+                for _ in range(n):
+                    x, y = next_batch()
+                    opt.zero_grad(set_to_none=True)
+                    task.loss(model(x), y).backward()
+                    opt.step()
+            out.append(f"{name}={best_ms_per_step(run, 100):.3f}")
+        print(tname, "ms/step:", " ".join(out), flush=True)

@@ -1,9 +1,10 @@
 """Device probe (2026-11-26, second session): the optimizer benchmark's training step (MLP 4x1024, batch 1024),
 SOAP with the power step of 8a62a63 (cuBLAS triangular solve) against today's (explicit triangular inverse), and
 K-FAC with refresh="eigh" against refresh="qr", interleaved on one host; ms per step over 100 steps, 3 rounds."""
-import sys, time
+import sys
 import torch
-import torch.nn.functional as F
+
+from _timing import best_ms_per_step, mse_steps
 
 sys.path.insert(0, "src")
 sys.path.insert(0, "benchmarks/probes")
@@ -20,15 +21,7 @@ x, y = torch.randn(1024, 1024, device=dev), torch.randn(1024, 1024, device=dev)
 def run(make, steps=100):
     torch.manual_seed(0)
     model = _mlp(1024, 4, dev)
-    opt = make(model)
-    for _ in range(20):
-        opt.zero_grad(); F.mse_loss(model(x), y).backward(); opt.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.zero_grad(); F.mse_loss(model(x), y).backward(); opt.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps * 1e3
+    return best_ms_per_step(mse_steps(model, make(model), x, y), steps, repeats=1)
 
 
 def soap_with(step):

@@ -3,10 +3,10 @@ batch 1024, precondition_frequency 20) with the root budget of d9cdbe9 (the most
 used, plus one) against today's (the most used; two more after a cut), interleaved on one host, with Adam; ms per
 step over 100 steps, 3 rounds, and the budgets the sizes settled on."""
 import sys
-import time
 
 import torch
-import torch.nn.functional as F
+
+from _timing import best_ms_per_step, mse_steps
 
 sys.path.insert(0, "src")
 from torchkern.optim import Shampoo, shampoo
@@ -40,14 +40,7 @@ def run(make, budget=None, steps=100):
     torch.manual_seed(0)
     model = _mlp(1024, 4, "cuda")
     opt = make(model)
-    for _ in range(40):
-        opt.zero_grad(); F.mse_loss(model(x), y).backward(); opt.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.zero_grad(); F.mse_loss(model(x), y).backward(); opt.step()
-    torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) / steps * 1e3
+    ms = best_ms_per_step(mse_steps(model, opt, x, y), steps, warmup=40, repeats=1)
     iters = sorted({b.iters for b in getattr(opt, "_root_budgets", {}).values()})
     shampoo._RootBudget = New
     return ms, iters

@@ -70,10 +70,10 @@ class _RootBudget:
     tolerance). The next update reads that copy: its budget is the most used, or, after a cut, two more. Queued
     iterations cost the same whether or not a matrix is done (its products run with the identity), so a spare
     iteration would cost a tenth of every update at 1024^2 (about 10 iterations); a root cut short by one is
-    still accepted (one quadratic step from the tolerance: a residual near 1e-3, a root within about 3e-4). A rejected root (not converged: the previous root
-    stayed in use) turns the size to ``fallback``: its next update waits, runs Newton to convergence and
-    replaces each root that still does not converge by a float64 eigendecomposition root; the size returns to
-    queued updates once all its roots converge again.
+    still accepted (one quadratic step from the tolerance: a residual near 1e-3, a root within about 3e-4). A
+    rejected root (not converged: the previous root stayed in use) turns the size to ``fallback``: its next
+    update waits, runs Newton to convergence and replaces each root that still does not converge by a float64
+    eigendecomposition root; the size returns to queued updates once all its roots converge again.
     """
 
     __slots__ = ("iters", "fallback", "_host", "_done")
