@@ -169,7 +169,7 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
     }
   }
   norm2 = block_reduce<THREADS, double>(norm2, red_d);
-  off2 = block_reduce<THREADS, double>(off2, red_d);
+  if constexpr (!kTile) off2 = block_reduce<THREADS, double>(off2, red_d);  // a tile stops on its own rule
   // Threshold below which an entry is not rotated, and the stopping bound on 2 sum a_pq^2 per sweep.
   TA thr;
   double stop2;
