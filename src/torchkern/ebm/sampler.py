@@ -158,7 +158,7 @@ class ChainSampler:
         xs = [None] * len(devices) if x is None else [x] if len(devices) == 1 else x.tensor_split(len(devices))
         outs = []
         for dev, x_i, n_i, gen in zip(devices, xs, sizes, gens):
-            with _dist.on_device(dev) as stream:
+            with _dist.on_device(dev, side_stream=len(devices) > 1) as stream:
                 fresh = x_i is None
                 if fresh:
                     x_i = torch.randn(n_i, dim, generator=gen, device=dev, dtype=dtype)

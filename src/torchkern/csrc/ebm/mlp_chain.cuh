@@ -18,6 +18,8 @@
 // byte offset of each buffer (Slot order below = constants.MLP_SLOTS).
 #pragma once
 
+#include <tuple>  // before PhiloxUtils.cuh, which uses std::tuple without including it (torch 2.11)
+
 #include <ATen/cuda/PhiloxUtils.cuh>
 
 #include <cstdint>
@@ -110,6 +112,18 @@ struct Params {
   int n_steps, thin, kept;  // kept: n_steps // thin where a trace is asked for
   int smem[kSlots];         // byte offsets (the planner's layout)
 };
+
+// The network's layers as float32 contiguous tensors ([out, in] weights, [out] biases), for the packing launch.
+struct PackSource {
+  const float* w[kMaxHidden + 1];
+  const float* b[kMaxHidden + 1];
+  int out[kMaxHidden + 1], in[kMaxHidden + 1];
+};
+
+// Writes the network into p's padded geometry in one launch (mlp_pack.cu): w_elems operands (bf16 when `bf16`,
+// else float32) at p.w_off, v_elems float32 vectors at p.b_off, p.wlast_off, p.blast_off, zeros elsewhere.
+void launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems,
+                 bool bf16);
 
 // Launches the kernel for one precision (mlp_chain_<precision>.cu): grid ceil(batch / rows), kThreads
 // threads, smem_bytes of dynamic shared memory.

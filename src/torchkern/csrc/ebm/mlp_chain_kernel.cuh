@@ -509,6 +509,115 @@ __device__ __forceinline__ void epilogue(Ctx<Op>& c, const Gemm& G, int row, int
   }
 }
 
+// Two consecutive elements of T in shared memory (4- or 8-byte aligned: columns 2 t of an even-padded row).
+template <class Op>
+__device__ __forceinline__ float2 load2(const typename Op::T* src) {
+  if constexpr (sizeof(typename Op::T) == 2) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(src));
+  } else {
+    return *reinterpret_cast<const float2*>(src);
+  }
+}
+
+template <class Op>
+__device__ __forceinline__ void store2(typename Op::T* dst, float a, float b) {
+  if constexpr (sizeof(typename Op::T) == 2) {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+  } else {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  }
+}
+
+// Product g's epilogue on the tensor cores, for every product but the last backward one (the sampler's update,
+// which wants 8 consecutive columns: `epilogue`), straight from the accumulators' mma layout: in tile (i, j),
+// lane (g = lane / 4, t = lane % 4) holds columns 16 j + 8 h + 2 t + {0, 1} (h = 0, 1) of rows 16 i + g
+// (v[4 h], v[4 h + 1]) and 16 i + g + 8 (v[4 h + 2], v[4 h + 3]). Each pair is one shared-memory access, and
+// the bias (and output weight) pairs are loaded once per pass; the round trip through the scratch tile to
+// consecutive columns cost as much as the epilogue's arithmetic. Rows are the unit's from r0, columns from cb.
+template <class Op, int kUR, int kUC, bool kFwd>
+__device__ __forceinline__ void epilogue_frag(Ctx<Op>& c, const Gemm& G, const Accum& acc, int r0, int cb) {
+  using T = typename Op::T;
+  const Params& p = *c.p;
+  const int l = G.layer, g = c.lane >> 2, t2 = 2 * (c.lane & 3);
+  if constexpr (kFwd) {
+    const bool last = l == p.n_hidden - 1;
+    float bias[kUC][4], wl[kUC][4];  // per tile column j: the pairs of halves h = 0, 1
+#pragma unroll
+    for (int j = 0; j < kUC; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = cb + 16 * j + 8 * h + t2;
+        const float2 b = __ldg(reinterpret_cast<const float2*>(p.vecs + p.b_off[l] + col));
+        const float2 w = last ? __ldg(reinterpret_cast<const float2*>(p.vecs + p.wlast_off + col)) : make_float2(0.f, 0.f);
+        bias[j][2 * h] = b.x, bias[j][2 * h + 1] = b.y, wl[j][2 * h] = w.x, wl[j][2 * h + 1] = w.y;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kUR; ++i) {
+      const int row = r0 + 16 * i + g;
+#pragma unroll
+      for (int j = 0; j < kUC; ++j) {
+        const float* v = acc.v[i][j];
+        const float* b = bias[j];
+        // q = 4 h + e: column pair element e % 2 of half h, row + 8 (e / 2)
+        const Act8 ad = activate8<Op::kTensorCores>(
+            p.activation, p.slope, make_float4(v[0] + b[0], v[1] + b[1], v[2] + b[0], v[3] + b[1]),
+            make_float4(v[4] + b[2], v[5] + b[3], v[6] + b[2], v[7] + b[3]));
+        const int col = cb + 16 * j + t2;
+        T* dv = c.deriv(l) + row * c.ld_deriv(l) + col;
+        const int ldd = 8 * c.ld_deriv(l);
+        if (!last) {
+          T* av = c.act(l & 1) + row * c.ld_act + col;
+          const int lda = 8 * c.ld_act;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            store2<Op>(av + 8 * h, ad.a[4 * h], ad.a[4 * h + 1]);
+            store2<Op>(av + lda + 8 * h, ad.a[4 * h + 2], ad.a[4 * h + 3]);
+            store2<Op>(dv + 8 * h, ad.d[4 * h], ad.d[4 * h + 1]);
+            store2<Op>(dv + ldd + 8 * h, ad.d[4 * h + 2], ad.d[4 * h + 3]);
+          }
+        } else {
+          const float* w = wl[j];
+          float e_top = 0.f, e_bottom = 0.f;  // rows g and g + 8 of this tile
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            store2<Op>(dv + 8 * h, ad.d[4 * h] * w[2 * h], ad.d[4 * h + 1] * w[2 * h + 1]);
+            store2<Op>(dv + ldd + 8 * h, ad.d[4 * h + 2] * w[2 * h], ad.d[4 * h + 3] * w[2 * h + 1]);
+            e_top += ad.a[4 * h] * w[2 * h] + ad.a[4 * h + 1] * w[2 * h + 1];
+            e_bottom += ad.a[4 * h + 2] * w[2 * h] + ad.a[4 * h + 3] * w[2 * h + 1];
+          }
+          if (c.need_energy) {  // warp-uniform; the four lanes t of a row hold its 16 columns
+#pragma unroll
+            for (int m = 1; m < 4; m <<= 1) {
+              e_top += __shfl_xor_sync(0xffffffffu, e_top, m);
+              e_bottom += __shfl_xor_sync(0xffffffffu, e_bottom, m);
+            }
+            if (t2 == 0) {
+              c.epart[row * c.ld_epart + (cb + 16 * j) / 16] = e_top;
+              c.epart[(row + 8) * c.ld_epart + (cb + 16 * j) / 16] = e_bottom;
+            }
+          }
+        }
+      }
+    }
+  } else {  // backward of layer l > 0: deriv[l - 1] *= acc (the chain rule, in place)
+    T* base = c.deriv(l - 1) + (r0 + g) * c.ld_deriv(l - 1) + cb + t2;
+    const int ld = c.ld_deriv(l - 1);
+#pragma unroll
+    for (int i = 0; i < kUR; ++i) {
+#pragma unroll
+      for (int j = 0; j < kUC; ++j) {
+#pragma unroll
+        for (int q = 0; q < 8; q += 2) {  // q = 4 h + 2 e2: half h, row + 8 e2
+          T* dst = base + (16 * i + 8 * ((q >> 1) & 1)) * ld + 16 * j + 8 * (q >> 2);
+          const float2 s = load2<Op>(dst);
+          store2<Op>(dst, s.x * acc.v[i][j][q], s.y * acc.v[i][j][q + 1]);
+        }
+      }
+    }
+  }
+}
+
 template <class Op, int kUR, int kUC, bool kFwd>
 __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
   using T = typename Op::T;
@@ -556,6 +665,12 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
       }
     }
     if (!active) continue;
+    if constexpr (Op::kTensorCores) {
+      if (kFwd || l > 0) {
+        epilogue_frag<Op, kUR, kUC, kFwd>(c, G, acc, r0, n0 + c0);
+        continue;
+      }
+    }
 #pragma unroll
     for (int i = 0; i < kUR; ++i) {
 #pragma unroll

@@ -2,6 +2,7 @@
 // Trajectory t: momenta from Philox draw 2t (the langevin_step layout), n_leapfrog + 1 gradient evaluations
 // (half kick, drifts and kicks, half kick), the acceptance uniform from draw 2t + 1 (group = row).
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>

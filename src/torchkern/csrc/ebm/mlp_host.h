@@ -5,11 +5,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "mlp_chain.cuh"
 #include "torchkern/checks.h"
@@ -70,8 +70,9 @@ inline void apply_layout(const char* torchkern_op_name, Params& p, at::IntArrayR
                   " bytes of shared memory per block, the device allows ", optin);
 }
 
-// Packs the network into p's padded geometry (widths rounded up to kAlign, zeros in the padding): the
-// hidden layers' weights as operands (bf16, else float32), biases, the output row and its bias as float32.
+// Packs the network into p's padded geometry (widths rounded up to kAlign, zeros in the padding; one launch,
+// mlp_pack.cu): the hidden layers' weights as operands (bf16, else float32), biases, the output row and its bias
+// as float32.
 inline std::pair<at::Tensor, at::Tensor> pack(Params& p, const at::Tensor& x, at::TensorList weights,
                                               at::TensorList biases, int64_t precision) {
   const int H = static_cast<int>(weights.size()) - 1;
@@ -87,19 +88,21 @@ inline std::pair<at::Tensor, at::Tensor> pack(Params& p, const at::Tensor& x, at
   }
   p.wlast_off = static_cast<int>(voff);
   p.blast_off = static_cast<int>(voff + p.dims[H]);
-  const at::ScalarType op_type = precision == kBf16 ? at::kBFloat16 : at::kFloat;
-  at::Tensor wpack = at::zeros({woff}, x.options().dtype(op_type));
-  at::Tensor vpack = at::zeros({p.blast_off + kAlign}, x.options().dtype(at::kFloat));
-  for (int l = 0; l < H; ++l) {
-    wpack.narrow(0, p.w_off[l], static_cast<int64_t>(p.dims[l + 1]) * p.dims[l])
-        .view({p.dims[l + 1], p.dims[l]})
-        .narrow(0, 0, weights[l].size(0))
-        .narrow(1, 0, weights[l].size(1))
-        .copy_(weights[l]);
-    vpack.narrow(0, p.b_off[l], biases[l].size(0)).copy_(biases[l]);
+  PackSource s{};
+  std::vector<at::Tensor> sources;  // the tensors themselves when float32 and contiguous; alive until queued
+  sources.reserve(2 * (H + 1));
+  for (int l = 0; l <= H; ++l) {
+    sources.push_back(weights[l].to(at::kFloat).contiguous());
+    sources.push_back(biases[l].to(at::kFloat).contiguous());
+    s.w[l] = sources[2 * l].const_data_ptr<float>();
+    s.b[l] = sources[2 * l + 1].const_data_ptr<float>();
+    s.out[l] = static_cast<int>(weights[l].size(0));
+    s.in[l] = static_cast<int>(weights[l].size(1));
   }
-  vpack.narrow(0, p.wlast_off, weights[H].size(1)).copy_(weights[H].reshape({-1}));
-  vpack.narrow(0, p.blast_off, 1).copy_(biases[H]);
+  at::Tensor wpack = at::empty({woff}, x.options().dtype(precision == kBf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor vpack = at::empty({p.blast_off + kAlign}, x.options().dtype(at::kFloat));
+  launch_pack(p, s, wpack.mutable_data_ptr(), vpack.mutable_data_ptr<float>(), woff, vpack.numel(),
+              precision == kBf16);
   p.weights = wpack.const_data_ptr();
   p.vecs = vpack.const_data_ptr<float>();
   return {wpack, vpack};
