@@ -84,11 +84,14 @@ struct Accum {
   float v[2][2][8];
 };
 
-// Four 8 x 8 b16 matrices from shared memory (ldmatrix.x4): lane l gives the address of row l % 8 of matrix
-// l / 8 and receives its part of each matrix in r[0..3]; kTrans transposes each matrix.
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Four 8 x 8 b16 matrices from shared memory (ldmatrix.x4): lane l gives the shared address of row l % 8 of
+// matrix l / 8 and receives its part of each matrix in r[0..3]; kTrans transposes each matrix.
 template <bool kTrans>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(row));
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], unsigned addr) {
   if constexpr (kTrans) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
@@ -109,7 +112,16 @@ struct Act8 {
 };
 
 // kFast (the tensor-core precisions, whose operands are rounded to bf16 or tf32 anyway): SiLU's sigmoid from the
-// hardware exp2 and reciprocal (relative error ~1e-6 instead of an ulp; 18 instructions per element to 4).
+// hardware exp2 and reciprocal (relative error ~1e-6 instead of an ulp; 18 instructions per element to 4), with
+// subnormal results flushed to zero (__expf's rescaling of them was two more instructions per element; a sigmoid
+// that small is 0 or 1 in float32 either way).
+__device__ __forceinline__ float fast_sigmoid(float h) {
+  float e, s;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(h * -1.44269504088896341f));  // exp(-h)
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  return s;
+}
+
 template <bool kFast>
 static __device__ __noinline__ Act8 activate8(int act, float slope, float4 h0, float4 h1) {
   const float h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
@@ -118,7 +130,7 @@ static __device__ __noinline__ Act8 activate8(int act, float slope, float4 h0, f
     case kSilu:
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
-        const float s = kFast ? __fdividef(1.f, 1.f + __expf(-h[q])) : 1.f / (1.f + expf(-h[q]));
+        const float s = kFast ? fast_sigmoid(h[q]) : 1.f / (1.f + expf(-h[q]));
         r.a[q] = h[q] * s;
         r.d[q] = s * (1.f + h[q] * (1.f - s));
       }
@@ -356,45 +368,64 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
     const T* b_row = kFwd ? B + (c0 + (lane & 7) + ((lane >> 4) << 3)) * ldb + ((lane >> 3) & 1) * kHalf
                           : B + ((lane & 7) + (((lane >> 3) & 1) << 3)) * ldb + c0 + ((lane >> 4) << 3);
     const int g = lane >> 2, t = lane & 3;
-#pragma unroll 2
-    for (int k = 0; k < kc; k += Op::kK) {
-      uint32_t a[kUR][4], b[kUC][4];  // b[j]: {b0, b1} of the n8 tile 16 j, then of 16 j + 8
+    // The rows' shared-window addresses, computed once: a k step adds a constant (the loop's integer work was
+    // as many instructions as its mma).
+    unsigned a_addr[kUR], b_addr[kUC];
 #pragma unroll
-      for (int i = 0; i < kUR; ++i) ldmatrix_x4<false>(a[i], a_row + 16 * i * lda + k);
+    for (int i = 0; i < kUR; ++i) a_addr[i] = smem_address(a_row + 16 * i * lda);
+#pragma unroll
+    for (int j = 0; j < kUC; ++j) b_addr[j] = smem_address(kFwd ? b_row + 16 * j * ldb : b_row + 16 * j);
+    const unsigned b_k_bytes = kFwd ? sizeof(T) : ldb * sizeof(T);  // B's bytes per unit of k
+    struct Frags {
+      uint32_t a[kUR][4], b[kUC][4];  // b[j]: {b0, b1} of the n8 tile 16 j, then of 16 j + 8
+    };
+    auto load = [&](Frags& f, int k) {
+#pragma unroll
+      for (int i = 0; i < kUR; ++i) ldmatrix_x4<false>(f.a[i], a_addr[i] + k * sizeof(T));
 #pragma unroll
       for (int j = 0; j < kUC; ++j) {
-        if constexpr (kFwd) {
-          ldmatrix_x4<false>(b[j], b_row + 16 * j * ldb + k);
-        } else if constexpr (sizeof(T) == 2) {
-          ldmatrix_x4<true>(b[j], b_row + k * ldb + 16 * j);
+        if constexpr (kFwd || sizeof(T) == 2) {
+          ldmatrix_x4<!kFwd>(f.b[j], b_addr[j] + k * b_k_bytes);
         } else {  // tf32 B(k = t (+4), n = g (+8)): 32-bit elements, no transposed load
           const T* bk = B + (k + t) * ldb + c0 + 16 * j + g;
-          b[j][0] = __float_as_uint(bk[0]);
-          b[j][1] = __float_as_uint(bk[4 * ldb]);
-          b[j][2] = __float_as_uint(bk[8]);
-          b[j][3] = __float_as_uint(bk[4 * ldb + 8]);
+          f.b[j][0] = __float_as_uint(bk[0]);
+          f.b[j][1] = __float_as_uint(bk[4 * ldb]);
+          f.b[j][2] = __float_as_uint(bk[8]);
+          f.b[j][3] = __float_as_uint(bk[4 * ldb + 8]);
         }
       }
 #pragma unroll
       for (int i = 0; i < kUR; ++i) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) a[i][q] = Op::round(a[i][q]);
+        for (int q = 0; q < 4; ++q) f.a[i][q] = Op::round(f.a[i][q]);
       }
 #pragma unroll
       for (int j = 0; j < kUC; ++j) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) b[j][q] = Op::round(b[j][q]);
+        for (int q = 0; q < 4; ++q) f.b[j][q] = Op::round(f.b[j][q]);
       }
+    };
+    auto multiply = [&](const Frags& f) {
 #pragma unroll
       for (int i = 0; i < kUR; ++i) {
 #pragma unroll
         for (int j = 0; j < kUC; ++j) {
           float(&lo)[4] = *reinterpret_cast<float(*)[4]>(&acc.v[i][j][0]);
           float(&hi)[4] = *reinterpret_cast<float(*)[4]>(&acc.v[i][j][4]);
-          Op::mma(lo, a[i], b[j][0], b[j][1]);
-          Op::mma(hi, a[i], b[j][2], b[j][3]);
+          Op::mma(lo, f.a[i], f.b[j][0], f.b[j][1]);
+          Op::mma(hi, f.a[i], f.b[j][2], f.b[j][3]);
         }
       }
+    };
+    // Software-pipelined: the next step's fragments load while this step multiplies (an mma waited for its
+    // ldmatrix in 11% of the kernel's samples). kc is a multiple of 32: whole pairs of steps.
+    Frags cur, next;
+    load(cur, 0);
+    for (int k = 0; k < kc; k += 2 * Op::kK) {
+      load(next, k + Op::kK);
+      multiply(cur);
+      if (k + 2 * Op::kK < kc) load(cur, k + 2 * Op::kK);
+      multiply(next);
     }
   } else {
     const int rr = lane & 15, cc = (lane >> 4) * 8;
@@ -665,11 +696,11 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
       }
     }
     if (!active) continue;
-    if constexpr (Op::kTensorCores) {
-      if (kFwd || l > 0) {
-        epilogue_frag<Op, kUR, kUC, kFwd>(c, G, acc, r0, n0 + c0);
-        continue;
-      }
+    bool in_place = false;  // the accumulators' own layout (epilogue_frag), else 8 consecutive columns per lane
+    if constexpr (Op::kTensorCores) in_place = kFwd || l > 0;
+    if (in_place) {
+      epilogue_frag<Op, kUR, kUC, kFwd>(c, G, acc, r0, n0 + c0);
+      continue;
     }
 #pragma unroll
     for (int i = 0; i < kUR; ++i) {
