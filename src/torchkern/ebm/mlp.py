@@ -139,9 +139,10 @@ class MLPEnergy(Energy):
         """(weights, biases, activation code, negative slope): the MLP ops' arguments (zero biases for bias-free
         layers, on ``device``, default the weights' own)."""
         weights = [lin.weight.detach() for lin in self.layers]
-        if device is not None:
+        if device is not None and any(w.device != device for w in weights):  # .to is a dispatch even when a no-op
             weights = [w.to(device) for w in weights]
-        biases = [lin.bias.detach().to(w.device) if lin.bias is not None else w.new_zeros(w.shape[0])
+        biases = [w.new_zeros(w.shape[0]) if lin.bias is None else
+                  lin.bias.detach() if lin.bias.device == w.device else lin.bias.detach().to(w.device)
                   for lin, w in zip(self.layers, weights)]
         return weights, biases, C.ACTIVATION_NAMES.index(self.activation), self.negative_slope
 

@@ -122,18 +122,28 @@ __device__ __forceinline__ float fast_sigmoid(float h) {
   return s;
 }
 
+// SiLU, the default activation, is also inlined where the tensor-core epilogue calls it (activate8's call, switch
+// and argument shuffling were ~30 instructions per 8 elements); the other activations go through activate8.
+template <bool kFast>
+__device__ __forceinline__ Act8 silu8(float4 h0, float4 h1) {
+  const float h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+  Act8 r;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    const float s = kFast ? fast_sigmoid(h[q]) : 1.f / (1.f + expf(-h[q]));
+    r.a[q] = h[q] * s;
+    r.d[q] = s * (1.f + h[q] * (1.f - s));
+  }
+  return r;
+}
+
 template <bool kFast>
 static __device__ __noinline__ Act8 activate8(int act, float slope, float4 h0, float4 h1) {
   const float h[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
   Act8 r;
   switch (act) {
     case kSilu:
-#pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const float s = kFast ? fast_sigmoid(h[q]) : 1.f / (1.f + expf(-h[q]));
-        r.a[q] = h[q] * s;
-        r.d[q] = s * (1.f + h[q] * (1.f - s));
-      }
+      r = silu8<kFast>(h0, h1);
       break;
     case kSoftplus:
 #pragma unroll
@@ -405,13 +415,21 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
         for (int q = 0; q < 4; ++q) f.b[j][q] = Op::round(f.b[j][q]);
       }
     };
-    auto multiply = [&](const Frags& f) {
+    // A lone tile (a narrow product's unit) accumulates its odd k steps apart, in the unit's unused tile (0, 1):
+    // two independent chains of dependent mma instead of one, summed at the end.
+    constexpr bool kTwoChains = kUR == 1 && kUC == 1;
+    if constexpr (kTwoChains) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc.v[0][1][q] = 0.f;
+    }
+    auto multiply = [&](const Frags& f, auto odd_step) {
 #pragma unroll
       for (int i = 0; i < kUR; ++i) {
 #pragma unroll
         for (int j = 0; j < kUC; ++j) {
-          float(&lo)[4] = *reinterpret_cast<float(*)[4]>(&acc.v[i][j][0]);
-          float(&hi)[4] = *reinterpret_cast<float(*)[4]>(&acc.v[i][j][4]);
+          float* v = acc.v[i][kTwoChains && decltype(odd_step)::value ? 1 : j];
+          float(&lo)[4] = *reinterpret_cast<float(*)[4]>(v);
+          float(&hi)[4] = *reinterpret_cast<float(*)[4]>(v + 4);
           Op::mma(lo, f.a[i], f.b[j][0], f.b[j][1]);
           Op::mma(hi, f.a[i], f.b[j][2], f.b[j][3]);
         }
@@ -423,9 +441,13 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
     load(cur, 0);
     for (int k = 0; k < kc; k += 2 * Op::kK) {
       load(next, k + Op::kK);
-      multiply(cur);
+      multiply(cur, std::false_type{});
       if (k + 2 * Op::kK < kc) load(cur, k + 2 * Op::kK);
-      multiply(next);
+      multiply(next, std::true_type{});
+    }
+    if constexpr (kTwoChains) {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc.v[0][0][q] += acc.v[0][1][q];
     }
   } else {
     const int rr = lane & 15, cc = (lane >> 4) * 8;
@@ -591,9 +613,10 @@ __device__ __forceinline__ void epilogue_frag(Ctx<Op>& c, const Gemm& G, const A
         const float* v = acc.v[i][j];
         const float* b = bias[j];
         // q = 4 h + e: column pair element e % 2 of half h, row + 8 (e / 2)
-        const Act8 ad = activate8<Op::kTensorCores>(
-            p.activation, p.slope, make_float4(v[0] + b[0], v[1] + b[1], v[2] + b[0], v[3] + b[1]),
-            make_float4(v[4] + b[2], v[5] + b[3], v[6] + b[2], v[7] + b[3]));
+        const float4 h0 = make_float4(v[0] + b[0], v[1] + b[1], v[2] + b[0], v[3] + b[1]);
+        const float4 h1 = make_float4(v[4] + b[2], v[5] + b[3], v[6] + b[2], v[7] + b[3]);
+        const Act8 ad = p.activation == kSilu ? silu8<Op::kTensorCores>(h0, h1)
+                                              : activate8<Op::kTensorCores>(p.activation, p.slope, h0, h1);
         const int col = cb + 16 * j + t2;
         T* dv = c.deriv(l) + row * c.ld_deriv(l) + col;
         const int ldd = 8 * c.ld_deriv(l);
@@ -868,7 +891,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
       if (!full && !record) break;
       c.t = t;
       c.keep = !eval && p.traj && (t + 1) % p.thin == 0;
-      c.slot = eval ? 0 : (t + 1) / p.thin - 1;
+      c.slot = c.keep ? (t + 1) / p.thin - 1 : 0;  // an integer division per step only where a trace is kept
       evaluate(c, full, record);
       if (record && c.tid < c.nvalid) {
         const float e = c.row_value(kRowE)[c.tid];
