@@ -601,7 +601,8 @@ __device__ __forceinline__ void epilogue_frag(Ctx<Op>& c, const Gemm& G, const A
       for (int h = 0; h < 2; ++h) {
         const int col = cb + 16 * j + 8 * h + t2;
         const float2 b = __ldg(reinterpret_cast<const float2*>(p.vecs + p.b_off[l] + col));
-        const float2 w = last ? __ldg(reinterpret_cast<const float2*>(p.vecs + p.wlast_off + col)) : make_float2(0.f, 0.f);
+        const float2 w =
+            last ? __ldg(reinterpret_cast<const float2*>(p.vecs + p.wlast_off + col)) : make_float2(0.f, 0.f);
         bias[j][2 * h] = b.x, bias[j][2 * h + 1] = b.y, wl[j][2 * h] = w.x, wl[j][2 * h + 1] = w.y;
       }
     }
