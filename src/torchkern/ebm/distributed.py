@@ -46,11 +46,10 @@ def on_device(device: torch.device, side_stream: bool = True) -> Iterator[torch.
     if device.type != "cuda":
         yield None
         return
-    if not side_stream:  # the stream switch and its two event waits are ~30 us of host time per call
-        with torch.cuda.device(device):
-            yield None
-        return
     with torch.cuda.device(device):
+        if not side_stream:  # one group overlaps nothing: no stream switch, event waits or record_stream to pay
+            yield None
+            return
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
