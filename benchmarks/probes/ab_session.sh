@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call that compares the committed tree with the working tree: the committed sources in .ab/base
 # (made by `git archive HEAD src | tar -x -C .ab/base`; .ab/ is ignored, so pass carry: [".ab"]) and ./src are
-# built side by side (their own caches), then PROBE runs under each (TREES="base new"), then the working tree's
-# tests (TEST_ARGS, optional). Output in $OUT/session.txt.
+# built side by side (their own caches), then PROBE runs under each (TREES="base new"; another name T is the tree
+# in .ab/T), then the working tree's tests (TEST_ARGS, optional). Output in $OUT/session.txt.
 #
 #   PROBE="benchmarks/probes/mlp_chain_probe.py bf16 tf32" TEST_ARGS="tests/test_ebm.py -k mlp" \
 #     bash benchmarks/probes/ab_session.sh
@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_
 TREES=${TREES:-base new}
 date -u; nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__)"
-src_of() { if [ "$1" = base ]; then echo "$PWD/.ab/base/src"; else echo "$PWD/src"; fi; }
+src_of() { if [ "$1" = new ]; then echo "$PWD/src"; else echo "$PWD/.ab/$1/src"; fi; }  # base, or any .ab/<tree>
 start=$(date +%s)
 pids=()
 for tree in $TREES; do

@@ -26,10 +26,9 @@ MLP_K_CHUNK = 32
 MLP_ALIGN = 32
 MLP_MAX_HIDDEN = 8
 MLP_WIDE_PASS = 32 * MLP_WARPS
-MLP_SCRATCH_LD = 20  # floats per row of a warp's 16 x 16 accumulator scratch
 MLP_ROW_VALUES = 8  # per-row float scalars (energies, kinetic energies, accept and restart flags, counts)
 MLP_SLOTS = ("xs", "xb", "p", "act0", "act1", *[f"deriv{i}" for i in range(MLP_MAX_HIDDEN)],
-             *[f"w{i}" for i in range(MLP_MAX_HIDDEN)], "stage", "scratch", "epart", "rows", "end")
+             *[f"w{i}" for i in range(MLP_MAX_HIDDEN)], "stage", "epart", "rows", "end")
 
 COMPILE_DEFINITIONS = {
     "TORCHKERN_ENERGY_DOUBLE_WELL": DOUBLE_WELL,
@@ -55,7 +54,6 @@ COMPILE_DEFINITIONS = {
     "TORCHKERN_MLP_ALIGN": MLP_ALIGN,
     "TORCHKERN_MLP_MAX_HIDDEN": MLP_MAX_HIDDEN,
     "TORCHKERN_MLP_WIDE_PASS": MLP_WIDE_PASS,
-    "TORCHKERN_MLP_SCRATCH_LD": MLP_SCRATCH_LD,
     "TORCHKERN_MLP_ROW_VALUES": MLP_ROW_VALUES,
     "TORCHKERN_MLP_SLOTS": len(MLP_SLOTS),
     **{f"TORCHKERN_MLP_SLOT_{name.upper()}": i for i, name in enumerate(MLP_SLOTS)},

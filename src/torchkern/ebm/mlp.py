@@ -138,12 +138,12 @@ class MLPEnergy(Energy):
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, float]:
         """(weights, biases, activation code, negative slope): the MLP ops' arguments (zero biases for bias-free
         layers, on ``device``, default the weights' own)."""
-        weights = [lin.weight.detach() for lin in self.layers]
+        layers = _layer_tensors(self)
+        weights = [w.detach() for w, _ in layers]
         if device is not None and any(w.device != device for w in weights):  # .to is a dispatch even when a no-op
             weights = [w.to(device) for w in weights]
-        biases = [w.new_zeros(w.shape[0]) if lin.bias is None else
-                  lin.bias.detach() if lin.bias.device == w.device else lin.bias.detach().to(w.device)
-                  for lin, w in zip(self.layers, weights)]
+        biases = [w.new_zeros(w.shape[0]) if b is None else
+                  b.detach() if b.device == w.device else b.detach().to(w.device) for (_, b), w in zip(layers, weights)]
         return weights, biases, C.ACTIVATION_NAMES.index(self.activation), self.negative_slope
 
     def energy_and_score_fused(self, x: torch.Tensor, precision: str = "fp32") -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +159,18 @@ class MLPEnergy(Energy):
     def extra_repr(self) -> str:
         slope = f", negative_slope={self.negative_slope}" if self.activation == "leaky_relu" else ""
         return f"dim={self.dim}, hidden={self.hidden}, activation={self.activation!r}{slope}"
+
+
+def _layer_tensors(energy: MLPEnergy) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of each layer. Read from the layers' parameter dicts where they are there: nn.Module's
+    attribute lookup made the per-call planning and arguments ~30 us of a sample() call's host time. A weight
+    that is not a parameter (spectral_norm, parametrizations) is read as the attribute, which computes it."""
+    out = []
+    for lin in energy.layers._modules.values():
+        params = lin._parameters
+        w, b = params.get("weight"), params.get("bias")
+        out.append((lin.weight if w is None else w, b if b is not None or "bias" in params else lin.bias))
+    return out
 
 
 def _finite(name: str, value) -> float:
@@ -213,8 +225,6 @@ def shared_memory_layout(widths: Sequence[int], precision: int, hmc: bool, rows:
     if not resident:
         stage = max(C.MLP_WIDE_PASS * (C.MLP_K_CHUNK + pad), C.MLP_K_CHUNK * (C.MLP_WIDE_PASS + pad))
         size["stage"] = 2 * stage * t
-    if precision != C.FP32:
-        size["scratch"] = C.MLP_WARPS * 16 * C.MLP_SCRATCH_LD * 4
     size["epart"] = rows * (dims[H] // 16) * 4
     size["rows"] = C.MLP_ROW_VALUES * rows * 4
     offsets, at = [], 0
@@ -237,8 +247,7 @@ def plan(energy: MLPEnergy, x: torch.Tensor, precision: int, hmc: bool) -> list[
     # Planning costs ~0.1 ms of host time per call (a third of a short chain's sample()): cached per energy on
     # everything it reads (the layers' shapes, dtypes and devices, the batch, the device, precision, HMC).
     key = (x.device, x.dtype, x.shape[0], precision, hmc, *[
-        (lin.weight.shape, lin.weight.dtype, lin.weight.device,
-         None if lin.bias is None else (lin.bias.dtype, lin.bias.device)) for lin in energy.layers])
+        (w.shape, w.dtype, w.device, None if b is None else (b.dtype, b.device)) for w, b in _layer_tensors(energy)])
     plans = _PLANS.setdefault(energy, {})
     if key not in plans:
         plans[key] = _plan(energy, x, precision, hmc)

@@ -162,11 +162,13 @@ class ChainSampler:
                 fresh = x_i is None
                 if fresh:
                     x_i = torch.randn(n_i, dim, generator=gen, device=dev, dtype=dtype)
-                else:
+                elif x_i.device != dev or x_i.dtype != dtype:  # .to is a dispatch even when a no-op
                     x_i = x_i.to(dev, dtype, non_blocking=True)
                 result = self._chain(self._energy_on(dev), x_i, n_steps, thin, want, gen,
                                      inplace=fresh or (inplace and x_i is x))
                 outs.append((result, stream))
+        if len(outs) == 1 and outs[0][1] is None:  # one group on its device's current stream: nothing to gather
+            return outs[0][0]
         target = devices[0]
         parts: dict[str, list[torch.Tensor]] = {}
         for result, stream in outs:

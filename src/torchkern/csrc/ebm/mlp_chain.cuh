@@ -37,7 +37,6 @@ constexpr int kKChunk = TORCHKERN_MLP_K_CHUNK;
 constexpr int kAlign = TORCHKERN_MLP_ALIGN;
 constexpr int kMaxHidden = TORCHKERN_MLP_MAX_HIDDEN;
 constexpr int kWidePass = TORCHKERN_MLP_WIDE_PASS;
-constexpr int kScratchLd = TORCHKERN_MLP_SCRATCH_LD;
 constexpr int kRowValues = TORCHKERN_MLP_ROW_VALUES;
 constexpr int kSlots = TORCHKERN_MLP_SLOTS;
 static_assert(kWidePass == 32 * kWarps, "a wide pass: 32 columns per warp");
@@ -52,7 +51,6 @@ enum Slot : int {
   kSlotDeriv0 = TORCHKERN_MLP_SLOT_DERIV0,  // T [rows, n_{l+1} + pad]: phi'(h), then D_l, of hidden layer l
   kSlotW0 = TORCHKERN_MLP_SLOT_W0,          // T [n_{l+1}, n_l + pad]: resident weights of hidden layer l
   kSlotStage = TORCHKERN_MLP_SLOT_STAGE,    // T [2, stage elements]: streamed weight chunks
-  kSlotScratch = TORCHKERN_MLP_SLOT_SCRATCH,  // float [warps, 16, kScratchLd]: the last product's tiles
   kSlotEpart = TORCHKERN_MLP_SLOT_EPART,    // float [rows, n_H / 16]: energy partial sums per column tile
   kSlotRows = TORCHKERN_MLP_SLOT_ROWS,      // float [kRowValues, rows]: per-row scalars (RowValue)
   kSlotEnd = TORCHKERN_MLP_SLOT_END,        // total bytes

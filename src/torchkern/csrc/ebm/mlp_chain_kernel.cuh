@@ -302,7 +302,6 @@ struct Ctx {
   float* xs;   // [rows, ld_xs]
   T* xop;      // the first product's operand: xb (bf16) or xs
   float* pm;   // HMC momenta [rows, ld_xs]
-  float* scratch;
   float* epart;
   float* rowv;
   T* stage;
@@ -475,33 +474,20 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
   }
 }
 
-// The sampler's use of dE/dx for the lane's 8 columns [col, col + 8) of block row `row`.
+// The sampler's use of dE/dx at block row `row`, columns col and col + 1 (col even; either may lie past d): g the
+// gradient pair, eps Langevin's noise pair.
 template <class Op>
-__device__ void update(Ctx<Op>& c, int row, int col, const float (&g)[8]) {
+__device__ __forceinline__ void update_pair(Ctx<Op>& c, int row, int col, float g0, float g1, float e0, float e1) {
   const Params& p = *c.p;
   if (row >= c.nvalid || col >= p.d) return;
+  const int n = col + 1 < p.d ? 2 : 1;
+  const float g[2] = {g0, g1}, eps[2] = {e0, e1};
   const int64_t r = c.row0 + row, base = r * p.d + col;
   float* xs = c.xs + row * c.ld_xs + col;
   typename Op::T* xop = c.xop + row * c.ld_xop + col;
-  const int n = min(8, p.d - col);
   if (p.mode == kEval) {
     for (int q = 0; q < n; ++q) p.score[base + q] = -g[q];
   } else if (p.mode == kLangevin) {
-    float eps[8];
-    if (p.noise) {
-      const float* nz = p.noise + static_cast<int64_t>(c.t) * p.batch * p.d + base;
-      for (int q = 0; q < n; ++q) eps[q] = nz[q];
-    } else if (p.d % 4 == 0) {  // base is a multiple of 4: two whole Philox groups
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (4 * h < n) {
-          const float4 e = normal4(c.key, static_cast<uint64_t>(c.t), static_cast<uint64_t>(base / 4 + h));
-          eps[4 * h] = e.x, eps[4 * h + 1] = e.y, eps[4 * h + 2] = e.z, eps[4 * h + 3] = e.w;
-        }
-      }
-    } else {
-      for (int q = 0; q < n; ++q) eps[q] = normal_at(c.key, static_cast<uint64_t>(c.t), base + q);
-    }
     const StepParams<float> s{p.step, p.noise_coef, p.lo, p.hi};
     for (int q = 0; q < n; ++q) {
       const float v = langevin_update(xs[q], g[q], eps[q], s, p.clamp);
@@ -523,9 +509,81 @@ __device__ void update(Ctx<Op>& c, int row, int col, const float (&g)[8]) {
   }
 }
 
-// Product g's epilogue for the lane's 8 outputs v at (row, [col, col + 8)).
+// Step c.t's Langevin noise of flat element i = row * d + col: injected, or Philox (see the top of this file).
 template <class Op>
-__device__ __forceinline__ void epilogue(Ctx<Op>& c, const Gemm& G, int row, int col, float (&v)[8]) {
+__device__ __forceinline__ float noise_at(const Ctx<Op>& c, int64_t i) {
+  const Params& p = *c.p;
+  return p.noise ? p.noise[static_cast<int64_t>(c.t) * p.batch * p.d + i] : normal_at(c.key, c.t, i);
+}
+
+// The FP32 path's update for the lane's 8 columns [col, col + 8) of block row `row`.
+template <class Op>
+__device__ void update(Ctx<Op>& c, int row, int col, const float (&g)[8]) {
+  const Params& p = *c.p;
+  if (row >= c.nvalid || col >= p.d) return;
+  const int64_t base = (c.row0 + row) * p.d + col;
+  float eps[8] = {};
+  if (p.mode == kLangevin) {
+    if (!p.noise && p.d % 4 == 0) {  // base is a multiple of 4: two whole Philox groups
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 e = normal4(c.key, static_cast<uint64_t>(c.t), static_cast<uint64_t>(base / 4 + h));
+        eps[4 * h] = e.x, eps[4 * h + 1] = e.y, eps[4 * h + 2] = e.z, eps[4 * h + 3] = e.w;
+      }
+    } else {
+      for (int q = 0; q < min(8, p.d - col); ++q) eps[q] = noise_at(c, base + q);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < 8; q += 2) update_pair(c, row, col + q, g[q], g[q + 1], eps[q], eps[q + 1]);
+}
+
+// The tensor-core update, straight from the accumulators' mma layout (see epilogue_frag): tile (i, j) of the unit
+// at (r0, cb). Langevin's Philox groups are 4 columns, so lanes t and t ^ 1 (the same rows) share each group of
+// the lane's column pairs: a lane draws the groups of half h = t & 1 (rows g, g + 8) and trades the pairs it does
+// not use with its neighbour. Injected noise, or d not a multiple of 4 (groups straddle rows): element by element.
+template <class Op, int kUR, int kUC>
+__device__ __forceinline__ void update_frag(Ctx<Op>& c, const Accum& acc, int r0, int cb) {
+  const Params& p = *c.p;
+  const int g = c.lane >> 2, t = c.lane & 3, mine = t & 1;
+  const bool grouped = p.mode == kLangevin && !p.noise && p.d % 4 == 0;  // block-uniform
+#pragma unroll
+  for (int i = 0; i < kUR; ++i) {
+    const int row = r0 + 16 * i + g;
+#pragma unroll
+    for (int j = 0; j < kUC; ++j) {
+      const int col = cb + 16 * j + 2 * t;  // half h adds 8
+      float eps[8] = {};  // eps[4 h + 2 e2 + e]: row + 8 e2, column col + 8 h + e (the accumulators' order)
+      if (grouped) {
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int64_t first = (c.row0 + row + 8 * e2) * p.d + cb + 16 * j + 8 * mine + 4 * (t >> 1);
+          const float4 n = normal4(c.key, static_cast<uint64_t>(c.t), static_cast<uint64_t>(first / 4));
+          const float keep0 = mine ? n.z : n.x, keep1 = mine ? n.w : n.y;
+          const float give0 = mine ? n.x : n.z, give1 = mine ? n.y : n.w;
+          const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+          eps[4 * mine + 2 * e2] = keep0, eps[4 * mine + 2 * e2 + 1] = keep1;
+          eps[4 * (1 - mine) + 2 * e2] = got0, eps[4 * (1 - mine) + 2 * e2 + 1] = got1;
+        }
+      } else if (p.mode == kLangevin) {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const int rq = row + 8 * ((q >> 1) & 1), cq = col + 8 * (q >> 2) + (q & 1);
+          if (rq < c.nvalid && cq < p.d) eps[q] = noise_at(c, (c.row0 + rq) * p.d + cq);
+        }
+      }
+      const float* v = acc.v[i][j];
+#pragma unroll
+      for (int q = 0; q < 8; q += 2) {
+        update_pair(c, row + 8 * ((q >> 1) & 1), col + 8 * (q >> 2), v[q], v[q + 1], eps[q], eps[q + 1]);
+      }
+    }
+  }
+}
+
+// The FP32 path's epilogue of product g for the lane's 8 outputs v at (row, [col, col + 8)).
+template <class Op>
+__device__ __forceinline__ void epilogue(Ctx<Op>& c, const Gemm& G, int row, int col, const float (&v)[8]) {
   const Params& p = *c.p;
   const int l = G.layer;
   if (G.fwd) {
@@ -581,12 +639,12 @@ __device__ __forceinline__ void store2(typename Op::T* dst, float a, float b) {
   }
 }
 
-// Product g's epilogue on the tensor cores, for every product but the last backward one (the sampler's update,
-// which wants 8 consecutive columns: `epilogue`), straight from the accumulators' mma layout: in tile (i, j),
-// lane (g = lane / 4, t = lane % 4) holds columns 16 j + 8 h + 2 t + {0, 1} (h = 0, 1) of rows 16 i + g
-// (v[4 h], v[4 h + 1]) and 16 i + g + 8 (v[4 h + 2], v[4 h + 3]). Each pair is one shared-memory access, and
-// the bias (and output weight) pairs are loaded once per pass; the round trip through the scratch tile to
-// consecutive columns cost as much as the epilogue's arithmetic. Rows are the unit's from r0, columns from cb.
+// Product g's epilogue on the tensor cores, for every product but the last backward one (the sampler's update:
+// update_frag), straight from the accumulators' mma layout: in tile (i, j), lane (g = lane / 4, t = lane % 4)
+// holds columns 16 j + 8 h + 2 t + {0, 1} (h = 0, 1) of rows 16 i + g (v[4 h], v[4 h + 1]) and 16 i + g + 8
+// (v[4 h + 2], v[4 h + 3]). Each pair is one shared-memory access, and the bias (and output weight) pairs are
+// loaded once per pass; a round trip through shared memory to consecutive columns cost as much as the epilogue's
+// arithmetic. Rows are the unit's from r0, columns from cb.
 template <class Op, int kUR, int kUC, bool kFwd>
 __device__ __forceinline__ void epilogue_frag(Ctx<Op>& c, const Gemm& G, const Accum& acc, int r0, int cb) {
   using T = typename Op::T;
@@ -720,35 +778,17 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
       }
     }
     if (!active) continue;
-    bool in_place = false;  // the accumulators' own layout (epilogue_frag), else 8 consecutive columns per lane
-    if constexpr (Op::kTensorCores) in_place = kFwd || l > 0;
-    if (in_place) {
-      epilogue_frag<Op, kUR, kUC, kFwd>(c, G, acc, r0, n0 + c0);
-      continue;
-    }
+    if constexpr (Op::kTensorCores) {
+      if (kFwd || l > 0) {
+        epilogue_frag<Op, kUR, kUC, kFwd>(c, G, acc, r0, n0 + c0);
+      } else {
+        update_frag<Op, kUR, kUC>(c, acc, r0, n0 + c0);
+      }
+    } else {
 #pragma unroll
-    for (int i = 0; i < kUR; ++i) {
+      for (int i = 0; i < kUR; ++i) {
 #pragma unroll
-      for (int j = 0; j < kUC; ++j) {
-        float v[8];
-        if constexpr (Op::kTensorCores) {
-          // through the warp's scratch tile, from the mma layout to 8 consecutive columns per lane
-          const int g = c.lane >> 2, t2 = 2 * (c.lane & 3);
-#pragma unroll
-          for (int q = 0; q < 8; q += 2) {
-            *reinterpret_cast<float2*>(c.scratch + (g + 4 * (q & 2)) * kScratchLd + 8 * (q >> 2) + t2) =
-                make_float2(acc.v[i][j][q], acc.v[i][j][q + 1]);
-          }
-          __syncwarp();
-          const float4 a = *reinterpret_cast<const float4*>(c.scratch + rr * kScratchLd + cc);
-          const float4 b = *reinterpret_cast<const float4*>(c.scratch + rr * kScratchLd + cc + 4);
-          __syncwarp();  // read before the next tile's store
-          v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-        } else {
-#pragma unroll
-          for (int q = 0; q < 8; ++q) v[q] = acc.v[i][j][q];
-        }
-        epilogue(c, G, r0 + 16 * i + rr, n0 + c0 + 16 * j + cc, v);
+        for (int j = 0; j < kUC; ++j) epilogue(c, G, r0 + 16 * i + rr, n0 + c0 + 16 * j + cc, acc.v[i][j]);
       }
     }
   }
@@ -823,7 +863,6 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
   int widest = 0;  // activations are kept for hidden layers 0..H-2
   for (int l = 0; l + 1 < H; ++l) widest = max(widest, p.dims[l + 1]);
   c.ld_act = widest + kPad;
-  c.scratch = reinterpret_cast<float*>(smem + p.smem[kSlotScratch]) + c.warp * 16 * kScratchLd;
   c.epart = reinterpret_cast<float*>(smem + p.smem[kSlotEpart]);
   c.ld_epart = p.dims[H] / 16;
   c.rowv = reinterpret_cast<float*>(smem + p.smem[kSlotRows]);

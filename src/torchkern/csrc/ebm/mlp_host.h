@@ -7,7 +7,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <string>
 #include <utility>
 #include <vector>
 
@@ -33,18 +32,20 @@ inline void check_mlp(const char* torchkern_op_name, const at::Tensor& x, at::Te
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& w = weights[i];
     const at::Tensor& b = biases[i];
-    const std::string wi = detail::message("weights[", i, "]"), bi = detail::message("biases[", i, "]");
     const bool last = i == n - 1;
-    TORCHKERN_CHECK(is_supported_float(w.scalar_type()), wi, " must be float32, float64, float16 or bfloat16, got ",
-                    w.scalar_type());
-    TORCHKERN_CHECK(w.device() == x.device(), wi, " must be on ", x.device().str(), " like x, got ", w.device().str());
-    TORCHKERN_CHECK(w.dim() == 2 && w.size(1) == width && w.size(0) >= 1 && (!last || w.size(0) == 1), wi,
-                    " must have shape [", last ? "1" : "n", ", ", width, "], got ", w.sizes());
-    TORCHKERN_CHECK(is_supported_float(b.scalar_type()), bi, " must be float32, float64, float16 or bfloat16, got ",
-                    b.scalar_type());
-    TORCHKERN_CHECK(b.device() == x.device(), bi, " must be on ", x.device().str(), " like x, got ", b.device().str());
-    TORCHKERN_CHECK(b.dim() == 1 && b.size(0) == w.size(0), bi, " must have shape [", w.size(0), "] like ", wi,
-                    "'s rows, got ", b.sizes());
+    // the names "weights[i]" / "biases[i]" are spelled in each message: TORCH_CHECK builds a message only on failure
+    TORCHKERN_CHECK(is_supported_float(w.scalar_type()), "weights[", i, "] must be float32, float64, float16 or "
+                    "bfloat16, got ", w.scalar_type());
+    TORCHKERN_CHECK(w.device() == x.device(), "weights[", i, "] must be on ", x.device().str(), " like x, got ",
+                    w.device().str());
+    TORCHKERN_CHECK(w.dim() == 2 && w.size(1) == width && w.size(0) >= 1 && (!last || w.size(0) == 1), "weights[", i,
+                    "] must have shape [", last ? "1" : "n", ", ", width, "], got ", w.sizes());
+    TORCHKERN_CHECK(is_supported_float(b.scalar_type()), "biases[", i, "] must be float32, float64, float16 or "
+                    "bfloat16, got ", b.scalar_type());
+    TORCHKERN_CHECK(b.device() == x.device(), "biases[", i, "] must be on ", x.device().str(), " like x, got ",
+                    b.device().str());
+    TORCHKERN_CHECK(b.dim() == 1 && b.size(0) == w.size(0), "biases[", i, "] must have shape [", w.size(0),
+                    "] like weights[", i, "]'s rows, got ", b.sizes());
     width = w.size(0);
   }
   TORCHKERN_CHECK(activation >= 0 && activation < kActivations, "activation must be in [0, ",
