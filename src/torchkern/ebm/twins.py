@@ -336,9 +336,9 @@ def mlp_math(x: torch.Tensor, weights, biases, activation: int, slope: float, pr
     if not grad:
         return energy, None
     d = _stored(derivs[H - 1] * w, precision)
-    for l in range(H - 1, 0, -1):
-        d = _stored((_operand(d, precision) @ _operand(weights[l], precision)) * _stored(derivs[l - 1], precision),
-                    precision)
+    for l in range(H - 1, 0, -1):  # bf16: the product and phi' meet as bf16 pairs (one bf16x2 multiply)
+        product = _stored(_operand(d, precision) @ _operand(weights[l], precision), precision)
+        d = _stored(product * _stored(derivs[l - 1], precision), precision)
     return energy, _operand(d, precision) @ _operand(weights[0], precision)
 
 

@@ -132,7 +132,8 @@ __device__ __forceinline__ Act8 silu8(float4 h0, float4 h1) {
   for (int q = 0; q < 8; ++q) {
     const float s = kFast ? fast_sigmoid(h[q]) : 1.f / (1.f + expf(-h[q]));
     r.a[q] = h[q] * s;
-    r.d[q] = s * (1.f + h[q] * (1.f - s));
+    // phi' = s (1 + h (1 - s)), torch's formula; kFast: as s + a (1 - s) = s + (a - a s), one instruction less
+    r.d[q] = kFast ? s + fmaf(-r.a[q], s, r.a[q]) : s * (1.f + h[q] * (1.f - s));
   }
   return r;
 }
@@ -251,7 +252,8 @@ __device__ __forceinline__ float uniform_at(const PhiloxKey& key, uint64_t draw,
   return uniform_open0(bits_component(philox_bits(key, draw, static_cast<uint64_t>(i) / 4), static_cast<int>(i % 4)));
 }
 
-__host__ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+constexpr int log2_exact(int v) { return v == 1 ? 0 : 1 + log2_exact(v / 2); }
+static_assert((1 << log2_exact(kWarps)) == kWarps, "pass widths are powers of two (gemm_info shifts)");
 
 // ------------------------------------------------------------------------------------------ one product
 
@@ -275,10 +277,12 @@ __device__ __forceinline__ Gemm gemm_info(const Params& p, int g, int rt) {
   G.N = G.fwd ? out : in;
   // Wide units (rt x 2 tiles) reuse each loaded fragment most; narrow ones (1 x 1) keep every warp busy on
   // narrow outputs. Cost in tile-products per warp: wide passes x 2 rt, narrow passes x 1; ties go wide.
-  // (rt is 1 or 2: constant divisors, no integer division in the step loop)
-  const int wide_passes = ceil_div(G.N, kWidePass);
-  const int narrow_pw = rt == 1 ? kWarps * 16 : kWarps * 8;
-  const int narrow_passes = rt == 1 ? ceil_div(G.N, kWarps * 16) : ceil_div(G.N, kWarps * 8);
+  // Pass widths are powers of two: shifts, not divisions (nvcc merged the two constant divisors of rt = 1, 2 into
+  // a runtime division, 9% of the step loop's instructions).
+  constexpr int kWideShift = log2_exact(kWidePass), kNarrowShift = log2_exact(kWarps * 16);  // narrow, rt = 1
+  const int wide_passes = (G.N + kWidePass - 1) >> kWideShift;
+  const int narrow_shift = kNarrowShift - (rt - 1), narrow_pw = 1 << narrow_shift;
+  const int narrow_passes = (G.N + narrow_pw - 1) >> narrow_shift;
   if (narrow_passes < wide_passes * 2 * rt) {
     G.ur = 1, G.uc = 1, G.ru = rt, G.pw = narrow_pw, G.passes = narrow_passes;
   } else {
@@ -691,15 +695,18 @@ __device__ __forceinline__ void epilogue_frag(Ctx<Op>& c, const Gemm& G, const A
           }
         } else {
           const float* w = wl[j];
-          float e_top = 0.f, e_bottom = 0.f;  // rows g and g + 8 of this tile
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             store2<Op>(dv + 8 * h, ad.d[4 * h] * w[2 * h], ad.d[4 * h + 1] * w[2 * h + 1]);
             store2<Op>(dv + ldd + 8 * h, ad.d[4 * h + 2] * w[2 * h], ad.d[4 * h + 3] * w[2 * h + 1]);
-            e_top += ad.a[4 * h] * w[2 * h] + ad.a[4 * h + 1] * w[2 * h + 1];
-            e_bottom += ad.a[4 * h + 2] * w[2 * h] + ad.a[4 * h + 3] * w[2 * h + 1];
           }
           if (c.need_energy) {  // warp-uniform; the four lanes t of a row hold its 16 columns
+            float e_top = 0.f, e_bottom = 0.f;  // rows g and g + 8 of this tile
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              e_top += ad.a[4 * h] * w[2 * h] + ad.a[4 * h + 1] * w[2 * h + 1];
+              e_bottom += ad.a[4 * h + 2] * w[2 * h] + ad.a[4 * h + 3] * w[2 * h + 1];
+            }
 #pragma unroll
             for (int m = 1; m < 4; m <<= 1) {
               e_top += __shfl_xor_sync(0xffffffffu, e_top, m);
@@ -723,8 +730,15 @@ __device__ __forceinline__ void epilogue_frag(Ctx<Op>& c, const Gemm& G, const A
 #pragma unroll
         for (int q = 0; q < 8; q += 2) {  // q = 4 h + 2 e2: half h, row + 8 e2
           T* dst = base + (16 * i + 8 * ((q >> 1) & 1)) * ld + 16 * j + 8 * (q >> 2);
-          const float2 s = load2<Op>(dst);
-          store2<Op>(dst, s.x * acc.v[i][j][q], s.y * acc.v[i][j][q + 1]);
+          if constexpr (sizeof(T) == 2) {
+            // bf16: the pair product in bf16x2 (acc rounded to bf16 first; twins.mlp_math rounds the same): one
+            // instruction instead of unpacking both operands to float and packing the result
+            __nv_bfloat162* d2 = reinterpret_cast<__nv_bfloat162*>(dst);
+            *d2 = __hmul2(*d2, __floats2bfloat162_rn(acc.v[i][j][q], acc.v[i][j][q + 1]));
+          } else {
+            const float2 s = load2<Op>(dst);
+            store2<Op>(dst, s.x * acc.v[i][j][q], s.y * acc.v[i][j][q + 1]);
+          }
         }
       }
     }
