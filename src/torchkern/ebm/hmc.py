@@ -79,10 +79,10 @@ class HamiltonianMonteCarlo(ChainSampler):
                want["accepted"])
         outs = None
         if isinstance(energy, mlp.MLPEnergy):
-            layout = mlp.plan(energy, x, self._precision, hmc=True)
-            if layout is not None:
-                outs = torch.ops.torchkern.mlp_hmc_chain_(state, *energy.kernel_args(x.device), *run, self._precision,
-                                                          layout, generator)
+            inputs = mlp.fused_inputs(energy, x, self._precision, hmc=True)
+            if inputs is not None:
+                layout, args = inputs
+                outs = torch.ops.torchkern.mlp_hmc_chain_(state, *args, *run, self._precision, layout, generator)
         elif isinstance(energy, AnalyticEnergy) and not (x.is_cuda and x.shape[1] > _FUSED_MAX_DIM):
             outs = torch.ops.torchkern.hmc_chain_(state, energy.kind, energy.params, *run, generator)
         if outs is None:

@@ -124,12 +124,13 @@ class LangevinDynamics(ChainSampler):
         lo, hi = self.clamp
         fraction, low, high = want["restart"]
         if isinstance(energy, mlp.MLPEnergy):
-            layout = mlp.plan(energy, x, self._precision, hmc=False)
-            if layout is not None:
+            inputs = mlp.fused_inputs(energy, x, self._precision, hmc=False)
+            if inputs is not None:
+                layout, args = inputs
                 state = x.detach() if inplace else x.detach().clone()  # sampling is not differentiated
                 traj, energies = torch.ops.torchkern.mlp_langevin_chain_(
-                    state, *energy.kernel_args(x.device), self.step_size, self.noise_scale, lo, hi, n_steps, thin,
-                    want["trajectory"], want["energy"], fraction, low, high, self._precision, layout, generator)
+                    state, *args, self.step_size, self.noise_scale, lo, hi, n_steps, thin, want["trajectory"],
+                    want["energy"], fraction, low, high, self._precision, layout, generator)
                 return {"x": state, "trajectory": traj, "energy": energies}
         x = twins.restart_rows(x, fraction, low, high, generator)
         keep = want["trajectory"] or want["energy"]

@@ -20,7 +20,7 @@ from .._library import has_cuda_kernel
 from . import constants as C, twins
 from .energies import Energy
 
-__all__ = ["MLPEnergy", "plan", "shared_memory_layout"]
+__all__ = ["MLPEnergy", "fused_inputs", "plan", "shared_memory_layout"]
 
 _ACTIVATION_MODULES = {nn.SiLU: C.SILU, nn.Softplus: C.SOFTPLUS, nn.Tanh: C.TANH, nn.GELU: C.GELU, nn.ReLU: C.RELU,
                        nn.LeakyReLU: C.LEAKY_RELU}
@@ -150,11 +150,11 @@ class MLPEnergy(Energy):
         """(E(x), -dE/dx) by the fused kernel (CUDA, where it applies) or its twin, with ``precision`` operands
         ("bf16", "tf32" or "fp32"); autograd's ``energy_and_score`` is the reference."""
         code = precision_code(precision)
-        layout = plan(self, x, code, hmc=False)
-        args = (x, *self.kernel_args(x.device), code)
-        if layout is None:  # no kernel for this device or dtype: the twin's math in torch ops, on x's device
-            return twins.mlp_energy_and_score(*args)
-        return torch.ops.torchkern.mlp_energy_and_score(*args, layout)
+        inputs = fused_inputs(self, x, code, hmc=False)
+        if inputs is None:  # no kernel for this device or dtype: the twin's math in torch ops, on x's device
+            return twins.mlp_energy_and_score(x, *self.kernel_args(x.device), code)
+        layout, args = inputs
+        return torch.ops.torchkern.mlp_energy_and_score(x, *args, code, layout)
 
     def extra_repr(self) -> str:
         slope = f", negative_slope={self.negative_slope}" if self.activation == "leaky_relu" else ""
@@ -255,6 +255,28 @@ def plan(energy: MLPEnergy, x: torch.Tensor, precision: int, hmc: bool) -> list[
 
 
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def fused_inputs(energy: MLPEnergy, x: torch.Tensor, precision: int, hmc: bool) -> tuple[list[int], tuple] | None:
+    """(``plan``'s layout, ``kernel_args(x.device)``) for the MLP ops, or None where ``plan`` is None.
+
+    One entry per energy, reused while the batch, precision, HMC and every layer's parameter storage (pointer,
+    shape, strides, dtype) are unchanged: the arguments alias the parameters, so in-place updates (optimizer
+    steps) need nothing, and a replaced or moved parameter has another pointer (the entry keeps the old storage
+    alive, so the pointer is not reused meanwhile). Saves ~7 us of a sample() call's ~60 us of host time.
+    """
+    key = (x.device, x.dtype, x.shape[0], precision, hmc, *[
+        (t.data_ptr(), t.shape, t.stride(), t.dtype) if t is not None else None
+        for layer in _layer_tensors(energy) for t in layer])
+    entry = _FUSED.get(energy)
+    if entry is None or entry[0] != key:
+        layout = plan(energy, x, precision, hmc)
+        entry = (key, None if layout is None else (layout, energy.kernel_args(x.device)))
+        _FUSED[energy] = entry
+    return entry[1]
+
+
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _plan(energy: MLPEnergy, x: torch.Tensor, precision: int, hmc: bool) -> list[int] | None:

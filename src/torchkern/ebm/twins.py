@@ -91,7 +91,8 @@ def check_gaussian(op: str, x: torch.Tensor, mean: torch.Tensor, precision: torc
     check_float_pair(op, "x", x, "precision", precision)
     check_dim(op, "x", x, 2, "[B, d]")
     d = x.shape[1]
-    check(mean.dim() == 1 and mean.shape[0] == d, op, f"mean must have shape [d] with d = {d} like x, got {shape(mean)}")
+    check(mean.dim() == 1 and mean.shape[0] == d, op,
+          f"mean must have shape [d] with d = {d} like x, got {shape(mean)}")
     check(precision.dim() == 2 and precision.shape[0] == d and precision.shape[1] == d, op,
           f"precision must have shape [d, d] with d = {d} like x, got {shape(precision)}")
 
