@@ -931,6 +931,35 @@ def test_mlp_chain_seed_matches_step_by_step(device):
     assert torch.equal(b, sampler.sample(x, n_steps=9, generator=torch.Generator(device=device).manual_seed(3)))
 
 
+@requires_cuda
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+@pytest.mark.parametrize("d", [6, 32])
+def test_mlp_chain_tensor_core_noise_is_langevin_steps(d, precision):
+    # The tensor-core kernels draw the noise in the accumulators' layout (lanes trade halves of Philox groups;
+    # d = 6: element by element): the numbers n_steps langevin_step calls draw from the same generator state, so
+    # the chain equals one with that noise injected.
+    energy = _mlp_energy([d, 64, 32], "silu", "cuda", seed=8)
+    x = randn(70, d, device="cuda")
+    n_steps, step, sigma = 4, 0.01, 0.8
+    coef = sigma * math.sqrt(2 * step)
+    torch.manual_seed(5)
+    noise = []
+    for _ in range(n_steps):
+        z = torch.zeros_like(x)
+        ebm.langevin_step(z, torch.zeros_like(x), step, sigma, out=z)
+        noise.append(z / coef)
+    code = PRECISIONS.index(precision)
+    layout, args = ebm_mlp.plan(energy, x, code, False), energy.kernel_args()
+    drawn, injected = x.clone(), x.clone()
+    run = (step, sigma, None, None, n_steps, 1, False, False, 0.0, None, None, code, layout, None)
+    torch.manual_seed(5)
+    torch.ops.torchkern.mlp_langevin_chain_(drawn, *args, *run)
+    torch.ops.torchkern.mlp_langevin_chain_(injected, *args, *run, torch.stack(noise))
+    # a wrong element's noise moves a state by ~coef (0.11); recovering eps from z costs an ulp, which may flip a
+    # bf16 operand's rounding
+    torch.testing.assert_close(drawn, injected, rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("kind", ["mlp", "analytic", "generic"])
 def test_replay_buffer_in_place_and_restarts(kind, device):
