@@ -145,21 +145,21 @@ class ChainSampler:
         current parameters and buffers at every call (training updates the energy in place)."""
         if not isinstance(self.energy, torch.nn.Module) or isinstance(self.energy, AnalyticEnergy):
             return self.energy
-        if device not in self._energies:
-            tensors = [*self.energy.buffers(), *self.energy.parameters()]
-            self._energies[device] = self.energy if all(t.device == device for t in tensors) else \
-                copy.deepcopy(self.energy).to(device)
-            return self._energies[device]
-        twin = self._energies[device]
-        if twin is not self.energy:
-            source = [*self.energy.parameters(), *self.energy.buffers()]
+        twin = self._energies.get(device)
+        if twin is self.energy:  # the common case: the energy lives on the device
+            return twin
+        source = [*self.energy.parameters(), *self.energy.buffers()]
+        if twin is None:
+            twin = self.energy if all(t.device == device for t in source) else copy.deepcopy(self.energy).to(device)
+        else:
             target = [*twin.parameters(), *twin.buffers()]
             if len(source) != len(target) or any(s.shape != t.shape for s, t in zip(source, target)):
-                twin = self._energies[device] = copy.deepcopy(self.energy).to(device)  # the module changed shape
+                twin = copy.deepcopy(self.energy).to(device)  # the module changed shape
             else:
                 with torch.no_grad():
                     for s, t in zip(source, target):
                         t.copy_(s, non_blocking=True)
+        self._energies[device] = twin
         return twin
 
     def _sample_devices(self, x, n, dim, device, dtype, generator, *, shard_base, shard_total, inplace, n_steps,
