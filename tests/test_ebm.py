@@ -1144,6 +1144,12 @@ def _mlp_opcheck_cases(device):
                                                    True, 0.0, None, None, 2, lay(False), None, noise)),
         (torch.ops.torchkern.mlp_hmc_chain_, (x.clone(), ws, bs, act, slope, 0.1, 3, 4, 2, True, True, True, 2,
                                               lay(True), None, noise, uniform)),
+        # from separate starting states
+        (torch.ops.torchkern.mlp_langevin_chain_, (torch.empty_like(x), ws, bs, act, slope, 0.05, 1.0, None, None, 3,
+                                                   1, False, False, 0.0, None, None, 2, lay(False), None, noise[:3],
+                                                   x)),
+        (torch.ops.torchkern.mlp_hmc_chain_, (torch.empty_like(x), ws, bs, act, slope, 0.1, 3, 4, 2, False, False,
+                                              True, 2, lay(True), None, noise, uniform, x)),
         (torch.ops.torchkern.hmc_chain_, (x.clone(), 0, [2.0, 1.0, 0.0], 0.05, 3, 4, 2, True, True, True, None, noise,
                                           uniform)),
     ]
@@ -1377,6 +1383,65 @@ def test_mlp_hmc_chain_fp32_matches_twin(device):
     torch.testing.assert_close(out[0], w_out[0], rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(out[1], w_out[1], rtol=2e-4, atol=2e-4)
     assert 0 < out[3].sum() < 37 * n_steps
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_mlp_chains_start_states(dtype, device):
+    # `start` gives the starting states and x only receives the final ones: the same numbers as a run in place on a
+    # copy of start (the same kernel and inputs), start untouched. HMC restores rejected proposals from x, which
+    # then holds no start state until the kernel writes it: the energy rejects some trajectories here.
+    energy = _mlp_energy([5, 24, 16], "tanh", device, seed=10)
+    with torch.no_grad():
+        energy.layers[-1].weight.mul_(30.0)
+    n_steps, B = 5, 37
+    start = randn(B, 5, device=device).to(dtype)
+    noise = randn(n_steps, B, 5, device=device)
+    uniform = torch.rand(n_steps, B, device=device)
+    kept = start.clone()
+    args = energy.kernel_args()
+    langevin = torch.ops.torchkern.mlp_langevin_chain_
+    hmc = torch.ops.torchkern.mlp_hmc_chain_
+    lay = ebm_mlp.plan(energy, start.float(), 2, False), ebm_mlp.plan(energy, start.float(), 2, True)
+    runs = [
+        (lambda x, **kw: langevin(x, *args, 0.05, 1.0, -3.0, 3.0, n_steps, 1, True, True, 0.0, None, None, 2, lay[0],
+                                  None, noise.to(dtype), **kw)),
+        (lambda x, **kw: hmc(x, *args, 1.2, 4, n_steps, 1, True, True, True, 2, lay[1], None, noise.to(dtype),
+                             uniform.to(dtype), **kw)),
+    ]
+    for run in runs:
+        want = start.clone()
+        w_outs = run(want)
+        got = torch.full_like(start, float("nan"))
+        outs = run(got, start=start)
+        assert torch.equal(got, want) and torch.equal(start, kept)
+        for o, w in zip(outs, w_outs):
+            assert torch.equal(o, w)
+    assert 0 < outs[3].sum() < B * n_steps  # some trajectories were rejected
+    # no step: x receives start's states
+    got = torch.zeros_like(start)
+    langevin(got, *args, 0.05, 1.0, None, None, 0, layout=lay[0], start=start)
+    assert torch.equal(got, start)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_mlp_chains_start_bad(device):
+    energy, (ws, bs, act, slope) = _mlp_op_args(device)
+    buffer = randn(9, 5, device=device)
+    x = buffer[:8]
+    layout = ebm_mlp.plan(energy, x, 2, False), ebm_mlp.plan(energy, x, 2, True)
+    langevin = lambda start: torch.ops.torchkern.mlp_langevin_chain_(  # noqa: E731
+        x, ws, bs, act, slope, 0.1, 1.0, None, None, 2, layout=layout[0], start=start)
+    hmc = lambda start: torch.ops.torchkern.mlp_hmc_chain_(  # noqa: E731
+        x, ws, bs, act, slope, 0.1, 2, 2, layout=layout[1], start=start)
+    for op in (langevin, hmc):
+        with pytest.raises(RuntimeError, match="start must have dtype"):
+            op(x.double())
+        with pytest.raises(RuntimeError, match=r"start must have shape \[8, 5\] like x"):
+            op(buffer)
+        with pytest.raises(RuntimeError, match="start must be x itself or not share x's memory"):
+            op(buffer[1:])
+    langevin(x)  # x itself is allowed: the run in place
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

@@ -16,6 +16,8 @@
   (max-autotune without Inductor's own graphs; under bf16 autocast for the second) and all 100 steps captured in
   ONE CUDA graph (the strongest plain-PyTorch alternative). ``generic_graph``: LangevinDynamics' generic path
   (autograd + fused step) with ``use_cuda_graph=True``.
+- ``mlp_chain/32-256-256x4096x100x10runs``: ten back-to-back runs of ``torchkern`` and of ``compiled_graph_bf16``
+  per timed call, one synchronize at the end (a training loop's view: the sampler's host work overlaps the GPU's).
 - ``hmc/double_well-1024x128``: 100 HMC trajectories of 10 leapfrog steps; torchkern's one launch against the
   same algorithm in eager torch (closed-form gradient) and the generic autograd path.
 - ``hmc/mlp-32-256-256x4096``: 10 trajectories of 10 leapfrog steps on the MLP above (bf16, tf32) against the
@@ -218,7 +220,9 @@ def _graph_of_steps(step_fn, x0: torch.Tensor, n_steps: int, device: str):
     return run
 
 
-def _mlp_chain_case(device: str, quick: bool) -> Case:
+def _mlp_chain_case(device: str, quick: bool, calls: int = 1) -> Case:
+    """The MLP chain case; ``calls`` > 1: that many back-to-back runs per timed call (one synchronize), torchkern's
+    against the compiled graph's, as a training loop that samples every iteration sees them."""
     batch, n_steps = (512, 10) if quick else (4096, 100)
 
     def setup() -> Prepared:
@@ -246,7 +250,8 @@ def _mlp_chain_case(device: str, quick: bool) -> Case:
             # max-autotune without Inductor's own per-call graphs: the one graph of all steps replaces them
             mode = "default" if quick else "max-autotune-no-cudagraphs"
             for name, fn in zip(("compiled_graph", "compiled_graph_bf16"), _mlp_closed_form(energy)):
-                impls[name] = _graph_of_steps(torch.compile(fn, mode=mode, dynamic=False), x0, n_steps, device)
+                if name in names:
+                    impls[name] = _graph_of_steps(torch.compile(fn, mode=mode, dynamic=False), x0, n_steps, device)
             impls["generic_graph"] = lambda: generic.sample(x0, n_steps=n_steps)
 
         def check():
@@ -255,17 +260,27 @@ def _mlp_chain_case(device: str, quick: bool) -> Case:
                 if name != "eager":
                     _check_moments(f"mlp_chain {name} vs eager", fn(), ref)
 
-        flops = _mlp_flops(list(MLP_WIDTHS), batch, n_steps)
+        flops = _mlp_flops(list(MLP_WIDTHS), batch, n_steps) * calls
         weights = sum(p.numel() for p in energy.parameters()) * 2  # bf16 operands, read once per block wave
+        if calls > 1:  # the single-run case checks the same functions
+            impls = {name: (lambda fn=impls[name]: [fn() for _ in range(calls)][-1]) for name in names}
+            return Prepared(impls, bytes=(2 * x0.nbytes + weights) * calls, flops=flops,
+                            note=f"{calls} back-to-back runs per call, one synchronize: per run = time / {calls}")
         return Prepared(impls, bytes=2 * x0.nbytes + weights, flops=flops, check=check,
                         note="compiled_graph: closed-form gradient, torch.compile max-autotune, all steps in one CUDA "
                              "graph; torchkern = bf16 operands, torchkern_tf32 = TF32 tensor cores (FP32 "
                              "accumulation), torchkern_fp32 = exact FP32")
 
-    names = ("torchkern", "torchkern_tf32", "torchkern_fp32", "eager")
-    if torch.device(device).type == "cuda":
-        names += ("compiled_graph", "compiled_graph_bf16", "generic_graph")
-    return Case("ebm", f"mlp_chain/{'-'.join(map(str, MLP_WIDTHS))}x{batch}x{n_steps}", setup, device, impls=names)
+    cuda = torch.device(device).type == "cuda"
+    if calls > 1:
+        names = ("torchkern", "compiled_graph_bf16") if cuda else ("torchkern",)
+    else:
+        names = ("torchkern", "torchkern_tf32", "torchkern_fp32", "eager")
+        if cuda:
+            names += ("compiled_graph", "compiled_graph_bf16", "generic_graph")
+    suffix = f"x{calls}runs" if calls > 1 else ""
+    return Case("ebm", f"mlp_chain/{'-'.join(map(str, MLP_WIDTHS))}x{batch}x{n_steps}{suffix}", setup, device,
+                impls=names)
 
 
 def _hmc_analytic_case(device: str, quick: bool) -> Case:
@@ -346,6 +361,8 @@ def cases(device: str, quick: bool) -> list[Case]:
     out.append(_step_case(1 << (16 if quick else 22 if on_cpu else 28), device))
     out.append(_gaussian_case(1024 if quick else 8192 if on_cpu else 65536, 64, device))
     out.append(_mlp_chain_case(device, quick or on_cpu))
+    if not on_cpu:
+        out.append(_mlp_chain_case(device, quick, calls=10))
     out.append(_hmc_analytic_case(device, quick or on_cpu))
     out.append(_hmc_mlp_case(device, quick or on_cpu))
     return out

@@ -38,18 +38,22 @@ def shard_generators(devices: Sequence[torch.device], generator: torch.Generator
     return gens
 
 
-@contextlib.contextmanager
-def on_device(device: torch.device, side_stream: bool = True) -> Iterator[torch.cuda.Stream | None]:
-    """Run the body on ``device`` on a fresh stream ordered after the device's current work (CUDA), so that
-    groups on several devices overlap, or (``side_stream=False``, one group) on its current stream; as is on
-    CPU. Yields the side stream, else None."""
+def on_device(device: torch.device, side_stream: bool = True) -> contextlib.AbstractContextManager:
+    """A context that runs its body on ``device`` on a fresh stream ordered after the device's current work (CUDA),
+    so that groups on several devices overlap, or (``side_stream=False``, one group) on its current stream; as is
+    on CPU. Entering it gives the side stream, else None. (A sampler call pays for this context: one group's is
+    torch's own device guard, or none where the device is already current, not a generator-based context.)"""
     if device.type != "cuda":
-        yield None
-        return
+        return contextlib.nullcontext()
+    if not side_stream:  # one group overlaps nothing: no stream switch, event waits or record_stream to pay
+        current = device.index is None or device.index == torch.cuda.current_device()
+        return contextlib.nullcontext() if current else torch.cuda.device(device)
+    return _side_stream(device)
+
+
+@contextlib.contextmanager
+def _side_stream(device: torch.device) -> Iterator[torch.cuda.Stream]:
     with torch.cuda.device(device):
-        if not side_stream:  # one group overlaps nothing: no stream switch, event waits or record_stream to pay
-            yield None
-            return
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):

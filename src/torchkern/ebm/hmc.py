@@ -74,7 +74,6 @@ class HamiltonianMonteCarlo(ChainSampler):
         return (out["x"], *extras) if extras else out["x"]
 
     def _chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, want: dict, generator, inplace: bool):
-        state = x.detach() if inplace else x.detach().clone()  # sampling is not differentiated
         run = (self.step_size, self.n_leapfrog_steps, n_steps, thin, want["trajectory"], want["energy"],
                want["accepted"])
         outs = None
@@ -82,10 +81,15 @@ class HamiltonianMonteCarlo(ChainSampler):
             inputs = mlp.fused_inputs(energy, x, self._precision, hmc=True)
             if inputs is not None:
                 layout, args = inputs
-                outs = torch.ops.torchkern.mlp_hmc_chain_(state, *args, *run, self._precision, layout, generator)
-        elif isinstance(energy, AnalyticEnergy) and not (x.is_cuda and x.shape[1] > _FUSED_MAX_DIM):
-            outs = torch.ops.torchkern.hmc_chain_(state, energy.kind, energy.params, *run, generator)
+                # in place, or into a new tensor starting from x's states (sampling is not differentiated)
+                state, start = (x.detach(), None) if inplace else (torch.empty_like(x), x.detach())
+                outs = torch.ops.torchkern.mlp_hmc_chain_(state, *args, *run, self._precision, layout, generator,
+                                                          None, None, start)
         if outs is None:
-            outs = twins.hmc_loop(state, _energy_and_grad(energy), *run, generator)
+            state = x.detach() if inplace else x.detach().clone()
+            if isinstance(energy, AnalyticEnergy) and not (x.is_cuda and x.shape[1] > _FUSED_MAX_DIM):
+                outs = torch.ops.torchkern.hmc_chain_(state, energy.kind, energy.params, *run, generator)
+            else:
+                outs = twins.hmc_loop(state, _energy_and_grad(energy), *run, generator)
         traj, energies, accepted, count = outs
         return {"x": state, "trajectory": traj, "energy": energies, "accepted": accepted, "accept_count": count}

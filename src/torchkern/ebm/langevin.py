@@ -127,10 +127,11 @@ class LangevinDynamics(ChainSampler):
             inputs = mlp.fused_inputs(energy, x, self._precision, hmc=False)
             if inputs is not None:
                 layout, args = inputs
-                state = x.detach() if inplace else x.detach().clone()  # sampling is not differentiated
+                # in place, or into a new tensor starting from x's states (sampling is not differentiated)
+                state, start = (x.detach(), None) if inplace else (torch.empty_like(x), x.detach())
                 traj, energies = torch.ops.torchkern.mlp_langevin_chain_(
                     state, *args, self.step_size, self.noise_scale, lo, hi, n_steps, thin, want["trajectory"],
-                    want["energy"], fraction, low, high, self._precision, layout, generator)
+                    want["energy"], fraction, low, high, self._precision, layout, generator, None, start)
                 return {"x": state, "trajectory": traj, "energy": energies}
         x = twins.restart_rows(x, fraction, low, high, generator)
         keep = want["trajectory"] or want["energy"]

@@ -117,9 +117,11 @@ define(f"langevin_chain({_ANALYTIC_ARGS}, float step_size, float noise_scale, fl
 
 
 # --------------------------------------------------------------------------- MLP energies and HMC
-# The chains update x in place (replay buffers keep their storage) and return their traces. Precision is an
-# int (constants.PRECISION_NAMES); `layout` is the fused kernel's shared-memory plan (ebm.mlp.plan), unused
-# by the twins.
+# The chains update x in place (replay buffers keep their storage) and return their traces; given `start`, they
+# start from its states instead of x's, so a sampler keeping the caller's states passes them as `start` with an
+# empty x instead of cloning them (the Langevin kernel reads them where they are; HMC copies them into x inside the
+# op, as its kernel restores rejected proposals from x). Precision is an int (constants.PRECISION_NAMES);
+# `layout` is the fused kernel's shared-memory plan (ebm.mlp.plan), unused by the twins.
 
 _MLP_ARGS = "Tensor[] weights, Tensor[] biases, int activation, float negative_slope"
 _HMC_RUN = ("int n_steps, int thin=1, bool return_trajectory=False, bool return_energy=False, "
@@ -135,9 +137,9 @@ def _mlp_energy_and_score_fake(x, weights, biases, activation, negative_slope, p
 def _mlp_langevin_chain_fake(x, weights, biases, activation, negative_slope, step_size, noise_scale, clamp_min,
                              clamp_max, n_steps, thin=1, return_trajectory=False, return_energy=False,
                              restart_fraction=0.0, restart_low=None, restart_high=None, precision=2, layout=(),
-                             generator=None, noise=None):
+                             generator=None, noise=None, start=None):
     twins.check_mlp_langevin(x, weights, biases, activation, step_size, noise_scale, clamp_min, clamp_max, n_steps,
-                             thin, restart_fraction, restart_low, restart_high, precision, noise)
+                             thin, restart_fraction, restart_low, restart_high, precision, noise, start)
     traj, energy = twins.trace_shapes(x, n_steps, thin, return_trajectory, return_energy)
     return x.new_empty(traj), x.new_empty(energy)
 
@@ -153,9 +155,9 @@ def _hmc_fake(check: Callable) -> Callable:
 
 def _check_mlp_hmc(x, weights, biases, activation, negative_slope, step_size, n_leapfrog, n_steps, thin=1,
                    return_trajectory=False, return_energy=False, return_acceptance=False, precision=2, layout=(),
-                   generator=None, noise=None, uniform=None):
-    twins.check_mlp("mlp_hmc_chain_", x, weights, biases, activation, precision)
-    twins.check_hmc("mlp_hmc_chain_", x, step_size, n_leapfrog, n_steps, thin, noise, uniform)
+                   generator=None, noise=None, uniform=None, start=None):
+    twins.check_mlp_hmc(x, weights, biases, activation, step_size, n_leapfrog, n_steps, thin, precision, noise,
+                        uniform, start)
     return n_steps, thin, return_trajectory, return_energy, return_acceptance
 
 
@@ -171,11 +173,12 @@ define(f"mlp_energy_and_score(Tensor x, {_MLP_ARGS}, int precision=2, int[] layo
 define(f"mlp_langevin_chain_(Tensor(a!) x, {_MLP_ARGS}, float step_size, float noise_scale, float? clamp_min, "
        "float? clamp_max, int n_steps, int thin=1, bool return_trajectory=False, bool return_energy=False, "
        "float restart_fraction=0., float? restart_low=None, float? restart_high=None, int precision=2, "
-       "int[] layout=[], Generator? generator=None, Tensor? noise=None) -> (Tensor trajectory, Tensor energy)",
+       "int[] layout=[], Generator? generator=None, Tensor? noise=None, Tensor? start=None) "
+       "-> (Tensor trajectory, Tensor energy)",
        twin=twins.mlp_langevin_chain_, fake=_mlp_langevin_chain_fake, tags=_RANDOM)
 define(f"mlp_hmc_chain_(Tensor(a!) x, {_MLP_ARGS}, float step_size, int n_leapfrog, {_HMC_RUN}, int precision=2, "
-       f"int[] layout=[], Generator? generator=None, Tensor? noise=None, Tensor? uniform=None) -> {_HMC_OUT}",
-       twin=twins.mlp_hmc_chain_, fake=_hmc_fake(_check_mlp_hmc), tags=_RANDOM)
+       f"int[] layout=[], Generator? generator=None, Tensor? noise=None, Tensor? uniform=None, Tensor? start=None) "
+       f"-> {_HMC_OUT}", twin=twins.mlp_hmc_chain_, fake=_hmc_fake(_check_mlp_hmc), tags=_RANDOM)
 define(f"hmc_chain_(Tensor(a!) x, int kind, float[] params, float step_size, int n_leapfrog, {_HMC_RUN}, "
        f"Generator? generator=None, Tensor? noise=None, Tensor? uniform=None) -> {_HMC_OUT}",
        twin=twins.hmc_chain_, fake=_hmc_fake(_check_analytic_hmc), tags=_RANDOM)

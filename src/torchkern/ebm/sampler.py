@@ -165,25 +165,17 @@ class ChainSampler:
     def _sample_devices(self, x, n, dim, device, dtype, generator, *, shard_base, shard_total, inplace, n_steps,
                         thin, want):
         devices = self.devices or [device]
-        if shard_total == 1:  # one chain group: the caller's generator as given, so manual_seed reproduces it
-            gens = [generator]
-        else:
-            gens = _dist.shard_generators(devices, generator, shard_base)
+        run = dict(dim=dim, dtype=dtype, inplace=inplace, n_steps=n_steps, thin=thin, want=want)
+        if shard_total == 1:  # one chain group on its device's current stream, with the caller's generator as given
+            with _dist.on_device(devices[0], side_stream=False):  # (so manual_seed reproduces it)
+                return self._group(x, n, devices[0], generator, **run)
+        gens = _dist.shard_generators(devices, generator, shard_base)
         sizes = _dist.share_sizes(n, len(devices))
         xs = [None] * len(devices) if x is None else [x] if len(devices) == 1 else x.tensor_split(len(devices))
         outs = []
         for dev, x_i, n_i, gen in zip(devices, xs, sizes, gens):
             with _dist.on_device(dev, side_stream=len(devices) > 1) as stream:
-                fresh = x_i is None
-                if fresh:
-                    x_i = torch.randn(n_i, dim, generator=gen, device=dev, dtype=dtype)
-                elif x_i.device != dev or x_i.dtype != dtype:  # .to is a dispatch even when a no-op
-                    x_i = x_i.to(dev, dtype, non_blocking=True)
-                result = self._chain(self._energy_on(dev), x_i, n_steps, thin, want, gen,
-                                     inplace=fresh or (inplace and x_i is x))
-                outs.append((result, stream))
-        if len(outs) == 1 and outs[0][1] is None:  # one group on its device's current stream: nothing to gather
-            return outs[0][0]
+                outs.append((self._group(x_i, n_i, dev, gen, **run), stream))
         target = devices[0]
         parts: dict[str, list[torch.Tensor]] = {}
         for result, stream in outs:
@@ -191,3 +183,15 @@ class ChainSampler:
             for k, v in result.items():
                 parts.setdefault(k, []).append(v.to(target))
         return {k: v[0] if len(v) == 1 else torch.cat(v) for k, v in parts.items()}
+
+    def _group(self, x, n, device, generator, *, dim, dtype, inplace, n_steps, thin, want) -> dict[str, torch.Tensor]:
+        """One chain group on ``device``: its starting states (x's rows, or n fresh N(0, I) draws), then ``_chain``."""
+        fresh = x is None
+        if fresh:
+            x_dev = torch.randn(n, dim, generator=generator, device=device, dtype=dtype)
+        elif x.device != device or x.dtype != dtype:  # .to is a dispatch even when a no-op
+            x_dev = x.to(device, dtype, non_blocking=True)
+        else:
+            x_dev = x
+        return self._chain(self._energy_on(device), x_dev, n_steps, thin, want, generator,
+                           inplace=fresh or (inplace and x_dev is x))

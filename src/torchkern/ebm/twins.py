@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from .._checks import check, check_dim, check_float, check_float_pair, check_same_device, fail, opmath_dtype, shape
+from .._checks import (check, check_dim, check_float, check_float_pair, check_same_device, check_same_dtype,
+                       check_same_shape, fail, opmath_dtype, shape)
 from .constants import (ACKLEY, ACTIVATION_NAMES, BF16, DOUBLE_WELL, FP32, GELU, HARMONIC, KIND_NAMES, LEAKY_RELU,
                         MLP_MAX_HIDDEN, N_PARAMS, PRECISION_NAMES, RASTRIGIN, RELU, ROSENBROCK, SILU, SOFTPLUS,
                         SOFTPLUS_THRESHOLD, TANH, TF32)
@@ -357,13 +358,26 @@ def mlp_energy_and_score(x: torch.Tensor, weights: list[torch.Tensor], biases: l
     return e.to(x.dtype), (-g).to(x.dtype).contiguous()
 
 
+def check_start(op: str, x: torch.Tensor, start: torch.Tensor | None) -> None:
+    """The MLP chains' ``start`` (the starting states, read instead of x's): like x (dtype, device, shape), and x
+    itself or apart from x's memory (the kernels read it while writing x)."""
+    if start is None:
+        return
+    check_same_dtype(op, "x", x, "start", start)
+    check_same_device(op, "x", x, "start", start)
+    check_same_shape(op, "x", x, "start", start)
+    same = start.storage_offset() == x.storage_offset() and start.stride() == x.stride()
+    check(same or not torch._C._is_alias_of(start, x), op, "start must be x itself or not share x's memory")
+
+
 def check_mlp_langevin(x, weights, biases, activation, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin,
-                       restart_fraction, restart_low, restart_high, precision, noise) -> None:
+                       restart_fraction, restart_low, restart_high, precision, noise, start=None) -> None:
     op = "mlp_langevin_chain_"
     check_mlp(op, x, weights, biases, activation, precision)
     check_step_args(op, step_size, noise_scale, clamp_min, clamp_max)
     check_chain_run(op, x, n_steps, thin, noise)
     check_restart(op, restart_fraction, restart_low, restart_high)
+    check_start(op, x, start)
 
 
 def trace_shapes(x: torch.Tensor, n_steps: int, thin: int, return_trajectory: bool, return_energy: bool):
@@ -376,13 +390,16 @@ def mlp_langevin_chain_(x: torch.Tensor, weights: list[torch.Tensor], biases: li
                         clamp_max: float | None, n_steps: int, thin: int = 1, return_trajectory: bool = False,
                         return_energy: bool = False, restart_fraction: float = 0.0, restart_low: float | None = None,
                         restart_high: float | None = None, precision: int = FP32, layout: list[int] = (),
-                        generator: torch.Generator | None = None,
-                        noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Langevin chains on an MLP energy, updating x in place; returns (trajectory [B, kept or 0, d], energy
-    [B, kept or 0]) with kept = n_steps // thin: the states after every thin-th step and their energies.
-    Restarts (before the first step) and steps draw from ``generator``; ``noise`` injects the steps' eps."""
+                        generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
+                        start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Langevin chains on an MLP energy, updating x in place (from ``start``'s states where given); returns
+    (trajectory [B, kept or 0, d], energy [B, kept or 0]) with kept = n_steps // thin: the states after every
+    thin-th step and their energies. Restarts (before the first step) and steps draw from ``generator``; ``noise``
+    injects the steps' eps."""
     check_mlp_langevin(x, weights, biases, activation, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin,
-                       restart_fraction, restart_low, restart_high, precision, noise)
+                       restart_fraction, restart_low, restart_high, precision, noise, start)
+    if start is not None:
+        x.copy_(start)
     cdt = opmath_dtype(x.dtype)
     f = _mlp_fn(x, weights, biases, activation, negative_slope, precision)
     traj_shape, energy_shape = trace_shapes(x, n_steps, thin, return_trajectory, return_energy)
@@ -486,13 +503,24 @@ def hmc_chain_(x: torch.Tensor, kind: int, params: list[float], step_size: float
                     return_acceptance, generator, noise, uniform)
 
 
+def check_mlp_hmc(x, weights, biases, activation, step_size, n_leapfrog, n_steps, thin, precision, noise, uniform,
+                  start) -> None:
+    op = "mlp_hmc_chain_"
+    check_mlp(op, x, weights, biases, activation, precision)
+    check_hmc(op, x, step_size, n_leapfrog, n_steps, thin, noise, uniform)
+    check_start(op, x, start)
+
+
 def mlp_hmc_chain_(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], activation: int,
                    negative_slope: float, step_size: float, n_leapfrog: int, n_steps: int, thin: int = 1,
                    return_trajectory: bool = False, return_energy: bool = False, return_acceptance: bool = False,
                    precision: int = FP32, layout: list[int] = (), generator: torch.Generator | None = None,
-                   noise: torch.Tensor | None = None, uniform: torch.Tensor | None = None):
-    op = "mlp_hmc_chain_"
-    check_mlp(op, x, weights, biases, activation, precision)
-    check_hmc(op, x, step_size, n_leapfrog, n_steps, thin, noise, uniform)
+                   noise: torch.Tensor | None = None, uniform: torch.Tensor | None = None,
+                   start: torch.Tensor | None = None):
+    """HMC on an MLP energy, updating x in place (from ``start``'s states where given); ``hmc_loop``'s outputs."""
+    check_mlp_hmc(x, weights, biases, activation, step_size, n_leapfrog, n_steps, thin, precision, noise, uniform,
+                  start)
+    if start is not None:
+        x.copy_(start)
     return hmc_loop(x, _mlp_fn(x, weights, biases, activation, negative_slope, precision), step_size, n_leapfrog,
                     n_steps, thin, return_trajectory, return_energy, return_acceptance, generator, noise, uniform)

@@ -50,4 +50,17 @@ inline void check_hmc_run(const char* torchkern_op_name, const at::Tensor& x, do
   TORCHKERN_CHECK(n_leapfrog <= (1 << 20), "n_leapfrog must be <= 2^20, got ", n_leapfrog);
 }
 
+// The MLP chains' `start`: the chains' starting states, read instead of x's (x is then only written, so a caller
+// keeping its states needs no copy of them). Like x (dtype, device, shape); x itself or apart from x's memory.
+inline void check_start(const char* torchkern_op_name, const at::Tensor& x,
+                        const std::optional<at::Tensor>& starting_states) {
+  if (!starting_states.has_value()) return;
+  const at::Tensor& start = *starting_states;  // named so that the messages say "start"
+  TORCHKERN_CHECK_SAME_DTYPE(x, start);
+  TORCHKERN_CHECK_SAME_DEVICE(x, start);
+  TORCHKERN_CHECK_SAME_SHAPE(x, start);
+  const bool same = start.storage_offset() == x.storage_offset() && start.strides() == x.strides();
+  TORCHKERN_CHECK(same || !start.is_alias_of(x), "start must be x itself or not share x's memory");
+}
+
 }  // namespace torchkern

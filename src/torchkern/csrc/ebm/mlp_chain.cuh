@@ -76,8 +76,9 @@ enum Activation : int {
 enum Precision : int { kBf16 = TORCHKERN_PREC_BF16, kTf32 = TORCHKERN_PREC_TF32, kFp32 = TORCHKERN_PREC_FP32 };
 
 struct Params {
-  // Tensors (float32, contiguous). x is updated in place.
+  // Tensors (float32, contiguous). x is updated in place (the final states; HMC: the accepted ones).
   float* x;                 // [B, d]
+  const float* x_start;     // [B, d]: the starting states (Langevin: `start` where the op was given one; else x)
   float* traj;              // [B, kept, d] or null
   float* energy;            // Langevin/HMC: [B, kept] or null; eval: [B]
   float* score;             // eval: [B, d]

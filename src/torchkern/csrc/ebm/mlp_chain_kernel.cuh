@@ -923,7 +923,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
   for (int i = c.tid; i < c.nvalid * d; i += kThreads) {
     const int row = i / d, col = i % d;
     const int64_t flat = c.row0 * d + i;
-    float v = p.x[flat];
+    float v = p.x_start[flat];
     if (restart && c.row_value(kRowRestart)[row] != 0.f) {
       v = p.restart_uniform
               ? p.restart_lo + (p.restart_hi - p.restart_lo) * uniform_at(c.key, p.n_steps + 1, flat)

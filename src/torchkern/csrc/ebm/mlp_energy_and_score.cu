@@ -18,7 +18,7 @@ std::tuple<at::Tensor, at::Tensor> mlp_energy_and_score_cuda(const at::Tensor& x
   mlp::check_mlp(torchkern_op_name, x, weights, biases, activation, precision);
   TORCHKERN_CHECK_CUDA(x);
   const at::cuda::OptionalCUDAGuard guard(x.device());
-  const at::Tensor work = x.to(at::kFloat).contiguous();
+  const at::Tensor work = mlp::float32_contiguous(x);
   at::Tensor energy = at::empty({x.size(0)}, work.options());
   at::Tensor score = at::empty(x.sizes(), work.options());
   if (x.size(0) > 0) {
@@ -26,10 +26,10 @@ std::tuple<at::Tensor, at::Tensor> mlp_energy_and_score_cuda(const at::Tensor& x
     p.mode = mlp::kEval;
     p.energy = energy.mutable_data_ptr<float>();
     p.score = score.mutable_data_ptr<float>();
-    mlp::run(torchkern_op_name, p, work, weights, biases, activation, negative_slope, precision, layout,
+    mlp::run(torchkern_op_name, p, work, work, weights, biases, activation, negative_slope, precision, layout,
              at::PhiloxCudaState());
   }
-  return {energy.to(x.scalar_type()), score.to(x.scalar_type())};
+  return {mlp::as_dtype(energy, x.scalar_type()), mlp::as_dtype(score, x.scalar_type())};
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <utility>
+#include <cstdint>
 #include <vector>
 
 #include "mlp_chain.cuh"
@@ -71,11 +71,22 @@ inline void apply_layout(const char* torchkern_op_name, Params& p, at::IntArrayR
                   " bytes of shared memory per block, the device allows ", optin);
 }
 
+// x as a float32 contiguous tensor: x itself when it is one (no dispatch: a no-op .to and .contiguous cost a
+// microsecond each, and the op's host time is on every sampler call's path).
+inline at::Tensor float32_contiguous(const at::Tensor& x) {
+  return x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
+}
+
+// t in `dtype` (t itself when it has it, without a dispatch).
+inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : t.to(dtype);
+}
+
 // Packs the network into p's padded geometry (widths rounded up to kAlign, zeros in the padding; one launch,
-// mlp_pack.cu): the hidden layers' weights as operands (bf16, else float32), biases, the output row and its bias
-// as float32.
-inline std::pair<at::Tensor, at::Tensor> pack(Params& p, const at::Tensor& x, at::TensorList weights,
-                                              at::TensorList biases, int64_t precision) {
+// mlp_pack.cu) in one allocation: the hidden layers' weights as operands (bf16, else float32), then, 128-byte
+// aligned, the biases, the output row and its bias as float32.
+inline at::Tensor pack(Params& p, const at::Tensor& x, at::TensorList weights, at::TensorList biases,
+                       int64_t precision) {
   const int H = static_cast<int>(weights.size()) - 1;
   p.n_hidden = H;
   p.dims[0] = static_cast<int>(round_up(x.size(1), kAlign));
@@ -90,47 +101,52 @@ inline std::pair<at::Tensor, at::Tensor> pack(Params& p, const at::Tensor& x, at
   p.wlast_off = static_cast<int>(voff);
   p.blast_off = static_cast<int>(voff + p.dims[H]);
   PackSource s{};
-  std::vector<at::Tensor> sources;  // the tensors themselves when float32 and contiguous; alive until queued
-  sources.reserve(2 * (H + 1));
+  std::vector<at::Tensor> sources;  // float32 copies of the layers that are not float32 contiguous; alive until queued
   for (int l = 0; l <= H; ++l) {
-    sources.push_back(weights[l].to(at::kFloat).contiguous());
-    sources.push_back(biases[l].to(at::kFloat).contiguous());
-    s.w[l] = sources[2 * l].const_data_ptr<float>();
-    s.b[l] = sources[2 * l + 1].const_data_ptr<float>();
+    for (const bool bias : {false, true}) {
+      const at::Tensor& t = bias ? biases[l] : weights[l];
+      const float* data;
+      if (t.scalar_type() == at::kFloat && t.is_contiguous()) {
+        data = t.const_data_ptr<float>();
+      } else {
+        sources.push_back(t.to(at::kFloat).contiguous());
+        data = sources.back().const_data_ptr<float>();
+      }
+      (bias ? s.b : s.w)[l] = data;
+    }
     s.out[l] = static_cast<int>(weights[l].size(0));
     s.in[l] = static_cast<int>(weights[l].size(1));
   }
-  at::Tensor wpack = at::empty({woff}, x.options().dtype(precision == kBf16 ? at::kBFloat16 : at::kFloat));
-  at::Tensor vpack = at::empty({p.blast_off + kAlign}, x.options().dtype(at::kFloat));
-  launch_pack(p, s, wpack.mutable_data_ptr(), vpack.mutable_data_ptr<float>(), woff, vpack.numel(),
-              precision == kBf16);
-  p.weights = wpack.const_data_ptr();
-  p.vecs = vpack.const_data_ptr<float>();
-  return {wpack, vpack};
+  const int64_t operand_bytes = woff * (precision == kBf16 ? 2 : 4), v_elems = p.blast_off + kAlign;
+  const int64_t vec_at = round_up(operand_bytes, 128);
+  at::Tensor packed = at::empty({vec_at + v_elems * 4}, x.options().dtype(at::kByte));
+  uint8_t* base = packed.mutable_data_ptr<uint8_t>();
+  float* vecs = reinterpret_cast<float*>(base + vec_at);
+  launch_pack(p, s, base, vecs, woff, v_elems, precision == kBf16);
+  p.weights = base;
+  p.vecs = vecs;
+  return packed;
 }
 
-// Fills what every mode shares and launches; `work` is x as float32, contiguous (updated in place).
-inline void run(const char* torchkern_op_name, Params& p, const at::Tensor& work, at::TensorList weights,
-                at::TensorList biases, int64_t activation, double negative_slope, int64_t precision,
-                at::IntArrayRef layout, const at::PhiloxCudaState& philox) {
+// Fills what every mode shares and launches; `work` is x as float32, contiguous (updated in place), `start` the
+// starting states as float32, contiguous (work itself unless the op was given `start`).
+inline void run(const char* torchkern_op_name, Params& p, const at::Tensor& work, const at::Tensor& start,
+                at::TensorList weights, at::TensorList biases, int64_t activation, double negative_slope,
+                int64_t precision, at::IntArrayRef layout, const at::PhiloxCudaState& philox) {
   apply_layout(torchkern_op_name, p, layout);
   p.x = work.mutable_data_ptr<float>();
+  p.x_start = start.const_data_ptr<float>();
   p.batch = work.size(0);
   p.d = static_cast<int>(work.size(1));
   p.activation = static_cast<int>(activation);
   p.slope = static_cast<float>(negative_slope);
-  const auto packed = pack(p, work, weights, biases, precision);  // kept alive until the launch is queued
+  const at::Tensor packed = pack(p, work, weights, biases, precision);  // kept alive until the launch is queued
   const size_t smem = static_cast<size_t>(p.smem[kSlotEnd]);
   switch (precision) {
     case kBf16: launch<kBf16>(p, philox, smem); break;
     case kTf32: launch<kTf32>(p, philox, smem); break;
     default: launch<kFp32>(p, philox, smem);
   }
-}
-
-// x as the kernel's float32 contiguous state (x itself when it already is one), and the empty parameters.
-inline at::Tensor work_copy(const at::Tensor& x) {
-  return x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
 }
 
 inline Params blank_params() {

@@ -1,4 +1,5 @@
-// mlp_langevin_chain_: Langevin chains on an MLP energy in ONE launch (mlp_chain.cuh), x updated in place.
+// mlp_langevin_chain_: Langevin chains on an MLP energy in ONE launch (mlp_chain.cuh), x updated in place (from
+// `start`'s states where given).
 // Before the first step, each row is redrawn with probability restart_fraction (replay-buffer restarts),
 // from U(restart_low, restart_high) or N(0, I). Philox draws: t for step t's noise (the langevin_step
 // counters), n_steps and n_steps + 1 for the restarts.
@@ -21,11 +22,13 @@ std::tuple<at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
     double step_size, double noise_scale, std::optional<double> clamp_min, std::optional<double> clamp_max,
     int64_t n_steps, int64_t thin, bool return_trajectory, bool return_energy, double restart_fraction,
     std::optional<double> restart_low, std::optional<double> restart_high, int64_t precision, at::IntArrayRef layout,
-    std::optional<at::Generator> generator, const std::optional<at::Tensor>& noise) {
+    std::optional<at::Generator> generator, const std::optional<at::Tensor>& noise,
+    const std::optional<at::Tensor>& start) {
   TORCHKERN_OP("mlp_langevin_chain_");
   mlp::check_mlp(torchkern_op_name, x, weights, biases, activation, precision);
   check_step_args(torchkern_op_name, step_size, noise_scale, clamp_min, clamp_max);
   check_chain_run(torchkern_op_name, x, n_steps, thin, noise);
+  check_start(torchkern_op_name, x, start);
   TORCHKERN_CHECK(restart_fraction >= 0 && restart_fraction <= 1, "restart_fraction must be in [0, 1], got ",
                   restart_fraction);
   TORCHKERN_CHECK(restart_low.has_value() == restart_high.has_value(),
@@ -43,8 +46,9 @@ std::tuple<at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
   at::Tensor energy = at::empty({batch, return_energy ? kept : 0}, x.options().dtype(at::kFloat));
   const bool restart = restart_fraction > 0;
   if (batch > 0 && (n_steps > 0 || restart)) {
-    at::Tensor work = mlp::work_copy(x);
-    const at::Tensor nz = noise.has_value() ? noise->to(at::kFloat).contiguous() : at::Tensor();
+    at::Tensor work = mlp::float32_contiguous(x);
+    const at::Tensor from = start.has_value() ? mlp::float32_contiguous(*start) : work;
+    const at::Tensor nz = noise.has_value() ? mlp::float32_contiguous(*noise) : at::Tensor();
     mlp::Params p = mlp::blank_params();
     p.mode = mlp::kLangevin;
     p.traj = return_trajectory && kept ? traj.mutable_data_ptr<float>() : nullptr;
@@ -65,10 +69,13 @@ std::tuple<at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
     p.use_philox = draws > 0;
     const at::PhiloxCudaState philox =
         draws > 0 ? reserve_philox(generator, static_cast<uint64_t>(draws)) : at::PhiloxCudaState();
-    mlp::run(torchkern_op_name, p, work, weights, biases, activation, negative_slope, precision, layout, philox);
+    mlp::run(torchkern_op_name, p, work, from, weights, biases, activation, negative_slope, precision, layout,
+             philox);
     if (!work.is_same(x)) x.copy_(work);
+  } else if (start.has_value()) {
+    x.copy_(*start);
   }
-  return {traj.to(x.scalar_type()), energy.to(x.scalar_type())};
+  return {mlp::as_dtype(traj, x.scalar_type()), mlp::as_dtype(energy, x.scalar_type())};
 }
 
 }  // namespace
