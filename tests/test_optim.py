@@ -540,6 +540,46 @@ def test_shampoo_root_updates_after_the_first_do_not_wait():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_shampoo_qr_roots(device):
+    # root_method="qr": the first root update takes an eigendecomposition (its root is root_method="eigh"'s, to
+    # float32's rounding); later updates take one power step from the previous basis: an approximate root, within a
+    # few percent of the exact one here (beta2 = 1: sums, which change less and less); the bases stay orthonormal
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 5)).to(device)
+    x, y = torch.randn(64, 24, device=device), torch.randint(0, 5, (64,), device=device)
+    opt = Shampoo(model.parameters(), lr=1e-3, precondition_frequency=4, start_preconditioning_step=2,
+                  root_method="qr")
+    eps = opt.param_groups[0]["eps"]
+    errors = []
+    for step in range(1, 27):
+        opt.zero_grad()
+        F.cross_entropy(model(x + 0.01 * step), y).backward()
+        opt.step()
+        if step in (2, 26):  # root updates: 2 (eigh), 6, 10, ..., 26 (power steps)
+            state = opt.state[model[0].weight]
+            errs = []
+            for S, root, Q in zip(state["L"] + state["R"], state["L_root"] + state["R_root"],
+                                  state["L_basis"] + state["R_basis"]):
+                s = torch.linalg.matrix_norm(S)
+                by_eigh = torchkern.linalg.matrix_inverse_root(S / s, 4, eps=eps, method="eigh") * s ** -0.25
+                errs.append((_rel(root, _eigh_root(S, eps)), _rel(by_eigh, _eigh_root(S, eps))))
+                eye = torch.eye(Q.shape[0], dtype=Q.dtype, device=Q.device)
+                assert torch.linalg.matrix_norm(Q.mT @ Q - eye).item() < 1e-5
+            errors.append(errs)
+    assert all(qr <= 2 * eigh + 1e-5 for qr, eigh in errors[0]), errors[0]  # the eigendecomposition's root
+    assert all(qr < 5e-2 for qr, _ in errors[1]), errors[1]  # a basis refined by six power steps
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_shampoo_qr_state_dict_roundtrip():
+    # the bases are state: a run resumed from a state dict continues exactly as the uninterrupted one
+    opt = _roundtrip(lambda m: Shampoo(m.parameters(), lr=0.01, precondition_frequency=3, start_preconditioning_step=2,
+                                       max_preconditioner_dim=16, root_method="qr"),
+                     lambda: _kfac_model(torch.float32))
+    assert "L_basis" in opt.state[next(iter(opt.state))]
+
+
 def test_shampoo_state_dict_roundtrip():
     opt = _roundtrip(lambda m: Shampoo(m.parameters(), lr=0.01, precondition_frequency=3,
                                        start_preconditioning_step=2, max_preconditioner_dim=16),

@@ -66,6 +66,8 @@ def _optimizers(kind: str, device: str) -> dict:
     if kind == "shampoo":
         out["shampoo_bf16"] = lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
                                                 precision="bf16")
+        out["shampoo_qr"] = lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
+                                              root_method="qr")
     return out
 
 

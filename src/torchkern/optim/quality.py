@@ -57,9 +57,10 @@ SEEDS = (0, 1)
 OPTIMIZERS = ("adamw", "sgd", "shampoo", "soap", "kfac")
 SECOND_ORDER = ("soap", "shampoo")
 # variants: run at their sibling's best learning rate (same seeds), reported beside it, not in the bars: what
-# bfloat16 statistics and products cost in loss and save in time; K-FAC refreshed by power steps instead of eigh
+# bfloat16 statistics and products cost in loss and save in time; K-FAC refreshed and Shampoo's roots taken by power
+# steps instead of eigendecompositions or Newton
 VARIANTS = {"shampoo_bf16": ("shampoo", dict(precision="bf16")), "soap_bf16": ("soap", dict(precision="bf16")),
-            "kfac_qr": ("kfac", dict(refresh="qr"))}
+            "kfac_qr": ("kfac", dict(refresh="qr")), "shampoo_qr": ("shampoo", dict(root_method="qr"))}
 
 
 @dataclass

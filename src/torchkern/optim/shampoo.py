@@ -45,12 +45,12 @@ import torch
 
 from .._checks import opmath_dtype
 from ._buckets import Storage, cached_plan
-from ._common import (PRECISIONS, GuardedOptimizer, as_operand, bmm, check_arg, check_state_dict, is_int, is_real,
-                      load_state_dict_keeping_dtypes)
+from ._common import (PRECISIONS, GuardedOptimizer, as_operand, bmm, check_arg, check_state_dict, eigh, is_int,
+                      is_real, load_state_dict_keeping_dtypes)
 
 _GRAFTINGS = ("adam", "adagrad", None)
-_ROOT_METHODS = ("auto", "eigh", "newton")
-_STAT_KEYS = frozenset({"exp_avg", "graft_sq", "L", "R", "L_root", "R_root"})
+_ROOT_METHODS = ("auto", "eigh", "newton", "qr")
+_STAT_KEYS = frozenset({"exp_avg", "graft_sq", "L", "R", "L_root", "R_root", "L_basis", "R_basis"})
 _TINY = 1e-30
 _MAX_ITERS, _TOL = 100, 1e-6  # matrix_inverse_root's defaults
 # A Newton root is accepted when ||X^4 A - I||_inf <= this: the root is then within about a quarter of it
@@ -225,7 +225,12 @@ class Shampoo(GuardedOptimizer):
         grafting: ``"adam"``, ``"adagrad"`` or ``None``.
         weight_decay: decoupled (AdamW-style) weight decay (>= 0).
         grafting_beta2, grafting_eps: Adam/AdaGrad grafting's second-moment decay and epsilon.
-        root_method: ``method`` of :func:`torchkern.linalg.matrix_inverse_root`: "auto", "eigh" or "newton".
+        root_method: ``method`` of :func:`torchkern.linalg.matrix_inverse_root`: "auto", "eigh" or "newton"; or
+            ``"qr"``: each factor keeps an eigenbasis (state ``L_basis``, ``R_basis``): the first root update takes
+            an eigendecomposition, later ones one step of power iteration from the previous basis
+            (:func:`torchkern.optim.soap.power_step`, SOAP's refresh) with the Rayleigh quotients as eigenvalues, and
+            the root is ``Q diag(d + eps)^(-1/4) Q^T``: about six products per factor instead of Newton's ~48 (a
+            basis that lags fast-changing statistics gives an approximate root; docs/design.md, "Shampoo").
         precision: ``"fp32"`` or ``"bf16"``: the statistics products ``G G^T`` and the preconditioning products
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global
             TF32 switch is never touched). The statistics, roots and moments stay float32.
@@ -271,7 +276,8 @@ class Shampoo(GuardedOptimizer):
                   "must be in [0, 1)")
         check_arg(name, "grafting_eps", grafting_eps, is_real(grafting_eps) and grafting_eps > 0,
                   "must be a finite number > 0")
-        check_arg(name, "root_method", root_method, root_method in _ROOT_METHODS, "must be 'auto', 'eigh' or 'newton'")
+        check_arg(name, "root_method", root_method, root_method in _ROOT_METHODS,
+                  "must be 'auto', 'eigh', 'newton' or 'qr'")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, precondition_frequency=precondition_frequency,
                         start_preconditioning_step=start_preconditioning_step,
                         max_preconditioner_dim=max_preconditioner_dim, grafting=grafting, weight_decay=weight_decay,
@@ -289,21 +295,23 @@ class Shampoo(GuardedOptimizer):
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
-        if state:
-            return state
         dtype = opmath_dtype(p.dtype)
-        state["step"] = 0
-        if group["betas"][0] > 0:
-            state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-        if group["grafting"] is not None:
-            state["graft_sq"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-        if p.dim() >= 2 and p.numel() > 0:
-            rows, cols = self._block_sizes(p, group)
-            eye = lambda n: torch.eye(n, dtype=dtype, device=p.device)  # noqa: E731
-            state["L"] = [torch.zeros(r, r, dtype=dtype, device=p.device) for r in rows for _ in cols]
-            state["R"] = [torch.zeros(c, c, dtype=dtype, device=p.device) for _ in rows for c in cols]
-            state["L_root"] = [eye(r) for r in rows for _ in cols]
-            state["R_root"] = [eye(c) for _ in rows for c in cols]
+        eye = lambda n: torch.eye(n, dtype=dtype, device=p.device)  # noqa: E731
+        if not state:
+            state["step"] = 0
+            if group["betas"][0] > 0:
+                state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            if group["grafting"] is not None:
+                state["graft_sq"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+            if p.dim() >= 2 and p.numel() > 0:
+                rows, cols = self._block_sizes(p, group)
+                state["L"] = [torch.zeros(r, r, dtype=dtype, device=p.device) for r in rows for _ in cols]
+                state["R"] = [torch.zeros(c, c, dtype=dtype, device=p.device) for _ in rows for c in cols]
+                state["L_root"] = [eye(r) for r in rows for _ in cols]
+                state["R_root"] = [eye(c) for _ in rows for c in cols]
+        if group["root_method"] == "qr" and "L" in state and "L_basis" not in state:  # (also for a group switched)
+            state["L_basis"] = [eye(f.shape[0]) for f in state["L"]]
+            state["R_basis"] = [eye(f.shape[0]) for f in state["R"]]
         return state
 
     @staticmethod
@@ -315,8 +323,8 @@ class Shampoo(GuardedOptimizer):
             spec["graft_sq"] = tuple(p.shape)
         if p.dim() >= 2 and p.numel() > 0:
             rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
-            spec["L"] = spec["L_root"] = [(r, r) for r in rows for _ in cols]
-            spec["R"] = spec["R_root"] = [(c, c) for _ in rows for c in cols]
+            spec["L"] = spec["L_root"] = spec["L_basis"] = [(r, r) for r in rows for _ in cols]
+            spec["R"] = spec["R_root"] = spec["R_basis"] = [(c, c) for _ in rows for c in cols]
         return spec
 
     @staticmethod
@@ -404,15 +412,18 @@ class Shampoo(GuardedOptimizer):
                     bucket.update_statistics(items, beta2, ok[bucket.device])
                 buckets_of[gi] = plan
             for state in due:  # the state entries as the plan left them (views of its buckets)
-                for stats, roots in ((state["L"], state["L_root"]), (state["R"], state["R_root"])):
-                    for s, r in zip(stats, roots):
+                qr = group["root_method"] == "qr"
+                first = state["step"] == group["start_preconditioning_step"]  # "qr": no basis yet, eigh
+                for side in ("L", "R"):
+                    bases = state[side + "_basis"] if qr else [None] * len(state[side])
+                    for s, r, q in zip(state[side], state[side + "_root"], bases):
                         key = (s.shape[-1], s.dtype, s.device, group["root_method"], group["eps"],
                                group["relative_eps"])
-                        roots_due[key].append((s, r))
+                        roots_due[key].append((s, r, q, first))
 
         # roots per factor size, of the unpadded factors (views of the buckets' storage): rare, and exact
-        for key, pairs in roots_due.items():
-            self._update_roots(key, pairs, ok[key[2]])
+        for key, items in roots_due.items():
+            self._update_roots(key, items, ok[key[2]])
         if roots_due:
             for plan in buckets_of.values():
                 for bucket in plan.buckets:
@@ -425,15 +436,16 @@ class Shampoo(GuardedOptimizer):
                 apply_updates(items, group["lr"], group["weight_decay"], ok, group["grafting"] is not None)
         self._guard.settle(wait=False)
 
-    def _update_roots(self, key: tuple, pairs: list, ok: torch.Tensor) -> None:
-        """All factors of one size: one batched inverse-4th-root call, scaled by each factor's norm.
+    def _update_roots(self, key: tuple, items: list, ok: torch.Tensor) -> None:
+        """All factors of one size, ``items`` [(factor, its root, its basis or None, first update)]: one batched
+        inverse-4th-root call, scaled by each factor's norm.
 
-        A root replaces the cached one only where it is finite, the step is not skipped and the factor is
-        finite (float32 statistics overflow only for gradients beyond ~1e18: the old root then stays)."""
+        A root (and a "qr" basis) replaces the cached one only where it is finite, the step is not skipped and the
+        factor is finite (float32 statistics overflow only for gradients beyond ~1e18: the old root then stays)."""
         from .. import linalg
 
         n, dtype, device, method, eps, relative = key
-        stats = torch.stack([s for s, _ in pairs])
+        stats = torch.stack([s for s, _, _, _ in items])
         finite = torch.isfinite(stats).flatten(1).all(dim=1)
         eye = torch.eye(n, dtype=dtype, device=device)
         stats = torch.where(finite[:, None, None], stats, eye)
@@ -442,7 +454,12 @@ class Shampoo(GuardedOptimizer):
             normalized = stats / scale[:, None, None]
         else:  # the literature's (S + eps I)^(-1/4): no normalization (the Newton op scales internally)
             scale, normalized = None, stats
-        if stats.is_cuda and (method == "newton" or (method == "auto" and linalg.auto_method(stats) == "newton")):
+        bases = None
+        if method == "qr":
+            first = any(f for _, _, _, f in items)  # a factor without a basis yet: eigh for the whole batch
+            bases = _qr_bases(normalized, None if first else torch.stack([q for _, _, q, _ in items]))
+            roots, accepted = _basis_roots(normalized, bases, eps), torch.ones_like(finite)
+        elif stats.is_cuda and (method == "newton" or (method == "auto" and linalg.auto_method(stats) == "newton")):
             roots, accepted = self._newton_roots(key, normalized, eps)
         else:
             if method == "newton":  # the CPU twin: the same acceptance as on CUDA, decided at once
@@ -453,9 +470,12 @@ class Shampoo(GuardedOptimizer):
             accepted = torch.ones_like(finite)
         if scale is not None:
             roots = roots * scale.pow(-0.25)[:, None, None]
-        keep = accepted & finite & torch.isfinite(roots).flatten(1).all(dim=1) & ok
-        olds = [r for _, r in pairs]
-        torch._foreach_copy_(olds, list(torch.where(keep[:, None, None], roots, torch.stack(olds)).unbind(0)))
+        keep = (accepted & finite & torch.isfinite(roots).flatten(1).all(dim=1) & ok)[:, None, None]
+        olds = [r for _, r, _, _ in items]
+        torch._foreach_copy_(olds, list(torch.where(keep, roots, torch.stack(olds)).unbind(0)))
+        if bases is not None:
+            olds = [q for _, _, q, _ in items]
+            torch._foreach_copy_(olds, list(torch.where(keep, bases, torch.stack(olds)).unbind(0)))
 
     def _newton_roots(self, key: tuple, A: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Newton roots of one size on CUDA without waiting for the device after the first update (see
@@ -575,6 +595,21 @@ class _Bucket(Storage):
 
 
 _LAYOUT = {"L": "rr", "R": "cc", "L_root": "rr", "R_root": "cc"}
+
+
+def _qr_bases(A: torch.Tensor, Q0: torch.Tensor | None) -> torch.Tensor:
+    """Eigenbases of the factors A (k, n, n) for ``root_method="qr"``: an eigendecomposition without ``Q0`` (the
+    first update), else one power-iteration step from the previous bases ``Q0`` (SOAP's refresh)."""
+    from .soap import power_step
+
+    return eigh(A)[1] if Q0 is None else power_step(A, Q0)
+
+
+def _basis_roots(A: torch.Tensor, Q: torch.Tensor, eps: float) -> torch.Tensor:
+    """``Q diag(d + eps)^(-1/4) Q^T`` with ``d`` the Rayleigh quotients ``q^T A q`` (clamped at 0): A's inverse 4th
+    root where Q is its eigenbasis, the root of A's closest matrix diagonal in Q otherwise."""
+    d = (Q * (A @ Q)).sum(dim=-2).clamp_min(0.0)
+    return (Q * (d + eps).pow(-0.25).unsqueeze(-2)) @ Q.mT
 
 
 def _eigh_fallback(A: torch.Tensor, roots: torch.Tensor, eps: float, err: torch.Tensor | None) -> torch.Tensor:
