@@ -295,23 +295,21 @@ class Shampoo(GuardedOptimizer):
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
+        if state:
+            return state
         dtype = opmath_dtype(p.dtype)
-        eye = lambda n: torch.eye(n, dtype=dtype, device=p.device)  # noqa: E731
-        if not state:
-            state["step"] = 0
-            if group["betas"][0] > 0:
-                state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-            if group["grafting"] is not None:
-                state["graft_sq"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-            if p.dim() >= 2 and p.numel() > 0:
-                rows, cols = self._block_sizes(p, group)
-                state["L"] = [torch.zeros(r, r, dtype=dtype, device=p.device) for r in rows for _ in cols]
-                state["R"] = [torch.zeros(c, c, dtype=dtype, device=p.device) for _ in rows for c in cols]
-                state["L_root"] = [eye(r) for r in rows for _ in cols]
-                state["R_root"] = [eye(c) for _ in rows for c in cols]
-        if group["root_method"] == "qr" and "L" in state and "L_basis" not in state:  # (also for a group switched)
-            state["L_basis"] = [eye(f.shape[0]) for f in state["L"]]
-            state["R_basis"] = [eye(f.shape[0]) for f in state["R"]]
+        state["step"] = 0
+        if group["betas"][0] > 0:
+            state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+        if group["grafting"] is not None:
+            state["graft_sq"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
+        if p.dim() >= 2 and p.numel() > 0:
+            rows, cols = self._block_sizes(p, group)
+            eye = lambda n: torch.eye(n, dtype=dtype, device=p.device)  # noqa: E731
+            state["L"] = [torch.zeros(r, r, dtype=dtype, device=p.device) for r in rows for _ in cols]
+            state["R"] = [torch.zeros(c, c, dtype=dtype, device=p.device) for _ in rows for c in cols]
+            state["L_root"] = [eye(r) for r in rows for _ in cols]
+            state["R_root"] = [eye(c) for _ in rows for c in cols]
         return state
 
     @staticmethod
@@ -413,7 +411,11 @@ class Shampoo(GuardedOptimizer):
                 buckets_of[gi] = plan
             for state in due:  # the state entries as the plan left them (views of its buckets)
                 qr = group["root_method"] == "qr"
-                first = state["step"] == group["start_preconditioning_step"]  # "qr": no basis yet, eigh
+                first = qr and "L_basis" not in state  # no basis yet (also after loading another method's state)
+                if first:  # placeholders that this update's eigendecomposition fills (a skipped step leaves them I)
+                    for side in ("L", "R"):
+                        state[side + "_basis"] = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
+                                                  for f in state[side]]
                 for side in ("L", "R"):
                     bases = state[side + "_basis"] if qr else [None] * len(state[side])
                     for s, r, q in zip(state[side], state[side + "_root"], bases):
