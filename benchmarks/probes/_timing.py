@@ -62,3 +62,9 @@ def print_quality_step_times(makers: dict, device) -> None:
                     opt.step()
             out.append(f"{name}={best_ms_per_step(run, 100):.3f}")
         print(tname, "ms/step:", " ".join(out), flush=True)
+
+
+def bench_mlp_data(device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimizer benchmark's inputs and targets (torchkern.optim.bench: 1024 x 1024 each, the same seed)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    return torch.randn(1024, 1024, device=device, generator=g), torch.randn(1024, 1024, device=device, generator=g)

@@ -10,15 +10,13 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
+from _timing import bench_mlp_data, mse_steps
 
 sys.path.insert(0, "src")
 from torchkern.optim import KFAC, SOAP, Shampoo  # noqa: E402
 from torchkern.optim.bench import _mlp  # noqa: E402
 
-g = torch.Generator(device="cuda").manual_seed(1)
-x = torch.randn(1024, 1024, device="cuda", generator=g)
-y = torch.randn(1024, 1024, device="cuda", generator=g)
+x, y = bench_mlp_data()
 makers = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
           "shampoo": lambda m: Shampoo(m.parameters(), lr=1e-3),
           "soap": lambda m: SOAP(m.parameters(), lr=1e-3),
@@ -34,12 +32,7 @@ for rnd in range(2):
                 real = opt._guard.settle
                 opt._guard.settle = lambda wait=True, real=real: real(False)
 
-            def run(n):
-                for _ in range(n):
-                    opt.zero_grad(set_to_none=False)
-                    F.mse_loss(m(x), y).backward()
-                    opt.step()
-
+            run = mse_steps(m, opt, x, y, set_to_none=False)
             run(40)
             torch.cuda.synchronize()
             walls = []

@@ -7,15 +7,14 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _timing import bench_mlp_data
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, "src")
 from torchkern.optim import Shampoo  # noqa: E402
 from torchkern.optim.bench import _mlp  # noqa: E402
 
-g = torch.Generator(device="cuda").manual_seed(1)
-x = torch.randn(1024, 1024, device="cuda", generator=g)
-y = torch.randn(1024, 1024, device="cuda", generator=g)
+x, y = bench_mlp_data()
 makers = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
           "shampoo": lambda m: Shampoo(m.parameters(), lr=1e-3),
           "shampoo_bf16": lambda m: Shampoo(m.parameters(), lr=1e-3, precision="bf16")}

@@ -43,7 +43,7 @@ from torch import nn
 from .._checks import opmath_dtype
 from ._common import (GuardedOptimizer, check_arg, check_state_dict, eigh, is_int, is_real,
                       load_state_dict_keeping_dtypes, no_autocast)
-from .soap import power_step
+from .soap import power_step, rayleigh_quotients
 
 _STAT_KEYS = frozenset({"A", "G", "QA", "dA", "QG", "dG", "momentum_buffer"})
 _FACTOR_KEYS = ("A", "G", "QA", "dA", "QG", "dG")
@@ -365,7 +365,7 @@ class KFAC(GuardedOptimizer):
             S = torch.stack([_pad(f, n, 0.0) for f in factors])
             Q = power_step(S, torch.stack([_pad(state["Q" + key], n, 1.0) for state, key in entries]),
                            torch.tensor([f.shape[0] for f in factors], device=S.device))
-            d = (Q * (S @ Q)).sum(dim=-2)  # Rayleigh quotients
+            d = rayleigh_quotients(S, Q)
             first = [0] * len(factors)  # the factor's pairs: leading
         else:
             S = torch.stack([_pad(f, n) for f in factors])

@@ -459,8 +459,8 @@ class Shampoo(GuardedOptimizer):
         bases = None
         if method == "qr":
             first = any(f for _, _, _, f in items)  # a factor without a basis yet: eigh for the whole batch
-            bases = _qr_bases(normalized, None if first else torch.stack([q for _, _, q, _ in items]))
-            roots, accepted = _basis_roots(normalized, bases, eps), torch.ones_like(finite)
+            roots, bases = _qr_roots(normalized, None if first else torch.stack([q for _, _, q, _ in items]), eps)
+            accepted = torch.ones_like(finite)
         elif stats.is_cuda and (method == "newton" or (method == "auto" and linalg.auto_method(stats) == "newton")):
             roots, accepted = self._newton_roots(key, normalized, eps)
         else:
@@ -599,19 +599,16 @@ class _Bucket(Storage):
 _LAYOUT = {"L": "rr", "R": "cc", "L_root": "rr", "R_root": "cc"}
 
 
-def _qr_bases(A: torch.Tensor, Q0: torch.Tensor | None) -> torch.Tensor:
-    """Eigenbases of the factors A (k, n, n) for ``root_method="qr"``: an eigendecomposition without ``Q0`` (the
-    first update), else one power-iteration step from the previous bases ``Q0`` (SOAP's refresh)."""
-    from .soap import power_step
+def _qr_roots(A: torch.Tensor, Q0: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``root_method="qr"`` for the factors A (k, n, n): their eigenbases Q, by an eigendecomposition without ``Q0``
+    (the first update), else one power-iteration step from the previous bases ``Q0`` (SOAP's refresh); and the roots
+    ``Q diag(d + eps)^(-1/4) Q^T`` with ``d`` the Rayleigh quotients (clamped at 0): A's inverse 4th roots where Q
+    is its eigenbasis, the roots of A's diagonal in Q otherwise. Returns (roots, Q)."""
+    from .soap import power_step, rayleigh_quotients
 
-    return eigh(A)[1] if Q0 is None else power_step(A, Q0)
-
-
-def _basis_roots(A: torch.Tensor, Q: torch.Tensor, eps: float) -> torch.Tensor:
-    """``Q diag(d + eps)^(-1/4) Q^T`` with ``d`` the Rayleigh quotients ``q^T A q`` (clamped at 0): A's inverse 4th
-    root where Q is its eigenbasis, the root of A's closest matrix diagonal in Q otherwise."""
-    d = (Q * (A @ Q)).sum(dim=-2).clamp_min(0.0)
-    return (Q * (d + eps).pow(-0.25).unsqueeze(-2)) @ Q.mT
+    Q = eigh(A)[1] if Q0 is None else power_step(A, Q0)
+    d = rayleigh_quotients(A, Q).clamp_min(0.0)
+    return (Q * (d + eps).pow(-0.25).unsqueeze(-2)) @ Q.mT, Q
 
 
 def _eigh_fallback(A: torch.Tensor, roots: torch.Tensor, eps: float, err: torch.Tensor | None) -> torch.Tensor:

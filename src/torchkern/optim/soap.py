@@ -101,6 +101,12 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     return (Q0.to(wide) @ X).to(S.dtype)
 
 
+def rayleigh_quotients(S: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """``q_j^T S q_j`` for every column of the bases Q (k, n, n): S's eigenvalues where Q is its eigenbasis, the
+    diagonal of S in Q otherwise (the eigenvalues K-FAC's and Shampoo's "qr" refreshes take with power_step)."""
+    return (Q * (S @ Q)).sum(dim=-2)
+
+
 def triangular_inverse(L: torch.Tensor, leaf: int = 64) -> torch.Tensor:
     """The inverse of a batch (k, n, n) of lower-triangular matrices, in batched products: the diagonal blocks of
     ``leaf`` rows by one batched triangular solve, then, doubling the block size, the off-diagonal block of each

@@ -101,19 +101,13 @@ inline at::Tensor pack(Params& p, const at::Tensor& x, at::TensorList weights, a
   p.wlast_off = static_cast<int>(voff);
   p.blast_off = static_cast<int>(voff + p.dims[H]);
   PackSource s{};
-  std::vector<at::Tensor> sources;  // float32 copies of the layers that are not float32 contiguous; alive until queued
+  std::vector<at::Tensor> sources;  // the layers as float32 contiguous tensors (themselves where they are); alive
+  sources.reserve(2 * (H + 1));     // until the launch is queued
   for (int l = 0; l <= H; ++l) {
-    for (const bool bias : {false, true}) {
-      const at::Tensor& t = bias ? biases[l] : weights[l];
-      const float* data;
-      if (t.scalar_type() == at::kFloat && t.is_contiguous()) {
-        data = t.const_data_ptr<float>();
-      } else {
-        sources.push_back(t.to(at::kFloat).contiguous());
-        data = sources.back().const_data_ptr<float>();
-      }
-      (bias ? s.b : s.w)[l] = data;
-    }
+    sources.push_back(float32_contiguous(weights[l]));
+    sources.push_back(float32_contiguous(biases[l]));
+    s.w[l] = sources[2 * l].const_data_ptr<float>();
+    s.b[l] = sources[2 * l + 1].const_data_ptr<float>();
     s.out[l] = static_cast<int>(weights[l].size(0));
     s.in[l] = static_cast<int>(weights[l].size(1));
   }
