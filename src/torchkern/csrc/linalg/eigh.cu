@@ -167,6 +167,7 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
   pr.batch_stride = N * N;
   pr.tile_stride = 2 * b * (N + 1);
   pr.per = static_cast<int>(P);
+  pr.split = 1;
   pr.ld = static_cast<int>(N);
   pr.n = static_cast<int>(2 * b);
   pr.max_sweeps = kInnerSweeps;
@@ -262,6 +263,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
       pr.A = Xc.const_data_ptr<TA>();
       pr.batch_stride = n * n;
       pr.per = 1;
+      pr.split = jacobi::split_for(B, static_cast<int>(n));
       pr.ld = static_cast<int>(n);
       pr.n = static_cast<int>(n);
       pr.max_sweeps = kMaxSweeps;

@@ -5,9 +5,21 @@
 // touches: its off-diagonal entries are exactly zero). A sweep is m - 1 rounds of the round-robin
 // ("circle") ordering: in round r the m / 2 disjoint pairs are (r, m - 1) and ((r + k) mod (m - 1),
 // (r - k) mod (m - 1)) for k = 1 .. m/2 - 1, so every pair meets once per sweep and the rotations of a round
-// commute. A round: thread k < m/2 computes pair k's rotation (barrier), then every thread applies the
-// rotations to its 2 x 2 blocks of A (rows of pair k1 x columns of pair k2: J1^T X J2, each entry owned by
-// one thread, so no barrier between the two sides) and to its (row, pair) pieces of V (barrier).
+// commute. A round: thread k < m/2 computes pair k's rotation and writes the pair's own 2 x 2 block of A,
+// while the other warps apply the previous round's rotations to V (its tables are double-buffered; V is not
+// read by the rotations, so this hides their dependent chain of divisions and square roots, which the whole
+// block used to wait for) (barrier); then every thread applies the round's rotations to its other 2 x 2 blocks
+// of A (rows of pair k1 x columns of pair k2: J1^T X J2 for k1 < k2, written to both triangles, so A stays
+// exactly symmetric; each entry owned by one thread, so no barrier between the two sides) (barrier). The last
+// round's rotation of V follows the last sweep.
+//
+// Row slices (whole mode): V <- V J mixes columns within each row, so the rows of V can live in different
+// blocks. With `split` > 1, each of a matrix's `split` blocks holds all of A and a slice of V's rows, and
+// repeats the A work and the rotations of the others: the same instructions on the same data give bitwise the
+// same A, rotations and stopping decisions in every block, with no communication. A batch too small to fill
+// the GPU (64 x 128^2 on 132 multiprocessors) then uses the idle ones for V (double, and as much
+// shared-memory traffic per round as A's float). 64 x 128^2, float32: 3.3 -> 2.2 (H200) to 2.4 ms (H100) with
+// the slices, the triangle and V beside the rotations (benchmarks/RESULTS.md, 2026-11-26, sixth session).
 //
 // Rotation of pair (p, q) (Rutishauser's formulas): theta = (a_qq - a_pp) / (2 a_pq),
 // t = sign(theta) / (|theta| + sqrt(1 + theta^2)), c = 1 / sqrt(1 + t^2), s = t c; a_pp -= t a_pq,
@@ -40,6 +52,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -61,13 +74,14 @@ struct Problem {
   int64_t batch_stride;  // elements between matrices
   int64_t tile_stride;   // elements between the tiles of one matrix (tile mode)
   int per;               // problems per matrix (1: whole mode)
+  int split;             // blocks per problem, each with a slice of V's rows (whole mode; 1 in tile mode)
   int ld;                // row stride of the input
   int n;                 // problem size
   int max_sweeps;
   double tol;            // whole mode: the stopping tolerance relative to ||A||_F
   // whole mode outputs
   TA* w;  // [G, n] eigenvalues ascending
-  TA* V;  // [G, n, n] eigenvectors as columns
+  TA* V;  // [G, n, n] eigenvectors as columns (each block writes its slice's rows)
   // tile mode
   double* U;             // [G, n, n] the subproblem's eigenvectors (unsorted)
   const double* thr;     // [G / per] rotation threshold (unscaled: relative to the whole matrix)
@@ -75,24 +89,27 @@ struct Problem {
   const int* active;     // [G / per]: 0 for a matrix that has converged
 };
 
-// Shared memory of one block: V (double), A (TA), then the rotation tables of a round.
+// Rows of V per block when a problem of size n is split over `split` blocks.
+__host__ __device__ inline int slice_rows(int n, int split) { return (n + split - 1) / split; }
+
+// Shared memory of one block: V's rows of the block's slice (double), A (TA), then the rotation tables of a round.
 template <typename TA>
 struct Layout {
   int m, h, ld;
-  size_t v_off, a_off, pq_off, cs_off, csd_off, diag_off, rot_off, bytes;
-  __host__ __device__ explicit Layout(int n) {
+  size_t v_off, a_off, pq_off, cs_off, csd_off, rot_off, bytes;
+  __host__ __device__ Layout(int n, int v_rows) {
     m = n + (n & 1);
     h = m / 2;
     ld = m + 1;
     const size_t mm = size_t(m) * ld;
     v_off = 0;
-    a_off = v_off + mm * sizeof(double);
+    a_off = v_off + size_t(v_rows) * ld * sizeof(double);
+    // the tables of two rounds (V is rotated by the previous round's while this round's are computed)
     pq_off = align16(a_off + mm * sizeof(TA));
-    cs_off = align16(pq_off + size_t(h) * sizeof(int2));
-    csd_off = align16(cs_off + size_t(h) * sizeof(Pair2<TA>));
-    diag_off = align16(csd_off + size_t(h) * sizeof(Pair2<double>));
-    rot_off = align16(diag_off + size_t(h) * sizeof(Pair2<TA>));
-    bytes = align16(rot_off + size_t(m) * sizeof(int));  // rot (h ints), reused as the sort's permutation (n ints)
+    cs_off = align16(pq_off + size_t(2 * h) * sizeof(int2));
+    csd_off = align16(cs_off + size_t(2 * h) * sizeof(Pair2<TA>));
+    rot_off = align16(csd_off + size_t(2 * h) * sizeof(Pair2<double>));
+    bytes = align16(rot_off + size_t(m) * sizeof(int));  // rot (2h = m ints), reused as the sort's permutation
   }
   __host__ __device__ static size_t align16(size_t x) { return (x + 15) & ~size_t(15); }
 };
@@ -109,19 +126,21 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
   __shared__ double red_d[kWarps];  // kStaticSmem bounds these two
   __shared__ TA red_a[kWarps];
   const int n = pr.n;
-  const Layout<TA> lay(n);
+  const int v_rows = slice_rows(n, pr.split);
+  const Layout<TA> lay(n, v_rows);
   const int m = lay.m, h = lay.h, ld = lay.ld;
   double* V = reinterpret_cast<double*>(smem + lay.v_off);
   TA* A = reinterpret_cast<TA*>(smem + lay.a_off);
   int2* tab_pq = reinterpret_cast<int2*>(smem + lay.pq_off);
   Pair2<TA>* tab_cs = reinterpret_cast<Pair2<TA>*>(smem + lay.cs_off);
   Pair2<double>* tab_csd = reinterpret_cast<Pair2<double>*>(smem + lay.csd_off);
-  Pair2<TA>* tab_diag = reinterpret_cast<Pair2<TA>*>(smem + lay.diag_off);
   int* tab_rot = reinterpret_cast<int*>(smem + lay.rot_off);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int64_t g = blockIdx.x, mat = g / pr.per;
+  const int64_t g = blockIdx.x / pr.split, mat = g / pr.per;  // the problem, its matrix
   const TA* src = pr.A + mat * pr.batch_stride + (g - mat * pr.per) * pr.tile_stride;
+  // this block's rows of V: r0 .. r0 + nr - 1 (all of them in tile mode)
+  const int r0 = static_cast<int>(blockIdx.x % pr.split) * v_rows, nr = min(v_rows, n - r0);
 
   if constexpr (kTile) {
     if (!pr.active[mat]) {  // converged: U = I leaves the whole matrix exactly as it is
@@ -137,14 +156,18 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
     const int r = i / m, c = i - r * m;
     const TA v = (r < n && c < n) ? src[int64_t(r) * pr.ld + c] : TA(0);
     A[r * ld + c] = v;
-    V[r * ld + c] = r == c ? 1.0 : 0.0;
     amax = nan_max(amax, fabs(v));
+  }
+  for (int i = tid; i < nr * m; i += THREADS) {
+    const int r = i / m, c = i - r * m;
+    V[r * ld + c] = r0 + r == c ? 1.0 : 0.0;
   }
   amax = block_reduce<THREADS, TA, true>(amax, red_a);  // its barriers also publish A and V
   if (!isfinite(amax)) {  // uniform: NaN outputs (whole mode), U = NaN (tile mode: never, eigh.cu zeroes those)
     if constexpr (!kTile) {
-      for (int i = tid; i < n; i += THREADS) pr.w[g * n + i] = TA(NAN);
-      for (int i = tid; i < n * n; i += THREADS) pr.V[g * n * n + i] = TA(NAN);
+      if (r0 == 0)
+        for (int i = tid; i < n; i += THREADS) pr.w[g * n + i] = TA(NAN);
+      for (int i = tid; i < nr * n; i += THREADS) pr.V[(g * n + r0) * n + i] = TA(NAN);
     } else {
       for (int i = tid; i < n * n; i += THREADS) pr.U[g * n * n + i] = NAN;
     }
@@ -183,12 +206,33 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
     stop2 = t * t;
   }
 
+  // V <- V J for the round whose tables start at `buf` (h entries each), on this block's rows (padding rows stay
+  // zero: only rows below n): lanes over pairs (each loads its pair's rotation once; consecutive pairs have
+  // consecutive columns), warps first_warp.. over rows.
+  const auto rotate_v = [&](int buf, int first_warp) {
+    for (int k = lane; k < h; k += 32) {
+      if (!tab_rot[buf + k]) continue;
+      const int2 pq = tab_pq[buf + k];
+      const Pair2<double> cs = tab_csd[buf + k];
+      for (int i = warp - first_warp; i < nr; i += kWarps - first_warp) {
+        double* row = V + i * ld;
+        const double vp = row[pq.x], vq = row[pq.y];
+        row[pq.x] = cs.x * vp - cs.y * vq;
+        row[pq.y] = cs.y * vp + cs.x * vq;
+      }
+    }
+  };
+  // The warps that compute a round's rotations, and the round count (its parity picks the table buffer).
+  const int rot_warps = (h + 31) / 32;
+  int rounds = 0;
   for (int sweep = 0; sweep < pr.max_sweeps; ++sweep) {
     if constexpr (!kTile) {
       if (off2 <= stop2) break;  // uniform: every thread has the same sum
     }
     double swept = 0.0;  // tile: sum of a_pq^2 over this thread's pairs of the sweep
-    for (int r = 0; r < m - 1; ++r) {
+    for (int r = 0; r < m - 1; ++r, ++rounds) {
+      // this round's tables; the previous round's (V's rotation, done now by the warps that compute none)
+      const int buf = (rounds & 1) * h, prev = h - buf;
       if (tid < h) {
         const int k = tid;
         int p = r, q = m - 1;
@@ -201,68 +245,74 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
         const TA apq = A[p * ld + q], app = A[p * ld + p], aqq = A[q * ld + q];
         if constexpr (kTile) swept += double(apq) * apq;
         const bool rot = fabs(apq) > thr;
-        Pair2<TA> cs{TA(1), TA(0)}, dg{app, aqq};
+        Pair2<TA> cs{TA(1), TA(0)};
         Pair2<double> csd{1.0, 0.0};
         if (rot) {
           const TA theta = (aqq - app) / (TA(2) * apq);
           const TA t = copysign(TA(1), theta) / (fabs(theta) + sqrt(TA(1) + theta * theta));
           const TA c = TA(1) / sqrt(TA(1) + t * t);
           cs = {c, t * c};
-          dg = {app - t * apq, aqq + t * apq};
-          const double cd = cs.x, sd = cs.y, inv = 1.0 / sqrt(cd * cd + sd * sd);
-          csd = {cd * inv, sd * inv};
+          // V's (c, s) renormalized in double: c^2 + s^2 = 1 + d with |d| a few ulp of TA, so
+          // 1 / sqrt(1 + d) = 1 - d/2 + 3d^2/8 to within d^3 (three FMAs instead of a double sqrt and division
+          // on the chain every other warp waits for)
+          const double d = fma(double(cs.x), double(cs.x), fma(double(cs.y), double(cs.y), -1.0));
+          const double inv = fma(d, fma(d, 0.375, -0.5), 1.0);
+          csd = {cs.x * inv, cs.y * inv};
+          // the pair's own 2 x 2 block of A (no other thread touches it this round): the rotated diagonal and
+          // an exact zero
+          A[p * ld + p] = app - t * apq;
+          A[q * ld + q] = aqq + t * apq;
+          A[p * ld + q] = TA(0);
+          A[q * ld + p] = TA(0);
         }
-        tab_pq[k] = make_int2(p, q);
-        tab_cs[k] = cs;
-        tab_csd[k] = csd;
-        tab_diag[k] = dg;
-        tab_rot[k] = rot;
+        tab_pq[buf + k] = make_int2(p, q);
+        tab_cs[buf + k] = cs;
+        tab_csd[buf + k] = csd;
+        tab_rot[buf + k] = rot;
+      } else if (rounds > 0 && warp >= rot_warps) {
+        rotate_v(prev, rot_warps);  // V reads nothing this phase writes
       }
-      __syncthreads();  // the round's rotations are in the tables
-      // A <- J^T A J, by 2 x 2 blocks: rows (p1, q1) of pair k1 x columns (p2, q2) of pair k2.
-      for (int k1 = warp; k1 < h; k1 += kWarps) {
-        const int2 pq1 = tab_pq[k1];
-        const bool rot1 = tab_rot[k1];
-        const Pair2<TA> cs1 = tab_cs[k1];
-        for (int k2 = lane; k2 < h; k2 += 32) {
-          const bool rot2 = tab_rot[k2];
-          if (!rot1 && !rot2) continue;  // both identity: the block stays as it is
+      __syncthreads();  // the round's rotations are in the tables, and V has the previous round's
+      // A <- J^T A J on the other 2 x 2 blocks: rows (p1, q1) of pair k1 x columns (p2, q2) of pair k2, k1 < k2,
+      // each also stored transposed. The triangle's rows k1 = i and h - 2 - i form line i, h blocks long (the
+      // middle row of an even h alone), and the threads take the lines' blocks in order: all warps full but the
+      // last (64 x 128^2: exactly two passes of 1024 threads); lanes take consecutive k2 (consecutive columns,
+      // and rows an odd stride apart for the transposed stores: no bank conflicts).
+      const int lines = h / 2, line_step = THREADS / h, j_step = THREADS % h;
+      for (int line = tid / h, j = tid % h; line < lines;) {
+        const bool first = j < h - 1 - line;
+        const int k1 = first ? line : h - 2 - line, k2 = first ? line + 1 + j : j;
+        if ((first || k1 != line) && (tab_rot[buf + k1] || tab_rot[buf + k2])) {  // else none, or both identity
+          const int2 pq1 = tab_pq[buf + k1], pq2 = tab_pq[buf + k2];
+          const Pair2<TA> cs1 = tab_cs[buf + k1], cs2 = tab_cs[buf + k2];
           TA* rp = A + pq1.x * ld;
           TA* rq = A + pq1.y * ld;
-          if (k1 == k2) {  // the pair's own block: the rotated diagonal, and an exact zero
-            const Pair2<TA> dg = tab_diag[k1];
-            rp[pq1.x] = dg.x;
-            rq[pq1.y] = dg.y;
-            rp[pq1.y] = TA(0);
-            rq[pq1.x] = TA(0);
-            continue;
-          }
-          const int2 pq2 = tab_pq[k2];
-          const Pair2<TA> cs2 = tab_cs[k2];
           const TA x00 = rp[pq2.x], x01 = rp[pq2.y], x10 = rq[pq2.x], x11 = rq[pq2.y];
           // rows: (J1^T X)_p = c1 x_p - s1 x_q, (J1^T X)_q = s1 x_p + c1 x_q
           const TA y00 = cs1.x * x00 - cs1.y * x10, y01 = cs1.x * x01 - cs1.y * x11;
           const TA y10 = cs1.y * x00 + cs1.x * x10, y11 = cs1.y * x01 + cs1.x * x11;
           // columns: (Y J2)_p = c2 y_p - s2 y_q, (Y J2)_q = s2 y_p + c2 y_q
-          rp[pq2.x] = cs2.x * y00 - cs2.y * y01;
-          rp[pq2.y] = cs2.y * y00 + cs2.x * y01;
-          rq[pq2.x] = cs2.x * y10 - cs2.y * y11;
-          rq[pq2.y] = cs2.y * y10 + cs2.x * y11;
+          const TA z00 = cs2.x * y00 - cs2.y * y01, z01 = cs2.y * y00 + cs2.x * y01;
+          const TA z10 = cs2.x * y10 - cs2.y * y11, z11 = cs2.y * y10 + cs2.x * y11;
+          rp[pq2.x] = z00;
+          rp[pq2.y] = z01;
+          rq[pq2.x] = z10;
+          rq[pq2.y] = z11;
+          TA* rp2 = A + pq2.x * ld;
+          TA* rq2 = A + pq2.y * ld;
+          rp2[pq1.x] = z00;
+          rq2[pq1.x] = z01;
+          rp2[pq1.y] = z10;
+          rq2[pq1.y] = z11;
+        }
+        line += line_step;
+        j += j_step;
+        if (j >= h) {
+          j -= h;
+          ++line;
         }
       }
-      // V <- V J: lanes over rows (padding rows stay zero: only the first n rows), warps over pairs.
-      for (int k = warp; k < h; k += kWarps) {
-        if (!tab_rot[k]) continue;
-        const int2 pq = tab_pq[k];
-        const Pair2<double> cs = tab_csd[k];
-        for (int i = lane; i < n; i += 32) {
-          double* row = V + i * ld;
-          const double vp = row[pq.x], vq = row[pq.y];
-          row[pq.x] = cs.x * vp - cs.y * vq;
-          row[pq.y] = cs.y * vp + cs.x * vq;
-        }
-      }
-      __syncthreads();  // A and V are complete before the next round reads them
+      __syncthreads();  // A is complete before the next round reads it
     }
     if constexpr (kTile) {
       swept = block_reduce<THREADS, double>(swept, red_d);
@@ -278,6 +328,10 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
     }
   }
 
+  if (rounds > 0) {  // the last round's rotation of V
+    rotate_v(((rounds - 1) & 1) * h, 0);
+    __syncthreads();
+  }
   if constexpr (kTile) {
     double* u = pr.U + g * n * n;
     for (int i = tid; i < n * n; i += THREADS) {
@@ -286,7 +340,7 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
     }
   } else {
     // Ascending order by ranks: the rank of d_j among d_0..d_{n-1}, ties broken by index.
-    int* perm = tab_rot;  // the tables are free now (the last round ended with a barrier)
+    int* perm = tab_rot;  // the tables are free now (V's last rotation ended with a barrier)
     TA* w = pr.w + g * n;
     for (int j = tid; j < n; j += THREADS) {
       const TA dj = A[j * ld + j];
@@ -296,11 +350,11 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
         rank += (di < dj) || (di == dj && i < j);
       }
       perm[rank] = j;
-      w[rank] = scale2(dj, e);
+      if (r0 == 0) w[rank] = scale2(dj, e);
     }
     __syncthreads();
-    TA* out = pr.V + g * n * n;
-    for (int i = tid; i < n * n; i += THREADS) {
+    TA* out = pr.V + (g * n + r0) * n;
+    for (int i = tid; i < nr * n; i += THREADS) {
       const int r = i / n, c = i - r * n;
       out[i] = static_cast<TA>(V[r * ld + perm[c]]);
     }
@@ -317,18 +371,26 @@ constexpr int threads_for(int n) { return n + (n & 1) <= 32 ? 128 : n + (n & 1) 
 constexpr size_t kStaticSmem = 2 * 32 * sizeof(double);
 
 template <typename TA>
-inline size_t smem_bytes(int n) {
-  return Layout<TA>(n).bytes;
+inline size_t smem_bytes(int n, int split = 1) {
+  return Layout<TA>(n, slice_rows(n, split)).bytes;
 }
 
-// Whether an n x n problem fits in one block's shared memory on the current device.
+// Whether an n x n problem fits in one block's shared memory on the current device (with all of V).
 template <typename TA>
 inline bool fits(int64_t n) {
   return n >= 1 && n <= (1 << 12) && smem_bytes<TA>(static_cast<int>(n)) + kStaticSmem <= smem_optin_bytes();
 }
 
-// Launches G problems of size pr.n (which must fit) on THREADS-thread blocks, with the kernel's shared memory
-// opted in once per device (to the most the device allows).
+// Blocks per matrix for a whole-mode batch of B matrices of size n: enough to give every multiprocessor a block
+// (each repeats the A work, so no more than that), at most kMaxSplit, and no block without rows of V.
+constexpr int kMaxSplit = 8;
+inline int split_for(int64_t B, int n) {
+  const int64_t fill = std::min<int64_t>(kMaxSplit, std::max<int64_t>(1, sm_count() / B));
+  return (n + slice_rows(n, static_cast<int>(fill)) - 1) / slice_rows(n, static_cast<int>(fill));
+}
+
+// Launches G problems of size pr.n (which must fit), pr.split blocks each, on THREADS-thread blocks, with the
+// kernel's shared memory opted in once per device (to the most the device allows).
 template <typename TA, int THREADS, bool kTile>
 void run(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
   const auto kernel = jacobi_kernel<TA, THREADS, kTile>;
@@ -338,7 +400,7 @@ void run(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
                                         static_cast<int>(smem_optin_bytes() - kStaticSmem)));
     return 0;
   });
-  kernel<<<static_cast<unsigned>(G), THREADS, smem_bytes<TA>(pr.n), stream>>>(pr);
+  kernel<<<static_cast<unsigned>(G * pr.split), THREADS, smem_bytes<TA>(pr.n, pr.split), stream>>>(pr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
