@@ -627,6 +627,23 @@ def test_eigh_kernel_sizes(kind, n, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("n", [7, 102, 128])
+def test_eigh_row_slices_agree(n):
+    # A batch too small to fill the GPU splits each matrix's eigenvectors over several blocks (jacobi.cuh, "Row
+    # slices"), a batch of 300 does not: the same matrices alone and within the batch meet the bars and agree to
+    # the float32 floor. n = 102: an odd number of rotation pairs; n = 7 alone: seven blocks of one row each.
+    A = spectrum("random", n, batch=(300,))
+    X = A.float().cuda()
+    w_all, V_all = linalg.eigh(X)
+    for i in (0, 1, 299):
+        w, V = linalg.eigh(X[i])
+        check_eigh(A[i], w, V, torch.float32)
+        scale = torch.linalg.matrix_norm(A[i]).item()
+        assert (w - w_all[i]).abs().max().item() <= EIGH_VALUES[torch.float32] * scale
+    check_eigh(A, w_all, V_all, torch.float32)
+
+
+@requires_cuda
 @pytest.mark.parametrize("n", [16, 64, 96, 120, 160])
 def test_eigh_kernel_float64_paths(n):
     # float64: the in-block kernel up to 118, the block method above, both at float64 accuracy
