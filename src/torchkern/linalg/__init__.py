@@ -7,7 +7,8 @@ Kronecker product: K-FAC / Shampoo). The math is in docs/design.md ("Symmetric e
 roots", "Kronecker preconditioning"); the twins are in ``torchkern.linalg.twins``.
 
 Kernels behind them (``csrc/linalg/``): ``eigh`` runs cyclic Jacobi with the matrix and its eigenvectors in
-one thread block's shared memory (jacobi.cuh; n <= 136 in float32, 118 in float64), and above that a block
+one thread block's shared memory (jacobi.cuh; n <= 136 in float32, 118 in float64; a batch too small to fill
+the GPU spreads each matrix's eigenvector rows over up to 8 blocks), and above that a block
 Jacobi method in float64 whose subproblems that kernel solves and whose rotations are batched products
 (eigh.cu). The coupled Newton iteration of the roots runs, for n <= 128 (float32,
 half types computed in float32; n <= 64 in float64), the whole iteration of one matrix inside
