@@ -92,7 +92,7 @@ struct Problem {
 // Rows of V per block when a problem of size n is split over `split` blocks.
 __host__ __device__ inline int slice_rows(int n, int split) { return (n + split - 1) / split; }
 
-// Shared memory of one block: V's rows of the block's slice (double), A (TA), then the rotation tables of a round.
+// Shared memory of one block: V's rows of the block's slice (double), A (TA), then the rotation tables.
 template <typename TA>
 struct Layout {
   int m, h, ld;
