@@ -84,9 +84,10 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor,
     gradient through V is not finite when eigenvalues coincide.
 
     Kernels (CUDA): cyclic two-sided Jacobi with the matrix and its eigenvectors in shared memory, one
-    thread block per matrix, every sweep in one launch (n <= 168 in float32, n <= 118 in float64), and a
-    block Jacobi method above, whose subproblems that kernel solves and whose rotations are batched
-    matrix products (docs/design.md, "Symmetric eigensolver").
+    thread block per matrix (up to 8 for a batch too small to fill the GPU, each with a slice of the
+    eigenvectors' rows), every sweep in one launch (n <= 136 in float32, n <= 118 in float64 on sm_90's
+    shared memory), and a block Jacobi method above, whose subproblems that kernel solves and whose
+    rotations are batched matrix products (docs/design.md, "Symmetric eigensolver").
     """
     w, V = torch.ops.torchkern.eigh(A, Q0)
     if w.numel() and bool(torch.isnan(w).any()):  # the one sync; only on this rare path is A looked at
