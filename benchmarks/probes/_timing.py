@@ -68,3 +68,15 @@ def bench_mlp_data(device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     """The optimizer benchmark's inputs and targets (torchkern.optim.bench: 1024 x 1024 each, the same seed)."""
     g = torch.Generator(device=device).manual_seed(1)
     return torch.randn(1024, 1024, device=device, generator=g), torch.randn(1024, 1024, device=device, generator=g)
+
+
+def warm_start_statistics(batch: int, n: int, seed: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """The eigh probes' matrices: float64 statistics P = Z Z^T / n one optimizer step later, A = P + 1e-2 ||P||_2 N
+    (N = W W^T scaled to unit spectral norm; Z, W standard normal), and P's eigenbasis, a warm start for A."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    Z = torch.randn(batch, n, n, device=device, dtype=torch.float64, generator=g)
+    prev = Z @ Z.mT / n
+    N = torch.randn(batch, n, n, device=device, dtype=torch.float64, generator=g)
+    N = N @ N.mT
+    N = N / torch.linalg.matrix_norm(N, 2)[:, None, None]
+    return prev + 1e-2 * torch.linalg.matrix_norm(prev, 2)[:, None, None] * N, torch.linalg.eigh(prev)[1]

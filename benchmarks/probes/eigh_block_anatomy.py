@@ -8,23 +8,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torchkern
+from _timing import warm_start_statistics
 
 dev = "cuda"
 
 
-def stats(batch, n, seed=0):
-    g = torch.Generator(device=dev).manual_seed(seed)
-    Z = torch.randn(batch, n, n, device=dev, dtype=torch.float64, generator=g)
-    prev = Z @ Z.mT / n
-    N = torch.randn(batch, n, n, device=dev, dtype=torch.float64, generator=g)
-    N = N @ N.mT
-    N = N / torch.linalg.matrix_norm(N, 2)[:, None, None]
-    A = (prev + 1e-2 * torch.linalg.matrix_norm(prev, 2)[:, None, None] * N).float()
-    return A, torch.linalg.eigh(prev)[1].float()
-
-
 for name, (batch, n, warm) in {"64x256 cold": (64, 256, False), "16x1024 warm": (16, 1024, True)}.items():
-    A, Q0 = stats(batch, n)
+    A, Q0 = (X.float() for X in warm_start_statistics(batch, n, seed=0, device=dev))
     call = (lambda: torchkern.linalg.eigh(A, Q0)) if warm else (lambda: torchkern.linalg.eigh(A))
     call()
     torch.cuda.synchronize()

@@ -7,22 +7,15 @@ import sys
 import torch
 
 import torchkern
-from _timing import per_call
+from _timing import per_call, warm_start_statistics
 
 dev = "cuda"
 shapes = [(256, 64), (64, 128), (16, 128), (8, 128), (64, 100), (4, 136), (1, 64)]
 only = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a]
 shapes = [s for s in shapes if s in only] or shapes
 for batch, n in shapes:
-    g = torch.Generator(device=dev).manual_seed(n)
-    Z = torch.randn(batch, n, n, device=dev, dtype=torch.float64, generator=g)
-    prev = Z @ Z.mT / n
-    N = torch.randn(batch, n, n, device=dev, dtype=torch.float64, generator=g)
-    N = N @ N.mT
-    N = N / torch.linalg.matrix_norm(N, 2)[:, None, None]
-    A64 = prev + 1e-2 * torch.linalg.matrix_norm(prev, 2)[:, None, None] * N
-    A = A64.float()
-    Q0 = torch.linalg.eigh(prev)[1].float()
+    A64, Q0 = warm_start_statistics(batch, n, seed=n, device=dev)
+    A, Q0 = A64.float(), Q0.float()
     cold = per_call(lambda: torchkern.linalg.eigh(A), reps=5) * 1e3
     warm = per_call(lambda: torchkern.linalg.eigh(A, Q0), reps=5) * 1e3
     w, V = torchkern.linalg.eigh(A)
