@@ -211,8 +211,8 @@ def shared_memory_layout(widths: Sequence[int], precision: int, hmc: bool, rows:
     H, d0 = len(dims) - 1, dims[0]
     size = dict.fromkeys(C.MLP_SLOTS[:-1], 0)
     size["xs"] = rows * (d0 + 4) * 4
-    if precision == C.BF16:
-        size["xb"] = rows * (d0 + pad) * 2
+    if precision != C.FP32:  # the states' operand copy (rounded) for the tensor cores
+        size["xb"] = rows * (d0 + pad) * t
     if hmc:
         size["p"] = rows * (d0 + 4) * 4
     widest = max(dims[1:H], default=0)  # activations kept for hidden layers 0..H-2, in two buffers
@@ -223,8 +223,7 @@ def shared_memory_layout(widths: Sequence[int], precision: int, hmc: bool, rows:
         if resident:
             size[f"w{l}"] = dims[l + 1] * (dims[l] + pad) * t
     if not resident:
-        stage = max(C.MLP_WIDE_PASS * (C.MLP_K_CHUNK + pad), C.MLP_K_CHUNK * (C.MLP_WIDE_PASS + pad))
-        size["stage"] = 2 * stage * t
+        size["stage"] = 2 * C.MLP_WIDE_PASS * (C.MLP_K_CHUNK + pad) * t  # two stages of a wide pass's chunk
     size["epart"] = rows * (dims[H] // 16) * 4
     size["rows"] = C.MLP_ROW_VALUES * rows * 4
     offsets, at = [], 0

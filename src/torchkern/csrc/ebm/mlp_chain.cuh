@@ -13,7 +13,10 @@
 // `rows/16 x 2` tiles (32 columns; a pass covers kWidePass columns) or, for narrow outputs, 1 x 1 tiles.
 // Weights either stay resident in shared memory (copied once) or are streamed per product in chunks of
 // kKChunk input rows/columns through two stages of cp.async (the chunk after the one being multiplied is
-// in flight, across product and step boundaries: the sequence of chunks repeats every evaluation).
+// in flight, across product and step boundaries: the sequence of chunks repeats every evaluation). Streamed
+// weights are packed as an image of the stages (stream_image_elems): every chunk a product reads is one contiguous
+// piece of global memory, laid out as the stage it is copied to, so the copy computes no addresses.
+// Operands are rounded once, when written (TF32: the packed weights too), never in the products' k loops.
 // The planner in ebm/mlp.py chooses rows and residency and lays out shared memory: it hands the kernel the
 // byte offset of each buffer (Slot order below = constants.MLP_SLOTS).
 #pragma once
@@ -84,7 +87,7 @@ struct Params {
   float* score;             // eval: [B, d]
   bool* accepted;           // HMC: [B, n_steps] or null
   int64_t* accept_count;    // HMC: [B]
-  const void* weights;      // packed operands (bf16 or float): W_l [dims[l+1], dims[l]] at w_off[l]
+  const void* weights;      // packed operands (bf16 or float) of hidden layer l at w_off[l] (see launch_pack)
   const float* vecs;        // packed float: b_l [dims[l+1]] at b_off[l]; w [dims[H]] at wlast_off; b at blast_off
   const float* noise;       // injected [n_steps, B, d] (Langevin eps, HMC momenta) or null
   const float* uniform;     // injected [n_steps, B] (HMC) or null
@@ -112,6 +115,25 @@ struct Params {
   int smem[kSlots];         // byte offsets (the planner's layout)
 };
 
+// v rounded to TF32 (cvt.rna.tf32.f32: to nearest, ties away from zero), as the float a tf32 mma reads exactly.
+__device__ __forceinline__ float round_tf32(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return __uint_as_float(r);
+}
+
+// Elements of a streamed chunk's row (and of a stage's): kKChunk operands and 16 bytes of padding (no bank
+// conflicts on the fragments' loads).
+__host__ __device__ constexpr int stream_row(int operand_bytes) { return kKChunk + 16 / operand_bytes; }
+
+// Streamed weights (p.resident false): hidden layer l's two images at p.w_off[l], the forward product's then the
+// backward product's, each stream_image_elems(dims[l], dims[l + 1], row) elements (row = stream_row). A product's image holds its operand B(k, n) chunk by chunk: for k chunk c, for
+// each output column n < N, B(c kKChunk + [0, kKChunk), n) and the padding. Forward of layer l: B(k, n) =
+// W_l[n, k]; backward: B(k, n) = W_l[k, n]. Pass p's piece of chunk c is rows [n0, n0 + pw) of chunk c: contiguous.
+__host__ __device__ inline int64_t stream_image_elems(int in, int out, int row) {
+  return static_cast<int64_t>(in) * out / kKChunk * row;
+}
+
 // The network's layers as float32 contiguous tensors ([out, in] weights, [out] biases), for the packing launch.
 struct PackSource {
   const float* w[kMaxHidden + 1];
@@ -119,10 +141,12 @@ struct PackSource {
   int out[kMaxHidden + 1], in[kMaxHidden + 1];
 };
 
-// Writes the network into p's padded geometry in one launch (mlp_pack.cu): w_elems operands (bf16 when `bf16`,
-// else float32) at p.w_off, v_elems float32 vectors at p.b_off, p.wlast_off, p.blast_off, zeros elsewhere.
+// Writes the network into p's padded geometry in one launch (mlp_pack.cu): w_elems operands in `precision`'s
+// operand type, rounded as its products read them (bf16, TF32-rounded floats, exact floats) at p.w_off (resident:
+// W_l [dims[l+1], dims[l]]; streamed: the images above), v_elems float32 vectors at p.b_off, p.wlast_off,
+// p.blast_off, zeros elsewhere.
 void launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems,
-                 bool bf16);
+                 int precision);
 
 // Launches the kernel for one precision (mlp_chain_<precision>.cu): grid ceil(batch / rows), kThreads
 // threads, smem_bytes of dynamic shared memory.

@@ -31,17 +31,21 @@ namespace torchkern {
 namespace mlp {
 
 // ------------------------------------------------------------------------------------------ operand policies
-// T: how operands are kept in shared memory; store() rounds a float into it. Tensor-core policies name the mma
-// shape: bf16 m16n8k16, tf32 m16n8k8, FP32 accumulators; fragments are loaded with ldmatrix (16-byte rows;
-// a tf32 element is two of its b16 halves, so the non-transposed loads serve tf32 too).
+// T: how operands are kept in shared memory. operand() rounds a float to what a product reads: every buffer a
+// product reads holds values rounded once when they are written (the packed weights, the states' operand copy,
+// activations, D), so the k loop converts nothing (TF32's cvt.rna was two thirds of its k loop's instructions).
+// store() keeps a value that no product reads (phi'(h) before the chain rule turns it into D): bf16 rounds, the
+// float policies keep it exact. Tensor-core policies name the mma shape: bf16 m16n8k16, tf32 m16n8k8, FP32
+// accumulators; fragments are loaded with ldmatrix (16-byte rows; a tf32 element is two of its b16 halves, so the
+// non-transposed loads serve tf32 too).
 
 struct Bf16Op {
   using T = __nv_bfloat16;
   static constexpr bool kTensorCores = true;
   static constexpr int kK = 16;
   __device__ static T store(float v) { return __float2bfloat16_rn(v); }
+  __device__ static T operand(float v) { return __float2bfloat16_rn(v); }
   __device__ static float load(T v) { return __bfloat162float(v); }
-  __device__ static uint32_t round(uint32_t bits) { return bits; }  // stored rounded
   // d (16 x 8) += a (16 x 16, row-major) b (16 x 8, column-major)
   __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
@@ -56,12 +60,8 @@ struct Tf32Op {
   static constexpr bool kTensorCores = true;
   static constexpr int kK = 8;
   __device__ static T store(float v) { return v; }
+  __device__ static T operand(float v) { return round_tf32(v); }
   __device__ static float load(T v) { return v; }
-  __device__ static uint32_t round(uint32_t bits) {  // cvt.rna.tf32.f32 (round to nearest, ties away)
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(__uint_as_float(bits)));
-    return r;
-  }
   __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};"
@@ -74,6 +74,7 @@ struct Fp32Op {  // the exact path: FP32 FMAs, each lane owning the elements its
   using T = float;
   static constexpr bool kTensorCores = false;
   __device__ static T store(float v) { return v; }
+  __device__ static T operand(float v) { return v; }
   __device__ static float load(T v) { return v; }
 };
 
@@ -304,7 +305,7 @@ struct Ctx {
   int64_t row0;
   PhiloxKey key;
   float* xs;   // [rows, ld_xs]
-  T* xop;      // the first product's operand: xb (bf16) or xs
+  T* xop;      // the first product's operand: xb (the states rounded, on tensor cores) or xs
   float* pm;   // HMC momenta [rows, ld_xs]
   float* epart;
   float* rowv;
@@ -328,33 +329,20 @@ struct Ctx {
   __device__ float* row_value(int which) const { return rowv + which * p->rows; }
 };
 
-// Issues the next chunk of the schedule into its stage and advances the cursor.
+// Issues the next chunk of the schedule into its stage and advances the cursor: rows n0 + [0, pw) of product g's
+// k chunk, one contiguous piece of the packed image (mlp_chain.cuh, stream_image_elems), copied as it lies.
 template <class Op>
 __device__ void issue_chunk(Ctx<Op>& c) {
   using T = typename Op::T;
-  constexpr int kPad = Ctx<Op>::kPad, kSeg = Ctx<Op>::kSeg;
+  constexpr int kRow = stream_row(sizeof(T)), kSeg = Ctx<Op>::kSeg;
   const Params& p = *c.p;
   const Gemm G = gemm_info(p, c.s_g, c.rt);
-  const int n0 = c.s_pass * G.pw, k0 = c.s_chunk * kKChunk;
-  const int pw_eff = min(G.pw, G.N - n0);
+  const int n0 = c.s_pass * G.pw, segs = min(G.pw, G.N - n0) * (kRow / kSeg);
+  const int64_t image = G.fwd ? 0 : stream_image_elems(p.dims[G.layer], p.dims[G.layer + 1], kRow);
+  const T* src = static_cast<const T*>(p.weights) + p.w_off[G.layer] + image +
+                 (static_cast<int64_t>(c.s_chunk) * G.N + n0) * kRow;
   T* dst = c.stage + (c.issued & 1u) * c.stage_elems;
-  const T* w = static_cast<const T*>(p.weights) + p.w_off[G.layer];  // [dims[l+1], dims[l]]
-  const int ld_w = p.dims[G.layer];
-  if (G.fwd) {  // B = W^T (column-major): W rows n0 + [0, pw_eff), columns k0 + [0, kKChunk)
-    constexpr int kSegsRow = kKChunk / kSeg;
-    for (int s = c.tid; s < pw_eff * kSegsRow; s += kThreads) {
-      const int r = s / kSegsRow, q = s % kSegsRow;
-      __pipeline_memcpy_async(dst + r * (kKChunk + kPad) + q * kSeg,
-                              w + static_cast<int64_t>(n0 + r) * ld_w + k0 + q * kSeg, 16);
-    }
-  } else {  // B = W (row-major): W rows k0 + [0, kKChunk), columns n0 + [0, pw_eff)
-    const int segs_row = pw_eff / kSeg;
-    for (int s = c.tid; s < kKChunk * segs_row; s += kThreads) {
-      const int r = s / segs_row, q = s % segs_row;
-      __pipeline_memcpy_async(dst + r * (G.pw + kPad) + q * kSeg,
-                              w + static_cast<int64_t>(k0 + r) * ld_w + n0 + q * kSeg, 16);
-    }
-  }
+  for (int s = c.tid; s < segs; s += kThreads) __pipeline_memcpy_async(dst + s * kSeg, src + s * kSeg, 16);
   __pipeline_commit();
   ++c.issued;
   if (++c.s_chunk == G.chunks) {
@@ -367,18 +355,19 @@ __device__ void issue_chunk(Ctx<Op>& c) {
 }
 
 // acc(unit) += A[r0 + [0, 16 kUR), ka + [0, kc)] x B[[0, kc), c0 + [0, 16 kUC)], where B(k, n) is
-// B[n * ldb + k] (kFwd: column-major) or B[k * ldb + n].
-template <class Op, int kUR, int kUC, bool kFwd>
+// B[n * ldb + k] (kByN: column-major, as the forward products' resident W and every streamed chunk) or
+// B[k * ldb + n] (the backward products' resident W). Operands are stored rounded: no conversion here.
+template <class Op, int kUR, int kUC, bool kByN>
 __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, int lda, int r0, int ka,
                                           const typename Op::T* B, int ldb, int c0, int kc, int lane) {
   if constexpr (Op::kTensorCores) {
     using T = typename Op::T;
     constexpr int kHalf = 16 / sizeof(T);  // the k extent of one 8 x 8 b16 matrix: 8 bf16 or 4 tf32
     // Lane l's row addresses. A (row-major): rows r0 + 16 i + l % 16, k + 8 (l / 16) b16 columns.
-    // B fwd (B(k, n) = B[n ldb + k], as W): n rows (l % 8) + 8 (l / 16), k + kHalf ((l / 8) % 2).
-    // B bwd bf16 (B[k ldb + n], transposed loads): k rows (l % 8) + 8 ((l / 8) % 2), n + 8 (l / 16).
+    // B by n (B(k, n) = B[n ldb + k]): n rows (l % 8) + 8 (l / 16), k + kHalf ((l / 8) % 2).
+    // B by k, bf16 (B[k ldb + n], transposed loads): k rows (l % 8) + 8 ((l / 8) % 2), n + 8 (l / 16).
     const T* a_row = A + (r0 + (lane & 15)) * lda + ka + (lane >> 4) * kHalf;
-    const T* b_row = kFwd ? B + (c0 + (lane & 7) + ((lane >> 4) << 3)) * ldb + ((lane >> 3) & 1) * kHalf
+    const T* b_row = kByN ? B + (c0 + (lane & 7) + ((lane >> 4) << 3)) * ldb + ((lane >> 3) & 1) * kHalf
                           : B + ((lane & 7) + (((lane >> 3) & 1) << 3)) * ldb + c0 + ((lane >> 4) << 3);
     const int g = lane >> 2, t = lane & 3;
     // The rows' shared-window addresses, computed once: a k step adds a constant (the loop's integer work was
@@ -387,8 +376,8 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
 #pragma unroll
     for (int i = 0; i < kUR; ++i) a_addr[i] = smem_address(a_row + 16 * i * lda);
 #pragma unroll
-    for (int j = 0; j < kUC; ++j) b_addr[j] = smem_address(kFwd ? b_row + 16 * j * ldb : b_row + 16 * j);
-    const unsigned b_k_bytes = kFwd ? sizeof(T) : ldb * sizeof(T);  // B's bytes per unit of k
+    for (int j = 0; j < kUC; ++j) b_addr[j] = smem_address(kByN ? b_row + 16 * j * ldb : b_row + 16 * j);
+    const unsigned b_k_bytes = kByN ? sizeof(T) : ldb * sizeof(T);  // B's bytes per unit of k
     struct Frags {
       uint32_t a[kUR][4], b[kUC][4];  // b[j]: {b0, b1} of the n8 tile 16 j, then of 16 j + 8
     };
@@ -397,8 +386,8 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
       for (int i = 0; i < kUR; ++i) ldmatrix_x4<false>(f.a[i], a_addr[i] + k * sizeof(T));
 #pragma unroll
       for (int j = 0; j < kUC; ++j) {
-        if constexpr (kFwd || sizeof(T) == 2) {
-          ldmatrix_x4<!kFwd>(f.b[j], b_addr[j] + k * b_k_bytes);
+        if constexpr (kByN || sizeof(T) == 2) {
+          ldmatrix_x4<!kByN>(f.b[j], b_addr[j] + k * b_k_bytes);
         } else {  // tf32 B(k = t (+4), n = g (+8)): 32-bit elements, no transposed load
           const T* bk = B + (k + t) * ldb + c0 + 16 * j + g;
           f.b[j][0] = __float_as_uint(bk[0]);
@@ -406,16 +395,6 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
           f.b[j][2] = __float_as_uint(bk[8]);
           f.b[j][3] = __float_as_uint(bk[4 * ldb + 8]);
         }
-      }
-#pragma unroll
-      for (int i = 0; i < kUR; ++i) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) f.a[i][q] = Op::round(f.a[i][q]);
-      }
-#pragma unroll
-      for (int j = 0; j < kUC; ++j) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) f.b[j][q] = Op::round(f.b[j][q]);
       }
     };
     // A lone tile (a narrow product's unit) accumulates its odd k steps apart, in the unit's unused tile (0, 1):
@@ -462,7 +441,7 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
 #pragma unroll
       for (int j = 0; j < kUC; ++j) {
         float b[8];
-        if constexpr (kFwd) {
+        if constexpr (kByN) {
 #pragma unroll
           for (int q = 0; q < 8; ++q) b[q] = B[(c0 + 16 * j + cc + q) * ldb + k];
         } else {
@@ -496,7 +475,7 @@ __device__ __forceinline__ void update_pair(Ctx<Op>& c, int row, int col, float 
     for (int q = 0; q < n; ++q) {
       const float v = langevin_update(xs[q], g[q], eps[q], s, p.clamp);
       xs[q] = v;
-      if constexpr (sizeof(typename Op::T) == 2) xop[q] = Op::store(v);
+      if constexpr (Op::kTensorCores) xop[q] = Op::operand(v);
       if (c.keep) p.traj[(r * p.kept + c.slot) * p.d + col + q] = v;
     }
   } else {  // HMC: kick, then drift
@@ -507,7 +486,7 @@ __device__ __forceinline__ void update_pair(Ctx<Op>& c, int row, int col, float 
       if (c.drift) {
         const float v = xs[q] + p.step * m;
         xs[q] = v;
-        if constexpr (sizeof(typename Op::T) == 2) xop[q] = Op::store(v);
+        if constexpr (Op::kTensorCores) xop[q] = Op::operand(v);
       }
     }
   }
@@ -634,10 +613,13 @@ __device__ __forceinline__ float2 load2(const typename Op::T* src) {
   }
 }
 
-template <class Op>
+// kOperand: a product reads the pair (Op::operand rounds it), else Op::store keeps it.
+template <class Op, bool kOperand>
 __device__ __forceinline__ void store2(typename Op::T* dst, float a, float b) {
   if constexpr (sizeof(typename Op::T) == 2) {
     *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+  } else if constexpr (kOperand) {
+    *reinterpret_cast<float2*>(dst) = make_float2(Op::operand(a), Op::operand(b));
   } else {
     *reinterpret_cast<float2*>(dst) = make_float2(a, b);
   }
@@ -688,17 +670,17 @@ __device__ __forceinline__ void epilogue_frag(Ctx<Op>& c, const Gemm& G, const A
           const int lda = 8 * c.ld_act;
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            store2<Op>(av + 8 * h, ad.a[4 * h], ad.a[4 * h + 1]);
-            store2<Op>(av + lda + 8 * h, ad.a[4 * h + 2], ad.a[4 * h + 3]);
-            store2<Op>(dv + 8 * h, ad.d[4 * h], ad.d[4 * h + 1]);
-            store2<Op>(dv + ldd + 8 * h, ad.d[4 * h + 2], ad.d[4 * h + 3]);
+            store2<Op, true>(av + 8 * h, ad.a[4 * h], ad.a[4 * h + 1]);
+            store2<Op, true>(av + lda + 8 * h, ad.a[4 * h + 2], ad.a[4 * h + 3]);
+            store2<Op, false>(dv + 8 * h, ad.d[4 * h], ad.d[4 * h + 1]);  // phi': the chain rule's, not a product's
+            store2<Op, false>(dv + ldd + 8 * h, ad.d[4 * h + 2], ad.d[4 * h + 3]);
           }
         } else {
           const float* w = wl[j];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            store2<Op>(dv + 8 * h, ad.d[4 * h] * w[2 * h], ad.d[4 * h + 1] * w[2 * h + 1]);
-            store2<Op>(dv + ldd + 8 * h, ad.d[4 * h + 2] * w[2 * h], ad.d[4 * h + 3] * w[2 * h + 1]);
+            store2<Op, true>(dv + 8 * h, ad.d[4 * h] * w[2 * h], ad.d[4 * h + 1] * w[2 * h + 1]);
+            store2<Op, true>(dv + ldd + 8 * h, ad.d[4 * h + 2] * w[2 * h], ad.d[4 * h + 3] * w[2 * h + 1]);
           }
           if (c.need_energy) {  // warp-uniform; the four lanes t of a row hold its 16 columns
             float e_top = 0.f, e_bottom = 0.f;  // rows g and g + 8 of this tile
@@ -737,7 +719,7 @@ __device__ __forceinline__ void epilogue_frag(Ctx<Op>& c, const Gemm& G, const A
             *d2 = __hmul2(*d2, __floats2bfloat162_rn(acc.v[i][j][q], acc.v[i][j][q + 1]));
           } else {
             const float2 s = load2<Op>(dst);
-            store2<Op>(dst, s.x * acc.v[i][j][q], s.y * acc.v[i][j][q + 1]);
+            store2<Op, true>(dst, s.x * acc.v[i][j][q], s.y * acc.v[i][j][q + 1]);
           }
         }
       }
@@ -784,9 +766,9 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
         issue_chunk(c);  // the chunk after this one, into the other stage
         __pipeline_wait_prior(1);
         __syncthreads();  // this chunk is in shared memory, from every thread's copies
-        const T* B = c.stage + (c.consumed & 1u) * c.stage_elems;
-        const int ldb = kFwd ? kKChunk + kPad : G.pw + kPad;
-        if (active) mma_range<Op, kUR, kUC, kFwd>(acc, A, lda, r0, ch * kKChunk, B, ldb, c0, kKChunk, c.lane);
+        const T* B = c.stage + (c.consumed & 1u) * c.stage_elems;  // by n, both directions
+        constexpr int ldb = stream_row(sizeof(T));
+        if (active) mma_range<Op, kUR, kUC, true>(acc, A, lda, r0, ch * kKChunk, B, ldb, c0, kKChunk, c.lane);
         __syncthreads();  // every warp is done with this stage before the next issue overwrites it
         ++c.consumed;
       }
@@ -867,7 +849,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
   c.ld_xs = d0 + 4;
   c.xs = reinterpret_cast<float*>(smem + p.smem[kSlotXs]);
   c.pm = reinterpret_cast<float*>(smem + p.smem[kSlotP]);
-  if constexpr (sizeof(T) == 2) {
+  if constexpr (Op::kTensorCores) {
     c.xop = reinterpret_cast<T*>(smem + p.smem[kSlotXb]);
     c.ld_xop = d0 + kPad;
   } else {
@@ -881,7 +863,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
   c.ld_epart = p.dims[H] / 16;
   c.rowv = reinterpret_cast<float*>(smem + p.smem[kSlotRows]);
   c.stage = reinterpret_cast<T*>(smem + p.smem[kSlotStage]);
-  c.stage_elems = max(kWidePass * (kKChunk + kPad), kKChunk * (kWidePass + kPad));
+  c.stage_elems = kWidePass * stream_row(sizeof(T));
   c.s_g = c.s_pass = c.s_chunk = 0;
   c.issued = c.consumed = 0;
   c.need_energy = c.keep = c.drift = false;
@@ -894,8 +876,8 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
     c.xs[i] = 0.f;
     if (p.mode == kHmc) c.pm[i] = 0.f;
   }
-  if constexpr (sizeof(T) == 2) {
-    for (int i = c.tid; i < p.rows * c.ld_xop; i += kThreads) c.xop[i] = Op::store(0.f);
+  if constexpr (Op::kTensorCores) {
+    for (int i = c.tid; i < p.rows * c.ld_xop; i += kThreads) c.xop[i] = Op::operand(0.f);
   }
   for (int i = c.tid; i < kRowValues * p.rows; i += kThreads) c.rowv[i] = 0.f;
   if (p.resident) {
@@ -930,7 +912,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
               : normal_at(c.key, p.n_steps + 1, flat);
     }
     c.xs[row * c.ld_xs + col] = v;
-    if constexpr (sizeof(T) == 2) c.xop[row * c.ld_xop + col] = Op::store(v);
+    if constexpr (Op::kTensorCores) c.xop[row * c.ld_xop + col] = Op::operand(v);
   }
   __syncthreads();
 
@@ -1002,7 +984,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
           p.x[flat] = *xv;
         } else {
           *xv = p.x[flat];
-          if constexpr (sizeof(T) == 2) c.xop[row * c.ld_xop + col] = Op::store(*xv);
+          if constexpr (Op::kTensorCores) c.xop[row * c.ld_xop + col] = Op::operand(*xv);
         }
         if (p.traj && keep) p.traj[((c.row0 + row) * p.kept + slot) * d + col] = *xv;
       }

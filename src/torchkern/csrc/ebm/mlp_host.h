@@ -83,8 +83,9 @@ inline at::Tensor as_dtype(const at::Tensor& t, at::ScalarType dtype) {
 }
 
 // Packs the network into p's padded geometry (widths rounded up to kAlign, zeros in the padding; one launch,
-// mlp_pack.cu) in one allocation: the hidden layers' weights as operands (bf16, else float32), then, 128-byte
-// aligned, the biases, the output row and its bias as float32.
+// mlp_pack.cu) in one allocation: the hidden layers' weights as operands (bf16, else float32; resident as W_l,
+// streamed as the stages' images, mlp_chain.cuh), then, 128-byte aligned, the biases, the output row and its bias
+// as float32. p.resident is set (apply_layout).
 inline at::Tensor pack(Params& p, const at::Tensor& x, at::TensorList weights, at::TensorList biases,
                        int64_t precision) {
   const int H = static_cast<int>(weights.size()) - 1;
@@ -94,7 +95,8 @@ inline at::Tensor pack(Params& p, const at::Tensor& x, at::TensorList weights, a
   for (int l = 0; l < H; ++l) {
     p.dims[l + 1] = static_cast<int>(round_up(weights[l].size(0), kAlign));
     p.w_off[l] = woff;
-    woff += static_cast<int64_t>(p.dims[l + 1]) * p.dims[l];
+    woff += p.resident ? static_cast<int64_t>(p.dims[l + 1]) * p.dims[l]
+                       : 2 * stream_image_elems(p.dims[l], p.dims[l + 1], stream_row(precision == kBf16 ? 2 : 4));
     p.b_off[l] = static_cast<int>(voff);
     voff += p.dims[l + 1];
   }
@@ -116,7 +118,7 @@ inline at::Tensor pack(Params& p, const at::Tensor& x, at::TensorList weights, a
   at::Tensor packed = at::empty({vec_at + v_elems * 4}, x.options().dtype(at::kByte));
   uint8_t* base = packed.mutable_data_ptr<uint8_t>();
   float* vecs = reinterpret_cast<float*>(base + vec_at);
-  launch_pack(p, s, base, vecs, woff, v_elems, precision == kBf16);
+  launch_pack(p, s, base, vecs, woff, v_elems, static_cast<int>(precision));
   p.weights = base;
   p.vecs = vecs;
   return packed;

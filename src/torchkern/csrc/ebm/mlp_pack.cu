@@ -1,5 +1,6 @@
 // The fused MLP chain's weight packing (mlp_host.h `pack`): the network's float32 layers copied into the kernel's
-// padded geometry (widths rounded up to kAlign, zeros in the padding) in ONE launch. Packing by a zeroed buffer
+// padded geometry (widths rounded up to kAlign, zeros in the padding; streamed weights as the stages' image) and
+// rounded as the products read them, in ONE launch. Packing by a zeroed buffer
 // and a copy per tensor was ten launches (the op's host time fell from 0.21 to 0.06 ms on an H200 host).
 #include "mlp_chain.cuh"
 
@@ -11,20 +12,27 @@ namespace torchkern {
 namespace mlp {
 namespace {
 
-template <class T>
+template <class T, bool kTf32>
 __device__ __forceinline__ T to_operand(float v) {
   if constexpr (sizeof(T) == 2) {
     return __float2bfloat16_rn(v);
   } else {
-    return v;
+    return kTf32 ? round_tf32(v) : v;
   }
 }
 
-// Element i of [operands | vecs]: hidden layer l's W_l at p.w_off[l] ([dims[l+1], dims[l]]); then b_l at
-// p.b_off[l], the output row at p.wlast_off and its bias at p.blast_off (vecs, float32).
-template <class T>
+// Hidden layer l's weight at [r, col] of W_l, zero in the padding.
+__device__ __forceinline__ float weight(const PackSource& s, int l, int r, int col) {
+  return r < s.out[l] && col < s.in[l] ? s.w[l][static_cast<int64_t>(r) * s.in[l] + col] : 0.f;
+}
+
+// Element i of [operands | vecs]: hidden layer l's weights at p.w_off[l] (resident: W_l [dims[l+1], dims[l]];
+// streamed: its forward and backward images, mlp_chain.cuh); then b_l at p.b_off[l], the output row at
+// p.wlast_off and its bias at p.blast_off (vecs, float32).
+template <class T, bool kTf32>
 __global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_constant__ PackSource s, T* wpack,
                                 float* vpack, int64_t w_elems, int64_t v_elems) {
+  constexpr int kRow = stream_row(sizeof(T));
   const int H = p.n_hidden;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < w_elems + v_elems; i += stride) {
@@ -32,10 +40,21 @@ __global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_c
     if (i < w_elems) {
       int l = 0;
       while (l + 1 < H && i >= p.w_off[l + 1]) ++l;
-      const int64_t k = i - p.w_off[l];
-      const int r = static_cast<int>(k / p.dims[l]), col = static_cast<int>(k % p.dims[l]);
-      if (r < s.out[l] && col < s.in[l]) v = s.w[l][static_cast<int64_t>(r) * s.in[l] + col];
-      wpack[i] = to_operand<T>(v);
+      int64_t k = i - p.w_off[l];
+      const int in = p.dims[l], out = p.dims[l + 1];
+      if (p.resident) {
+        v = weight(s, l, static_cast<int>(k / in), static_cast<int>(k % in));
+      } else {
+        const int64_t image = stream_image_elems(in, out, kRow);
+        const bool fwd = k < image;
+        k -= fwd ? 0 : image;
+        const int N = fwd ? out : in;  // the product's output width
+        const int chunk = static_cast<int>(k / (static_cast<int64_t>(N) * kRow));
+        const int n = static_cast<int>(k / kRow % N), kk = static_cast<int>(k % kRow);
+        const int kg = chunk * kKChunk + kk;  // B(kg, n): W_l[n, kg] forward, W_l[kg, n] backward
+        if (kk < kKChunk) v = fwd ? weight(s, l, n, kg) : weight(s, l, kg, n);
+      }
+      wpack[i] = to_operand<T, kTf32>(v);
       continue;
     }
     const int j = static_cast<int>(i - w_elems);
@@ -55,14 +74,17 @@ __global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_c
 }  // namespace
 
 void launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems,
-                 bool bf16) {
+                 int precision) {
   const unsigned grid = grid_for(w_elems + v_elems, 256, 2);
-  if (bf16) {
-    mlp_pack_kernel<__nv_bfloat16><<<grid, 256, 0, current_stream()>>>(
+  if (precision == kBf16) {
+    mlp_pack_kernel<__nv_bfloat16, false><<<grid, 256, 0, current_stream()>>>(
         p, s, static_cast<__nv_bfloat16*>(wpack), vpack, w_elems, v_elems);
+  } else if (precision == kTf32) {
+    mlp_pack_kernel<float, true><<<grid, 256, 0, current_stream()>>>(p, s, static_cast<float*>(wpack), vpack,
+                                                                     w_elems, v_elems);
   } else {
-    mlp_pack_kernel<float><<<grid, 256, 0, current_stream()>>>(p, s, static_cast<float*>(wpack), vpack, w_elems,
-                                                               v_elems);
+    mlp_pack_kernel<float, false><<<grid, 256, 0, current_stream()>>>(p, s, static_cast<float*>(wpack), vpack,
+                                                                      w_elems, v_elems);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
