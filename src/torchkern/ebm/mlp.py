@@ -223,7 +223,8 @@ def shared_memory_layout(widths: Sequence[int], precision: int, hmc: bool, rows:
         if resident:
             size[f"w{l}"] = dims[l + 1] * (dims[l] + pad) * t
     if not resident:
-        size["stage"] = 2 * C.MLP_WIDE_PASS * (C.MLP_K_CHUNK + pad) * t  # two stages of a wide pass's chunk
+        # two stages of a wide pass's chunk and their two mbarriers
+        size["stage"] = 2 * C.MLP_WIDE_PASS * (C.MLP_K_CHUNK + pad) * t + 16
     size["epart"] = rows * (dims[H] // 16) * 4
     size["rows"] = C.MLP_ROW_VALUES * rows * 4
     offsets, at = [], 0

@@ -53,7 +53,7 @@ enum Slot : int {
   kSlotAct1 = TORCHKERN_MLP_SLOT_ACT1,      // ... in act[l % 2]
   kSlotDeriv0 = TORCHKERN_MLP_SLOT_DERIV0,  // T [rows, n_{l+1} + pad]: phi'(h), then D_l, of hidden layer l
   kSlotW0 = TORCHKERN_MLP_SLOT_W0,          // T [n_{l+1}, n_l + pad]: resident weights of hidden layer l
-  kSlotStage = TORCHKERN_MLP_SLOT_STAGE,    // T [2, stage elements]: streamed weight chunks
+  kSlotStage = TORCHKERN_MLP_SLOT_STAGE,    // T [2, stage elements]: streamed weight chunks; 2 mbarriers
   kSlotEpart = TORCHKERN_MLP_SLOT_EPART,    // float [rows, n_H / 16]: energy partial sums per column tile
   kSlotRows = TORCHKERN_MLP_SLOT_ROWS,      // float [kRowValues, rows]: per-row scalars (RowValue)
   kSlotEnd = TORCHKERN_MLP_SLOT_END,        // total bytes

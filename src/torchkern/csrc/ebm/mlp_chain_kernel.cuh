@@ -17,7 +17,6 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_pipeline.h>
 
 #include <type_traits>
 
@@ -318,9 +317,10 @@ struct Ctx {
   int slot;
   float kick;     // HMC: p -= kick g, then (drift) x += step p
   bool drift;
-  // the streaming schedule: the next chunk to issue, and counts
+  // the weight stream: the next chunk to issue and the count issued (thread 0's), the count consumed (everyone's),
+  // the shared addresses of the stages' mbarriers (8 bytes each, after the stages)
   int s_g, s_pass, s_chunk;
-  unsigned issued, consumed;
+  unsigned issued, consumed, bars;
 
   __device__ T* act(int i) const { return reinterpret_cast<T*>(smem + p->smem[kSlotAct0 + i]); }
   __device__ T* deriv(int l) const { return reinterpret_cast<T*>(smem + p->smem[kSlotDeriv0 + l]); }
@@ -329,21 +329,44 @@ struct Ctx {
   __device__ float* row_value(int which) const { return rowv + which * p->rows; }
 };
 
-// Issues the next chunk of the schedule into its stage and advances the cursor: rows n0 + [0, pw) of product g's
-// k chunk, one contiguous piece of the packed image (mlp_chain.cuh, stream_image_elems), copied as it lies.
+// The weight stream's copies: a chunk is one bulk copy (TMA), issued by thread 0 (the others compute no addresses
+// and issue nothing: per-thread 16-byte copies were a third of the TF32 kernel's instructions), completing on its
+// stage's mbarrier with the byte count it expects; the threads wait on the barrier's phase.
+__device__ __forceinline__ void stage_barrier_init(unsigned bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+
+// Until the phase of parity `parity` of the barrier at `bar` has completed.
+__device__ __forceinline__ void stage_wait(unsigned bar, unsigned parity) {
+  uint32_t done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+
+// Issues the next chunk of the schedule into its stage and advances the cursor (thread 0): rows n0 + [0, pw) of
+// product g's k chunk, one contiguous piece of the packed image (mlp_chain.cuh, stream_image_elems). Chunk i goes
+// to stage i % 2, whose barrier completes its phase i / 2 when the bytes have landed.
 template <class Op>
 __device__ void issue_chunk(Ctx<Op>& c) {
   using T = typename Op::T;
-  constexpr int kRow = stream_row(sizeof(T)), kSeg = Ctx<Op>::kSeg;
+  constexpr int kRow = stream_row(sizeof(T));
   const Params& p = *c.p;
   const Gemm G = gemm_info(p, c.s_g, c.rt);
-  const int n0 = c.s_pass * G.pw, segs = min(G.pw, G.N - n0) * (kRow / kSeg);
+  const int n0 = c.s_pass * G.pw;
   const int64_t image = G.fwd ? 0 : stream_image_elems(p.dims[G.layer], p.dims[G.layer + 1], kRow);
   const T* src = static_cast<const T*>(p.weights) + p.w_off[G.layer] + image +
                  (static_cast<int64_t>(c.s_chunk) * G.N + n0) * kRow;
-  T* dst = c.stage + (c.issued & 1u) * c.stage_elems;
-  for (int s = c.tid; s < segs; s += kThreads) __pipeline_memcpy_async(dst + s * kSeg, src + s * kSeg, 16);
-  __pipeline_commit();
+  const unsigned stage = c.issued & 1u;
+  bulk_copy(smem_address(c.stage + stage * c.stage_elems), src, min(G.pw, G.N - n0) * kRow * sizeof(T),
+            c.bars + 8 * stage);
   ++c.issued;
   if (++c.s_chunk == G.chunks) {
     c.s_chunk = 0;
@@ -431,7 +454,26 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
 #pragma unroll
       for (int q = 0; q < 8; ++q) acc.v[0][0][q] += acc.v[0][1][q];
     }
-  } else {
+  } else if constexpr (kByN) {  // FP32, B by n: 4 k at a time, one 16-byte load per row of A and column of B
+    const int rr = lane & 15, cc = (lane >> 4) * 8;
+    for (int k = 0; k < kc; k += 4) {
+      float4 a[kUR];
+#pragma unroll
+      for (int i = 0; i < kUR; ++i) a[i] = *reinterpret_cast<const float4*>(A + (r0 + 16 * i + rr) * lda + ka + k);
+#pragma unroll
+      for (int j = 0; j < kUC; ++j) {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const float4 b = *reinterpret_cast<const float4*>(B + (c0 + 16 * j + cc + q) * ldb + k);
+#pragma unroll
+          for (int i = 0; i < kUR; ++i) {  // k in order: the same sums as one k at a time
+            float& v = acc.v[i][j][q];
+            v = fmaf(a[i].w, b.w, fmaf(a[i].z, b.z, fmaf(a[i].y, b.y, fmaf(a[i].x, b.x, v))));
+          }
+        }
+      }
+    }
+  } else {  // FP32, B by k: one k at a time, 8 consecutive columns of B per load
     const int rr = lane & 15, cc = (lane >> 4) * 8;
 #pragma unroll 4
     for (int k = 0; k < kc; ++k) {
@@ -441,12 +483,7 @@ __device__ __forceinline__ void mma_range(Accum& acc, const typename Op::T* A, i
 #pragma unroll
       for (int j = 0; j < kUC; ++j) {
         float b[8];
-        if constexpr (kByN) {
-#pragma unroll
-          for (int q = 0; q < 8; ++q) b[q] = B[(c0 + 16 * j + cc + q) * ldb + k];
-        } else {
-          load8<Op>(B + k * ldb + c0 + 16 * j + cc, b);
-        }
+        load8<Op>(B + k * ldb + c0 + 16 * j + cc, b);
 #pragma unroll
         for (int i = 0; i < kUR; ++i) {
 #pragma unroll
@@ -763,9 +800,8 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
       if (active) mma_range<Op, kUR, kUC, kFwd>(acc, A, lda, r0, 0, B, ldw, c0, G.K, c.lane);
     } else {
       for (int ch = 0; ch < G.chunks; ++ch) {
-        issue_chunk(c);  // the chunk after this one, into the other stage
-        __pipeline_wait_prior(1);
-        __syncthreads();  // this chunk is in shared memory, from every thread's copies
+        if (c.tid == 0) issue_chunk(c);  // the chunk after this one, into the other stage
+        stage_wait(c.bars + 8 * (c.consumed & 1u), (c.consumed >> 1) & 1u);  // this chunk has landed
         const T* B = c.stage + (c.consumed & 1u) * c.stage_elems;  // by n, both directions
         constexpr int ldb = stream_row(sizeof(T));
         if (active) mma_range<Op, kUR, kUC, true>(acc, A, lda, r0, ch * kKChunk, B, ldb, c0, kKChunk, c.lane);
@@ -864,6 +900,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
   c.rowv = reinterpret_cast<float*>(smem + p.smem[kSlotRows]);
   c.stage = reinterpret_cast<T*>(smem + p.smem[kSlotStage]);
   c.stage_elems = kWidePass * stream_row(sizeof(T));
+  c.bars = smem_address(c.stage + 2 * c.stage_elems);
   c.s_g = c.s_pass = c.s_chunk = 0;
   c.issued = c.consumed = 0;
   c.need_energy = c.keep = c.drift = false;
@@ -892,7 +929,10 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
             __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r) * in + q * kSeg));
       }
     }
-  } else {
+  } else if (c.tid == 0) {
+    stage_barrier_init(c.bars);
+    stage_barrier_init(c.bars + 8);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // the init before the copies' completion
     issue_chunk(c);
   }
   __syncthreads();  // the row scalars are zero before the restart flags are set
@@ -992,7 +1032,8 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
     }
     if (c.tid < c.nvalid) p.accept_count[c.row0 + c.tid] = static_cast<int64_t>(c.row_value(kRowCount)[c.tid]);
   }
-  if (!p.resident) __pipeline_wait_prior(0);  // the schedule's last prefetch
+  // the schedule's last prefetch (chunk `consumed`) lands before the block's shared memory goes
+  if (!p.resident && c.tid == 0) stage_wait(c.bars + 8 * (c.consumed & 1u), (c.consumed >> 1) & 1u);
 }
 
 template <int kPrecision, class Op>
