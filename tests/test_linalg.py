@@ -696,7 +696,7 @@ def test_eigh_half_types_compute_in_float32(device, dtype):
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
-@pytest.mark.parametrize("n", [5, 48, 160])
+@pytest.mark.parametrize("n", [5, 48, 100, 128, 160])  # CUDA float32: one-launch rotations up to 120, then ATen's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_eigh_warm_start(device, n, dtype):
     # Q0: the eigenbasis of the statistics one optimizer step earlier (a small PSD update)
@@ -711,6 +711,28 @@ def test_eigh_warm_start(device, n, dtype):
     # the identity as Q0: the same problem as without it
     w_id, V_id = linalg.eigh(A.to(dtype).to(device), torch.eye(n, dtype=dtype, device=device).expand(2, n, n))
     check_eigh(A, w_id, V_id, dtype)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("n", [7, 64, 128])
+def test_eigh_warm_start_decomposes_the_symmetric_part(device, n):
+    # A non-symmetric A: with a warm start too, its symmetric part is decomposed (the rotations may work on A or on
+    # A^T); float16 input is computed in float32
+    S = spectrum("random", n, batch=(3,))
+    Z = torch.randn(3, n, n, generator=_GEN, dtype=torch.float64)
+    A = S + 0.3 * (Z - Z.mT)
+    Q0 = torch.linalg.eigh(S + 1e-3 * (Z + Z.mT))[1]
+    for dtype in (torch.float32, torch.float16):
+        A_in = A.to(dtype)
+        w, V = linalg.eigh(A_in.to(device), Q0.to(dtype).to(device))
+        w_cold, _ = linalg.eigh(A_in.to(device))
+        assert w.dtype == dtype and V.dtype == dtype
+        if dtype == torch.float32:
+            check_eigh((A_in.double() + A_in.double().mT) / 2, w, V, dtype)
+            tol = 2 * EIGH_VALUES[dtype] * torch.linalg.matrix_norm(A_in.double()).max().item()
+        else:  # both rounded to float16 from float32 results: two of its units in the last place
+            tol = 2 * torch.finfo(dtype).eps * torch.linalg.matrix_norm(A_in.double(), 2).max().item()
+        assert (w.double() - w_cold.double()).abs().max().item() <= tol
 
 
 def test_eigh_is_differentiable():
