@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 import torchkern
 from _timing import per_call, warm_start_statistics
 
-shapes = [(256, 64), (64, 128), (64, 256), (16, 1024)]
+shapes = [(256, 64), (64, 128), (64, 100), (4, 136), (64, 256), (16, 1024)]
 only = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a]
 for batch, n in [s for s in shapes if s in only] or shapes:
     A64, Q0_64 = warm_start_statistics(batch, n, seed=n, device="cuda")
