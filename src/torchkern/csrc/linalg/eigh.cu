@@ -389,15 +389,21 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
     solve_small(X, w, V);
     return finish(w, V);
   }
-  if (small && !f64 && warm_rotate_fits(n)) {
+  if (small && !f64) {
     // A warm start of float32 (or half) input: Q0^T A Q0 in float64 can neither overflow nor underflow, and the
     // kernel scales, symmetrizes ((Q0^T A Q0 + Q0^T A^T Q0) / 2 = Q0^T A_sym Q0) and flags non-finite entries
-    // itself (a NaN or Inf in A or Q0 makes the product's matrix non-finite): two launches around the solver
-    // (warm_rotate_kernel), each a launch the host pays for. Float64 sums of the exact products: never torch's
-    // float32 matmul, which follows the global TF32 flag (1e-3 accuracy when a script turns it on).
-    const at::Tensor Q = warm_start->reshape({B, n, n}).to(at::kFloat).contiguous();
-    solve_small(warm_rotate<true>(X.contiguous(), Q), w, V);
-    return finish(w, warm_rotate<false>(V, Q));
+    // itself (a NaN or Inf in A or Q0 makes the product's matrix non-finite), so the rotations are all there is
+    // around it: one launch a side where warm_rotate_kernel fits, else five ATen ops. Float64 sums of the exact
+    // products: never torch's float32 matmul, which follows the global TF32 flag (1e-3 accuracy when a script
+    // turns it on).
+    if (warm_rotate_fits(n)) {
+      const at::Tensor Q = warm_start->reshape({B, n, n}).to(at::kFloat).contiguous();
+      solve_small(warm_rotate<true>(X.contiguous(), Q), w, V);
+      return finish(w, warm_rotate<false>(V, Q));
+    }
+    const at::Tensor Q = warm_start->reshape({B, n, n}).to(at::kDouble);
+    solve_small(at::matmul(Q.transpose(1, 2), at::matmul(X.to(at::kDouble), Q)).to(at::kFloat), w, V);
+    return finish(w, at::matmul(Q, V.to(at::kDouble)));
   }
   // zero the non-finite matrices, scale by 2^-e (max |x| in [0.5, 1)), symmetrize (as the twin does)
   const at::Tensor zero = at::scalar_tensor(0.0, X.options());
