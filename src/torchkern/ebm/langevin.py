@@ -66,11 +66,12 @@ class LangevinDynamics(ChainSampler):
     activations and, when they fit, weights in shared memory, else streamed from L2 by bulk copies, as float
     weights of width 256 are; products on tensor cores): ``precision`` picks the operands, "bf16" (bfloat16
     operands, FP32 accumulation: fastest), "tf32" (TF32 tensor cores, FP32 accumulation; about half bf16's
-    speed at 32 -> 256 -> 256, RESULTS.md) or "fp32" (exact FP32 FMAs: for checks). States, the update and the noise are FP32 in every
-    case. The Gaussian uses its fused score kernel plus the fused step per step; other energies (and MLPs the
-    fused kernel does not take: other dtypes, more than 8 hidden layers, shared memory exceeded) take autograd's
-    gradient plus the fused step, and with ``use_cuda_graph=True`` (CUDA inputs) capture one such step in a CUDA
-    graph and replay it; such MLPs on CUDA always do (a graph per shape and set of parameter tensors).
+    speed at 32 -> 256 -> 256, RESULTS.md) or "fp32" (exact FP32 FMAs: for checks). States, the update and the
+    noise are FP32 in every case. The Gaussian uses its fused score kernel plus the fused step per step; other
+    energies (and MLPs the fused kernel does not take: other dtypes, more than 8 hidden layers, shared memory
+    exceeded) take autograd's gradient plus the fused step, and with ``use_cuda_graph=True`` (CUDA inputs)
+    capture one such step in a CUDA graph and replay it; such MLPs on CUDA always do (a graph per shape and set
+    of parameter tensors).
 
     ``devices=[...]`` splits the chains across devices (each on its own CUDA stream, with its own generator
     seeded from the caller's) and gathers the result on ``devices[0]``. When ``torch.distributed`` is

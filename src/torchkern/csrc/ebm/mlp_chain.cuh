@@ -12,10 +12,10 @@
 // Geometry: every width is padded with zeros to a multiple of kAlign. A warp owns a unit of output tiles:
 // `rows/16 x 2` tiles (32 columns; a pass covers kWidePass columns) or, for narrow outputs, 1 x 1 tiles.
 // Weights either stay resident in shared memory (copied once) or are streamed per product in chunks of
-// kKChunk input rows/columns through two stages of cp.async (the chunk after the one being multiplied is
-// in flight, across product and step boundaries: the sequence of chunks repeats every evaluation). Streamed
-// weights are packed as an image of the stages (stream_image_elems): every chunk a product reads is one contiguous
-// piece of global memory, laid out as the stage it is copied to, so the copy computes no addresses.
+// kKChunk input rows/columns through two stages, one bulk copy (TMA) per chunk (the chunk after the one being
+// multiplied is in flight, across product and step boundaries: the sequence of chunks repeats every evaluation).
+// Streamed weights are packed as an image of the stages (stream_image_elems): every chunk a product reads is one
+// contiguous piece of global memory, laid out as the stage it is copied to, so the copy computes no addresses.
 // Operands are rounded once, when written (TF32: the packed weights too), never in the products' k loops.
 // The planner in ebm/mlp.py chooses rows and residency and lays out shared memory: it hands the kernel the
 // byte offset of each buffer (Slot order below = constants.MLP_SLOTS).
@@ -127,9 +127,10 @@ __device__ __forceinline__ float round_tf32(float v) {
 __host__ __device__ constexpr int stream_row(int operand_bytes) { return kKChunk + 16 / operand_bytes; }
 
 // Streamed weights (p.resident false): hidden layer l's two images at p.w_off[l], the forward product's then the
-// backward product's, each stream_image_elems(dims[l], dims[l + 1], row) elements (row = stream_row). A product's image holds its operand B(k, n) chunk by chunk: for k chunk c, for
-// each output column n < N, B(c kKChunk + [0, kKChunk), n) and the padding. Forward of layer l: B(k, n) =
-// W_l[n, k]; backward: B(k, n) = W_l[k, n]. Pass p's piece of chunk c is rows [n0, n0 + pw) of chunk c: contiguous.
+// backward product's, each stream_image_elems(dims[l], dims[l + 1], row) elements (row = stream_row). A product's
+// image holds its operand B(k, n) chunk by chunk: for k chunk c, for each output column n < N,
+// B(c kKChunk + [0, kKChunk), n) and the padding. Forward of layer l: B(k, n) = W_l[n, k]; backward:
+// B(k, n) = W_l[k, n]. Pass p's piece of chunk c is rows [n0, n0 + pw) of chunk c: contiguous.
 __host__ __device__ inline int64_t stream_image_elems(int in, int out, int row) {
   return static_cast<int64_t>(in) * out / kKChunk * row;
 }

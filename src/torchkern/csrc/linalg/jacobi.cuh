@@ -385,8 +385,8 @@ inline bool fits(int64_t n) {
 // (each repeats the A work, so no more than that), at most kMaxSplit, and no block without rows of V.
 constexpr int kMaxSplit = 8;
 inline int split_for(int64_t B, int n) {
-  const int64_t fill = std::min<int64_t>(kMaxSplit, std::max<int64_t>(1, sm_count() / B));
-  return (n + slice_rows(n, static_cast<int>(fill)) - 1) / slice_rows(n, static_cast<int>(fill));
+  const int fill = static_cast<int>(std::min<int64_t>(kMaxSplit, std::max<int64_t>(1, sm_count() / B)));
+  return slice_rows(n, slice_rows(n, fill));  // the blocks that rows of fill-way slices need
 }
 
 // Launches G problems of size pr.n (which must fit), pr.split blocks each, on THREADS-thread blocks, with the
