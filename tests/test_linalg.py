@@ -627,6 +627,18 @@ def test_eigh_kernel_sizes(kind, n, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_eigh_block_method_mixed_batch(dtype):
+    # One batch of the block method whose matrices converge after different sweeps (a diagonal one after the
+    # first, a zero one too): the matrices that have stopped keep moving through the rounds' seats unchanged
+    # while the others rotate; every one meets the bars. n = 300: five pairs of 64-row slots, 20 rows of padding.
+    n = 300
+    A = torch.cat([spectrum(kind, n, batch=(1,)) for kind in ("diagonal", "random", "zero", "cond1e8", "clustered")])
+    w, V = linalg.eigh(A.to(dtype).cuda())
+    check_eigh(A, w, V, dtype)
+
+
+@requires_cuda
 @pytest.mark.parametrize("n", [7, 102, 128])
 def test_eigh_row_slices_agree(n):
     # A batch too small to fill the GPU splits each matrix's eigenvectors over several blocks (jacobi.cuh, "Row

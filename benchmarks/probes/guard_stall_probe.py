@@ -19,7 +19,9 @@ from torchkern.optim.bench import _mlp  # noqa: E402
 x, y = bench_mlp_data()
 makers = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
           "shampoo": lambda m: Shampoo(m.parameters(), lr=1e-3),
+          "shampoo_bf16": lambda m: Shampoo(m.parameters(), lr=1e-3, precision="bf16"),
           "soap": lambda m: SOAP(m.parameters(), lr=1e-3),
+          "soap_bf16": lambda m: SOAP(m.parameters(), lr=1e-3, precision="bf16"),
           "kfac_qr": lambda m: KFAC(m, lr=1e-3, refresh="qr")}
 for rnd in range(2):
     for name, make in makers.items():

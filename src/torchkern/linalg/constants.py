@@ -45,11 +45,15 @@ EIGH_INNER_SWEEPS = 1
 # EIGH_BLOCK rows, subproblems of 2 EIGH_BLOCK (solved in float64 by the in-block kernel).
 EIGH_BLOCK = 32
 EIGH_SMALL_MAX_N = 168
-# Cold starts (no Q0) with n >= EIGH_TORCH_FROM_N go to torch.linalg.eigh (cuSOLVER) instead of the block method;
-# 0: never. Set from benchmarks (H100, 2026-11-24): the block method took 0.48 ms per matrix at n = 256 (11x
-# torch's 5.5 ms) and 21.5 ms at n = 1024 (torch: 11 ms); its cost grows about as n^2.8, torch's about as n^0.5
-# over that range, so they cross near n = 700.
+# Cold starts (no Q0) with n >= EIGH_TORCH_FROM_N go to torch.linalg.eigh (cuSOLVER, one matrix after another)
+# instead of the block method (0: never), unless the batch has at least EIGH_BLOCK_MIN_BATCH matrices and n <=
+# EIGH_BLOCK_MAX_N. Measured (H100, 2026-11-26, eighth session, probes/eigh_crossover_probe.py): the block method
+# costs about 20 to 30 ms a call plus 2.8 (n = 704) to 7.2 ms (n = 1024) per matrix, cuSOLVER 7.8 to 10.7 ms per
+# matrix; cuSOLVER / block method time 0.37x, 1.40x, 1.88x at batch 1, 4, 16 for n = 704, 0.31x, 0.80x, 1.26x
+# for n = 1024, 0.34x and 0.56x at batch 1 and 4 for n = 1536.
 EIGH_TORCH_FROM_N = 704
+EIGH_BLOCK_MIN_BATCH = 8
+EIGH_BLOCK_MAX_N = 1024
 
 COMPILE_DEFINITIONS.update({
     "TORCHKERN_EIGH_TOL_F32": EIGH_TOL_F32,
@@ -59,4 +63,6 @@ COMPILE_DEFINITIONS.update({
     "TORCHKERN_EIGH_BLOCK": EIGH_BLOCK,
     "TORCHKERN_EIGH_SMALL_MAX_N": EIGH_SMALL_MAX_N,
     "TORCHKERN_EIGH_TORCH_FROM_N": EIGH_TORCH_FROM_N,
+    "TORCHKERN_EIGH_BLOCK_MIN_BATCH": EIGH_BLOCK_MIN_BATCH,
+    "TORCHKERN_EIGH_BLOCK_MAX_N": EIGH_BLOCK_MAX_N,
 })

@@ -16,15 +16,17 @@
 // 2b, b = TORCHKERN_EIGH_BLOCK) is split into nb = N / b block rows; a round pairs them up (positions 2k and
 // 2k + 1 form pair k), the in-block kernel diagonalizes each pair's 2b x 2b diagonal tile (tile mode:
 // U_k, unsorted, so that U_k stays close to a permutation-free rotation and the block pairs keep their
-// meaning), and the rotation J = diag(U_k) is applied to both sides of A and to the basis W = V^T by
-// batched products, while the block rows move to the next round's positions (the circle method: one block
-// row stays, the others move one seat along a cycle; every pair of block rows meets once in nb - 1 rounds).
-// Per round, with Pi the move:  Y = Pi J^T A;  T = Y^T (= A J Pi^T);  A <- Pi J^T T;  W <- Pi J^T W;
-// each "Pi J^T X" is five batched products (shifted below). FLOPs per round 12 B N^2 b (three products of
-// 4 B N^2 b), per sweep about 12 B N^3. A matrix stops after the first sweep that leaves its off-diagonal norm
-// <= tol ||A||_F (summed from the matrix after the sweep: a sum of the tiles' norms as the sweep reaches them
-// learns of convergence one sweep late); the host reads the count of matrices still going once per sweep.
-// Cold starts from n = TORCHKERN_EIGH_TORCH_FROM_N on (0: never) go to torch.linalg.eigh instead.
+// meaning), and the rotation J = diag(U_k) is applied to both sides of A and to the basis W = V^T while the
+// block rows move to the next round's positions (the circle method: one block row stays, the others move one
+// seat along a cycle; every pair of block rows meets once in nb - 1 rounds): A <- Pi J^T A J Pi^T and
+// W <- Pi J^T W, with Pi the move, in one launch of 2b x 2b tiles on the float64 tensor cores
+// (block_round_kernel). FLOPs per round about 8 B N^2 b (half for A's two sides, computed on and above the
+// diagonal only, half for W), per sweep about 8 B N^3. A matrix stops after the first sweep that leaves its
+// off-diagonal norm <= tol ||A||_F (summed from the matrix after the sweep: a sum of the tiles' norms as the
+// sweep reaches them learns of convergence one sweep late); the host reads the count of matrices still going
+// once per sweep.
+// Cold starts from n = TORCHKERN_EIGH_TORCH_FROM_N on (0: never) go to torch.linalg.eigh instead, except batches of
+// at least TORCHKERN_EIGH_BLOCK_MIN_BATCH matrices up to n = TORCHKERN_EIGH_BLOCK_MAX_N (linalg/constants.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/add.h>
@@ -76,6 +78,13 @@ constexpr int kInnerSweeps = TORCHKERN_EIGH_INNER_SWEEPS;
 constexpr int kSmallMaxN = TORCHKERN_EIGH_SMALL_MAX_N;
 constexpr int kTileThreads = jacobi::threads_for(2 * kBlock);
 constexpr int kTorchFromN = TORCHKERN_EIGH_TORCH_FROM_N;  // 0: never
+
+// Whether a cold start of B matrices of size n (above the in-block kernel's) goes to cuSOLVER, which solves one
+// matrix after another: faster than the block method for a few matrices, or large ones (linalg/constants.py).
+bool cold_start_to_cusolver(int64_t B, int64_t n) {
+  return kTorchFromN > 0 && n >= kTorchFromN &&
+         (B < TORCHKERN_EIGH_BLOCK_MIN_BATCH || n > TORCHKERN_EIGH_BLOCK_MAX_N);
+}
 
 // 2^(k) for an int tensor k, applied in two halves so that neither factor overflows the dtype.
 at::Tensor times_pow2(const at::Tensor& x, const at::Tensor& k) {
@@ -205,56 +214,162 @@ __global__ void sweep_end_kernel(const double* __restrict__ off2,   // [B]
   }
 }
 
-// dst = Pi J^T src for G = B P pair slots: src (G, 2b, N) holds each pair's 2b rows, U (G, 2b, 2b) its
-// rotation; the new rows of pair k's first half (U[:, :b]^T src_k) go to seat T_k's next position, those of its
-// second half to B_k's (seats: T_k = first half of slot k, B_k = second half). dst_full has one spare slot
-// before and after the G slots of dst. The moves: T_k -> T_{k+1} (1 <= k <= P - 2), T_0 stays,
-// T_{P-1} -> B_{P-1}, B_k -> B_{k-1} (k >= 1), B_0 -> T_1. Two products cover every slot with the regular
-// moves (uniform batch strides; the three slots per matrix they get wrong, including the spare slots, are
-// overwritten next), then three products over the B matrices write the irregular ones.
-void shifted_product(const at::Tensor& dst_full, const at::Tensor& src, const at::Tensor& U, int64_t B, int64_t P,
-                     int64_t b) {
-  const int64_t G = B * P, N = src.size(2);
-  const at::Tensor Ut = U.transpose(1, 2);
-  const at::Tensor first = Ut.narrow(1, 0, b), second = Ut.narrow(1, b, b);  // (G, b, 2b)
-  at::Tensor to_next_t = dst_full.narrow(0, 2, G).narrow(1, 0, b);  // slot g + 1, first half
-  at::Tensor to_prev_b = dst_full.narrow(0, 0, G).narrow(1, b, b);  // slot g - 1, second half
-  at::bmm_out(to_next_t, first, src);
-  at::bmm_out(to_prev_b, second, src);
-  const at::Tensor dst = dst_full.narrow(0, 1, G).view({B, P, 2 * b, N});
-  const at::Tensor s = src.view({B, P, 2 * b, N});
-  const at::Tensor f = first.unflatten(0, {B, P}), sc = second.unflatten(0, {B, P});
-  at::Tensor t0 = dst.select(1, 0).narrow(1, 0, b), bl = dst.select(1, P - 1).narrow(1, b, b);
-  at::Tensor t1 = dst.select(1, 1).narrow(1, 0, b);
-  at::bmm_out(t0, f.select(1, 0), s.select(1, 0));           // T_0 stays
-  at::bmm_out(bl, f.select(1, P - 1), s.select(1, P - 1));   // T_{P-1} -> B_{P-1}
-  at::bmm_out(t1, sc.select(1, 0), s.select(1, 0));          // B_0 -> T_1
-}
-
-// The seat a block row moves to (the same moves as shifted_product), positions 2k (T_k) and 2k + 1 (B_k).
-int next_position(int pos, int P) {
+// The seat a half block row (b rows) moves to after a round, positions 2k (T_k: the first half of pair slot k)
+// and 2k + 1 (B_k, its second half): the circle method's moves, T_0 stays, T_k -> T_{k+1} (1 <= k <= P - 2),
+// T_{P-1} -> B_{P-1}, B_k -> B_{k-1} (k >= 1), B_0 -> T_1. Every pair of block rows shares a slot once in
+// 2P - 1 rounds.
+__host__ __device__ inline int next_position(int pos, int P) {
   const int k = pos / 2;
   if (pos % 2 == 0) return k == 0 ? 0 : (k <= P - 2 ? 2 * (k + 1) : 2 * (P - 1) + 1);
   return k >= 1 ? 2 * (k - 1) + 1 : 2;
 }
 
+// A round of the block method after its tile solves, in one launch: A' = Pi J^T A J Pi^T and W' = Pi J^T W, with
+// J = diag(U_0 .. U_{P-1}) (U_k: pair slot k's 2b x 2b rotation) and Pi the moves above. Block (k, l) of J^T A J
+// is U_k^T A_kl U_l, so every 2b x 2b tile is independent: a thread block takes one tile of A (k <= l; the
+// mirror tile (l, k) is the transpose, stored from the same results, so A' stays exactly symmetric) or of W (one
+// side: U_k^T W_kl, W's columns stay), multiplies in shared memory on the float64 tensor cores (mma m8n8k4) and
+// stores each b x b quarter at its half rows' (and, for A, half columns') next seats. It replaces fifteen
+// batched cuBLAS products and a transposing copy per round, whose small shapes (2b rows by N) kept them at a
+// fifth of the float64 tensor-core rate, and whose three passes over A cost memory traffic. A matrix that has
+// converged (U = I) only moves its tiles.
+constexpr int kPair = 2 * kBlock;     // rows of a pair slot, the tile size
+constexpr int kRoundLd = kPair + 4;   // shared row stride in doubles: = 4 (mod 16) spreads a fragment load's lanes
+constexpr int kRoundThreads = 256;    // 8 warps, each 16 x 32 of the 64 x 64 output (2 x 4 mma tiles)
+constexpr size_t kRoundSmem = 3 * size_t(kPair) * kRoundLd * sizeof(double);  // U_k, the tile (then T), U_l
+static_assert(kPair == 64, "block_round_kernel's warp tiling covers 64 x 64 tiles (EIGH_BLOCK = 32)");
+
+// d += a b (D 8 x 8, A 8 x 4 row-major, B 4 x 8 column-major; lane = 4 g + q holds A[g][q], B[q][g] and
+// D[g][2q], D[g][2q + 1]).
+__device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
+  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+               : "+d"(d[0]), "+d"(d[1])
+               : "d"(a), "d"(b));
+}
+
+// kPair x kPair doubles from src (rows `ld` apart) to shared dst (rows kRoundLd apart), 16 bytes per load.
+__device__ __forceinline__ void load_pair_tile(double* __restrict__ dst, const double* __restrict__ src, int64_t ld) {
+  for (int i = threadIdx.x; i < kPair * kPair / 2; i += kRoundThreads) {
+    const int r = i / (kPair / 2), c = 2 * (i % (kPair / 2));
+    *reinterpret_cast<double2*>(dst + r * kRoundLd + c) = *reinterpret_cast<const double2*>(src + r * ld + c);
+  }
+}
+
+// acc += L R over k (kPair) for this warp's 16 x 32 region at (row0, col0): L(i, m) is left[m][i] when
+// kLeftT (U_k^T, read from U_k as stored), else left[i][m]; R(m, j) = right[m][j].
+template <bool kLeftT>
+__device__ __forceinline__ void pair_product(const double* __restrict__ left, const double* __restrict__ right,
+                                             int row0, int col0, double (&acc)[2][4][2]) {
+  const int lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+#pragma unroll 4
+  for (int k0 = 0; k0 < kPair; k0 += 4) {
+    double a[2], b[4];
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt) {
+      const int i = row0 + 8 * rt + g, m = k0 + q;
+      a[rt] = kLeftT ? left[m * kRoundLd + i] : left[i * kRoundLd + m];
+    }
+#pragma unroll
+    for (int ct = 0; ct < 4; ++ct) b[ct] = right[(k0 + q) * kRoundLd + col0 + 8 * ct + g];
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt) {
+#pragma unroll
+      for (int ct = 0; ct < 4; ++ct) dmma(acc[rt][ct], a[rt], b[ct]);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kRoundThreads, 2) block_round_kernel(
+    const double* __restrict__ A, double* __restrict__ A_next,  // [B, N, N]
+    const double* __restrict__ W, double* __restrict__ W_next,  // [B, N, N]
+    const double* __restrict__ U,                               // [B, P, kPair, kPair]
+    const int* __restrict__ active,                             // [B]
+    int N, int P) {
+  extern __shared__ __align__(16) double round_smem[];
+  double* uk = round_smem;
+  double* tile = round_smem + kPair * kRoundLd;
+  double* ul = round_smem + 2 * kPair * kRoundLd;
+  // the job: a tile (k, l), k <= l, of A (the first P (P + 1) / 2 of a matrix's jobs), else a tile of W
+  const int a_jobs = P * (P + 1) / 2, jobs = a_jobs + P * P;
+  const int64_t mat = blockIdx.x / jobs;
+  int job = static_cast<int>(blockIdx.x % jobs), k = 0, l;
+  const bool two_sided = job < a_jobs;
+  if (two_sided) {
+    while (job >= P - k) job -= P - k++;
+    l = k + job;
+  } else {
+    k = (job - a_jobs) / P;
+    l = (job - a_jobs) % P;
+  }
+  const int64_t NN = int64_t(N) * N;
+  const double* src = (two_sided ? A : W) + mat * NN;
+  double* dst = (two_sided ? A_next : W_next) + mat * NN;
+  const bool rotate = active[mat] != 0;  // uniform over the block
+  load_pair_tile(tile, src + int64_t(k) * kPair * N + l * kPair, N);
+  if (rotate) {
+    load_pair_tile(uk, U + (mat * P + k) * kPair * kPair, kPair);
+    if (two_sided) load_pair_tile(ul, U + (mat * P + l) * kPair * kPair, kPair);
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+  const int row0 = (warp / 2) * 16, col0 = (warp % 2) * 32;
+  double acc[2][4][2];
+  const auto each = [&](auto&& f) {  // f(rt, ct, row, col) over this lane's accumulator pairs
+#pragma unroll
+    for (int rt = 0; rt < 2; ++rt) {
+#pragma unroll
+      for (int ct = 0; ct < 4; ++ct) f(rt, ct, row0 + 8 * rt + g, col0 + 8 * ct + 2 * q);
+    }
+  };
+  if (rotate) {
+    each([&](int rt, int ct, int, int) { acc[rt][ct][0] = acc[rt][ct][1] = 0.0; });
+    pair_product<true>(uk, tile, row0, col0, acc);  // T = U_k^T X
+    if (two_sided) {  // then T U_l: T replaces X (after every warp has read X)
+      __syncthreads();
+      each([&](int rt, int ct, int r, int c) {
+        *reinterpret_cast<double2*>(tile + r * kRoundLd + c) = make_double2(acc[rt][ct][0], acc[rt][ct][1]);
+        acc[rt][ct][0] = acc[rt][ct][1] = 0.0;
+      });
+      __syncthreads();
+      pair_product<false>(tile, ul, row0, col0, acc);
+    }
+  } else {  // converged: the tile moves unchanged
+    each([&](int rt, int ct, int r, int c) {
+      acc[rt][ct][0] = tile[r * kRoundLd + c];
+      acc[rt][ct][1] = tile[r * kRoundLd + c + 1];
+    });
+  }
+  // store: rows of half s of pair slot k go to seat next(2k + s); A's columns likewise, W's stay
+  each([&](int rt, int ct, int r, int c) {
+    const int64_t dr = int64_t(next_position(2 * k + r / kBlock, P)) * kBlock + r % kBlock;
+    const int64_t dc = two_sided ? int64_t(next_position(2 * l + c / kBlock, P)) * kBlock + c % kBlock
+                                 : int64_t(l) * kPair + c;
+    *reinterpret_cast<double2*>(dst + dr * N + dc) = make_double2(acc[rt][ct][0], acc[rt][ct][1]);
+    if (two_sided && k != l) {  // the mirror tile
+      dst[dc * N + dr] = acc[rt][ct][0];
+      dst[(dc + 1) * N + dr] = acc[rt][ct][1];
+    }
+  });
+}
+
 // Block Jacobi on X (B, n, n), float64, finite, symmetric, scaled to max |x| < 1: returns (w ascending, V).
 std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) {
   const int64_t B = X.size(0), n = X.size(1), b = kBlock;
-  // N: n padded to whole block pairs, and at least two pairs (the moves of shifted_product need them)
+  // N: n padded to whole block pairs, and at least two pairs (the circle method's moves need them)
   const int64_t N = std::max<int64_t>((n + 2 * b - 1) / (2 * b) * (2 * b), 4 * b), nb = N / b, P = nb / 2, G = B * P;
   const auto opt = X.options();
   const cudaStream_t stream = current_stream();
   TORCH_CHECK(jacobi::fits<double>(2 * b),
               "torchkern.eigh: the block method's subproblems do not fit in shared memory: lower EIGH_BLOCK");
-  // A and W with a spare pair slot on each side (shifted_product writes there); Y and T are scratch.
-  at::Tensor A_full = at::zeros({G + 2, 2 * b, N}, opt), Y_full = at::empty({G + 2, 2 * b, N}, opt);
-  at::Tensor W_full = at::zeros({G + 2, 2 * b, N}, opt), W2_full = at::empty({G + 2, 2 * b, N}, opt);
-  at::Tensor T = at::empty({B, N, N}, opt), U = at::empty({G, 2 * b, 2 * b}, opt);
-  const auto middle = [&](const at::Tensor& full) { return full.narrow(0, 1, G); };  // (G, 2b, N)
-  const auto square = [&](const at::Tensor& full) { return full.narrow(0, 1, G).view({B, N, N}); };
-  square(A_full).narrow(1, 0, n).narrow(2, 0, n).copy_(X);
-  square(W_full).diagonal(0, 1, 2).fill_(1.0);
+  // A and the basis W = V^T by position, each with the buffer a round writes (every entry of it).
+  at::Tensor A = at::zeros({B, N, N}, opt), A_next = at::empty_like(A);
+  at::Tensor W = at::zeros({B, N, N}, opt), W_next = at::empty_like(W);
+  at::Tensor U = at::empty({G, 2 * b, 2 * b}, opt);
+  A.narrow(1, 0, n).narrow(2, 0, n).copy_(X);
+  W.diagonal(0, 1, 2).fill_(1.0);
+  static int opted_in[kCachedDevices] = {};
+  opt_in_smem(opted_in, block_round_kernel, kRoundSmem);
+  const auto round_blocks = static_cast<unsigned>(B * (P * (P + 1) / 2 + P * P));
   const at::Tensor norm = at::linalg_vector_norm(X, 2, at::IntArrayRef({1, 2}));
   const at::Tensor thr = at::mul(norm, tol / double(N)).contiguous();
   const at::Tensor stop2 = at::mul(norm, tol).square().contiguous();
@@ -285,18 +400,20 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
   for (int i = 0; i < nb; ++i) content[i] = i;
   for (int sweep = 0; sweep < kMaxSweeps; ++sweep) {
     for (int round = 0; round < nb - 1; ++round) {
-      pr.A = square(A_full).const_data_ptr<double>();
-      jacobi::run<double, kTileThreads, true>(pr, G, stream);
-      shifted_product(Y_full, middle(A_full), U, B, P, b);   // Y = Pi J^T A
-      T.copy_(square(Y_full).transpose(1, 2));                // T = Y^T
-      shifted_product(A_full, T.view({G, 2 * b, N}), U, B, P, b);  // A = Pi J^T T
-      shifted_product(W2_full, middle(W_full), U, B, P, b);   // W = Pi J^T W
-      std::swap(W_full, W2_full);
+      pr.A = A.const_data_ptr<double>();
+      jacobi::run<double, kTileThreads, true>(pr, G, stream);  // U: each pair slot's rotation
+      block_round_kernel<<<round_blocks, kRoundThreads, kRoundSmem, stream>>>(
+          A.const_data_ptr<double>(), A_next.mutable_data_ptr<double>(), W.const_data_ptr<double>(),
+          W_next.mutable_data_ptr<double>(), U.const_data_ptr<double>(), active.const_data_ptr<int>(),
+          static_cast<int>(N), static_cast<int>(P));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      std::swap(A, A_next);
+      std::swap(W, W_next);
       std::vector<int> moved(nb);
       for (int pos = 0; pos < nb; ++pos) moved[next_position(pos, static_cast<int>(P))] = content[pos];
       content = std::move(moved);
     }
-    at::Tensor off = square(A_full).clone();  // the padding's rows and columns are zero
+    at::Tensor off = A.clone();  // the padding's rows and columns are zero
     off.diagonal(0, 1, 2).zero_();
     const at::Tensor off2 = at::sum(at::square(off), at::IntArrayRef({1, 2}));
     sweep_end_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
@@ -320,8 +437,8 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
   at::Tensor index = at::empty({n}, at::TensorOptions().dtype(at::kLong));
   std::copy(rows.begin(), rows.end(), index.mutable_data_ptr<int64_t>());
   index = index.to(X.device());
-  const at::Tensor d = square(A_full).diagonal(0, 1, 2).index_select(1, index);    // (B, n)
-  const at::Tensor basis = square(W_full).index_select(1, index).narrow(2, 0, n);  // (B, n, n): rows
+  const at::Tensor d = A.diagonal(0, 1, 2).index_select(1, index);                 // (B, n)
+  const at::Tensor basis = W.index_select(1, index).narrow(2, 0, n);  // (B, n, n): rows
   at::Tensor w, order;
   std::tie(w, order) = at::sort(d, 1);
   at::Tensor V = basis.gather(1, order.unsqueeze(2).expand({B, n, n})).transpose(1, 2).contiguous();
@@ -424,7 +541,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   }
   if (small) {
     solve_small(X, w, V);
-  } else if (kTorchFromN > 0 && n >= kTorchFromN && !Q.defined()) {  // cuSOLVER, where it beats the block method
+  } else if (!Q.defined() && cold_start_to_cusolver(B, n)) {
     std::tie(w, V) = at::linalg_eigh(X.to(f64 ? at::kDouble : at::kFloat));  // in the input's precision
     w = w.to(at::kDouble);
     V = V.to(at::kDouble);
