@@ -17,7 +17,8 @@ for n in (704, 768, 1024, 1536):
         reps = 2 if batch * n >= 16 * 1024 else 3
         block = per_call(lambda: torchkern.linalg.eigh(A, eye), reps=reps) * 1e3
         solver = per_call(lambda: torch.linalg.eigh(A), reps=reps) * 1e3
-        print(f"{batch}x{n}^2: block method {block:.1f} ms, cuSOLVER {solver:.1f} ms ({solver / block:.2f}x)", flush=True)
+        print(f"{batch}x{n}^2: block method {block:.1f} ms, cuSOLVER {solver:.1f} ms ({solver / block:.2f}x)",
+              flush=True)
 
 A = warm_start_statistics(64, 256, seed=256)[0].float()
 torchkern.linalg.eigh(A)

@@ -117,7 +117,7 @@ def _eigh_case(name: str, batch: int, n: int, device: str) -> Case:
         nbytes = 4.0 * batch * (2 * n * n + n)  # read A, write V and w
         return Prepared(impls, bytes=nbytes, flops=4.0 * batch * n ** 3, check=check,
                         note="FLOPs: 4 n^3 per matrix, what a tridiagonal method with eigenvectors needs (Jacobi: "
-                             "about 9 n^3 per sweep in one block, 12 n^3 per sweep in the block method)")
+                             "about 9 n^3 per sweep in one block, 8 n^3 per sweep in the block method)")
 
     return Case("linalg", f"eigh/{name}", setup, device, ("torchkern", "torchkern_warm", "torch"))
 
