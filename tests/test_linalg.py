@@ -639,6 +639,16 @@ def test_eigh_block_method_mixed_batch(dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("batch", [1, 8], ids=["cusolver", "block"])
+def test_eigh_large_cold_starts(batch):
+    # from n = 704 a cold start of fewer than 8 matrices goes to cuSOLVER, a batch of 8 stays on the block method
+    # (linalg/constants.py): both meet the bars
+    A = spectrum("random", 704, batch=(batch,))
+    w, V = linalg.eigh(A.float().cuda())
+    check_eigh(A, w, V, torch.float32)
+
+
+@requires_cuda
 @pytest.mark.parametrize("n", [7, 102, 128])
 def test_eigh_row_slices_agree(n):
     # A batch too small to fill the GPU splits each matrix's eigenvectors over several blocks (jacobi.cuh, "Row
