@@ -236,7 +236,9 @@ __host__ __device__ inline int next_position(int pos, int P) {
 constexpr int kPair = 2 * kBlock;     // rows of a pair slot, the tile size
 constexpr int kRoundLd = kPair + 4;   // shared row stride in doubles: = 4 (mod 16) spreads a fragment load's lanes
 constexpr int kRoundThreads = 256;    // 8 warps, each 16 x 32 of the 64 x 64 output (2 x 4 mma tiles)
-constexpr size_t kRoundSmem = 3 * size_t(kPair) * kRoundLd * sizeof(double);  // U_k, the tile (then T), U_l
+// U_k (then U_l) and the tile (then T): 68 KiB, so three blocks share an sm_90 multiprocessor and the kernel fits
+// the 99 KiB a block may have on sm_86 and sm_89
+constexpr size_t kRoundSmem = 2 * size_t(kPair) * kRoundLd * sizeof(double);
 static_assert(kPair == 64, "block_round_kernel's warp tiling covers 64 x 64 tiles (EIGH_BLOCK = 32)");
 
 // d += a b (D 8 x 8, A 8 x 4 row-major, B 4 x 8 column-major; lane = 4 g + q holds A[g][q], B[q][g] and
@@ -279,16 +281,15 @@ __device__ __forceinline__ void pair_product(const double* __restrict__ left, co
   }
 }
 
-__global__ void __launch_bounds__(kRoundThreads, 2) block_round_kernel(
+__global__ void __launch_bounds__(kRoundThreads, 3) block_round_kernel(
     const double* __restrict__ A, double* __restrict__ A_next,  // [B, N, N]
     const double* __restrict__ W, double* __restrict__ W_next,  // [B, N, N]
     const double* __restrict__ U,                               // [B, P, kPair, kPair]
     const int* __restrict__ active,                             // [B]
     int N, int P) {
   extern __shared__ __align__(16) double round_smem[];
-  double* uk = round_smem;
+  double* u = round_smem;  // U_k, then U_l
   double* tile = round_smem + kPair * kRoundLd;
-  double* ul = round_smem + 2 * kPair * kRoundLd;
   // the job: a tile (k, l), k <= l, of A (the first P (P + 1) / 2 of a matrix's jobs), else a tile of W
   const int a_jobs = P * (P + 1) / 2, jobs = a_jobs + P * P;
   const int64_t mat = blockIdx.x / jobs;
@@ -306,10 +307,7 @@ __global__ void __launch_bounds__(kRoundThreads, 2) block_round_kernel(
   double* dst = (two_sided ? A_next : W_next) + mat * NN;
   const bool rotate = active[mat] != 0;  // uniform over the block
   load_pair_tile(tile, src + int64_t(k) * kPair * N + l * kPair, N);
-  if (rotate) {
-    load_pair_tile(uk, U + (mat * P + k) * kPair * kPair, kPair);
-    if (two_sided) load_pair_tile(ul, U + (mat * P + l) * kPair * kPair, kPair);
-  }
+  if (rotate) load_pair_tile(u, U + (mat * P + k) * kPair * kPair, kPair);
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
   const int row0 = (warp / 2) * 16, col0 = (warp % 2) * 32;
@@ -323,15 +321,16 @@ __global__ void __launch_bounds__(kRoundThreads, 2) block_round_kernel(
   };
   if (rotate) {
     each([&](int rt, int ct, int, int) { acc[rt][ct][0] = acc[rt][ct][1] = 0.0; });
-    pair_product<true>(uk, tile, row0, col0, acc);  // T = U_k^T X
-    if (two_sided) {  // then T U_l: T replaces X (after every warp has read X)
+    pair_product<true>(u, tile, row0, col0, acc);  // T = U_k^T X
+    if (two_sided) {  // then T U_l: T replaces X and U_l replaces U_k (after every warp has read both)
       __syncthreads();
       each([&](int rt, int ct, int r, int c) {
         *reinterpret_cast<double2*>(tile + r * kRoundLd + c) = make_double2(acc[rt][ct][0], acc[rt][ct][1]);
         acc[rt][ct][0] = acc[rt][ct][1] = 0.0;
       });
+      load_pair_tile(u, U + (mat * P + l) * kPair * kPair, kPair);
       __syncthreads();
-      pair_product<false>(tile, ul, row0, col0, acc);
+      pair_product<false>(tile, u, row0, col0, acc);
     }
   } else {  // converged: the tile moves unchanged
     each([&](int rt, int ct, int r, int c) {
