@@ -115,13 +115,6 @@ struct Params {
   int smem[kSlots];         // byte offsets (the planner's layout)
 };
 
-// v rounded to TF32 (cvt.rna.tf32.f32: to nearest, ties away from zero), as the float a tf32 mma reads exactly.
-__device__ __forceinline__ float round_tf32(float v) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-  return __uint_as_float(r);
-}
-
 // Elements of a streamed chunk's row (and of a stage's): kKChunk operands and 16 bytes of padding (no bank
 // conflicts on the fragments' loads).
 __host__ __device__ constexpr int stream_row(int operand_bytes) { return kKChunk + 16 / operand_bytes; }
@@ -143,9 +136,9 @@ struct PackSource {
 };
 
 // Writes the network into p's padded geometry in one launch (mlp_pack.cu): w_elems operands in `precision`'s
-// operand type, rounded as its products read them (bf16, TF32-rounded floats, exact floats) at p.w_off (resident:
-// W_l [dims[l+1], dims[l]]; streamed: the images above), v_elems float32 vectors at p.b_off, p.wlast_off,
-// p.blast_off, zeros elsewhere.
+// operand type, rounded as its products read them (mlp_operands.cuh: bf16, TF32-rounded floats, exact floats) at
+// p.w_off (resident: W_l [dims[l+1], dims[l]]; streamed: the images above), v_elems float32 vectors at p.b_off,
+// p.wlast_off, p.blast_off, zeros elsewhere.
 void launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems,
                  int precision);
 

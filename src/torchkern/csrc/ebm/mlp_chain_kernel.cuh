@@ -22,60 +22,13 @@
 
 #include "energies.cuh"
 #include "mlp_chain.cuh"
+#include "mlp_operands.cuh"
 #include "torchkern/launch.h"
 #include "torchkern/philox.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
 namespace mlp {
-
-// ------------------------------------------------------------------------------------------ operand policies
-// T: how operands are kept in shared memory. operand() rounds a float to what a product reads: every buffer a
-// product reads holds values rounded once when they are written (the packed weights, the states' operand copy,
-// activations, D), so the k loop converts nothing (TF32's cvt.rna was two thirds of its k loop's instructions).
-// store() keeps a value that no product reads (phi'(h) before the chain rule turns it into D): bf16 rounds, the
-// float policies keep it exact. Tensor-core policies name the mma shape: bf16 m16n8k16, tf32 m16n8k8, FP32
-// accumulators; fragments are loaded with ldmatrix (16-byte rows; a tf32 element is two of its b16 halves, so the
-// non-transposed loads serve tf32 too).
-
-struct Bf16Op {
-  using T = __nv_bfloat16;
-  static constexpr bool kTensorCores = true;
-  static constexpr int kK = 16;
-  __device__ static T store(float v) { return __float2bfloat16_rn(v); }
-  __device__ static T operand(float v) { return __float2bfloat16_rn(v); }
-  __device__ static float load(T v) { return __bfloat162float(v); }
-  // d (16 x 8) += a (16 x 16, row-major) b (16 x 8, column-major)
-  __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-struct Tf32Op {
-  using T = float;
-  static constexpr bool kTensorCores = true;
-  static constexpr int kK = 8;
-  __device__ static T store(float v) { return v; }
-  __device__ static T operand(float v) { return round_tf32(v); }
-  __device__ static float load(T v) { return v; }
-  __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-struct Fp32Op {  // the exact path: FP32 FMAs, each lane owning the elements its epilogue handles
-  using T = float;
-  static constexpr bool kTensorCores = false;
-  __device__ static T store(float v) { return v; }
-  __device__ static T operand(float v) { return v; }
-  __device__ static float load(T v) { return v; }
-};
 
 // The accumulators of a warp's unit of at most 2 x 2 tiles of 16 x 16. Tensor cores: tile (i, j) holds two
 // m16n8 accumulators, v[i][j][4 h + e] = row g + 8 (e / 2), column 8 h + 2 t + e % 2 (g = lane / 4,
@@ -349,6 +302,12 @@ __device__ __forceinline__ void stage_wait(unsigned bar, unsigned parity) {
     asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
+}
+
+// Until chunk i of the stream has landed: stage i % 2, whose barrier completes its phase i / 2 for that chunk.
+template <class Op>
+__device__ __forceinline__ void wait_chunk(const Ctx<Op>& c, unsigned i) {
+  stage_wait(c.bars + 8 * (i & 1u), (i >> 1) & 1u);
 }
 
 // Issues the next chunk of the schedule into its stage and advances the cursor (thread 0): rows n0 + [0, pw) of
@@ -801,7 +760,7 @@ __device__ void run_gemm(Ctx<Op>& c, const Gemm& G) {
     } else {
       for (int ch = 0; ch < G.chunks; ++ch) {
         if (c.tid == 0) issue_chunk(c);  // the chunk after this one, into the other stage
-        stage_wait(c.bars + 8 * (c.consumed & 1u), (c.consumed >> 1) & 1u);  // this chunk has landed
+        wait_chunk(c, c.consumed);
         const T* B = c.stage + (c.consumed & 1u) * c.stage_elems;  // by n, both directions
         constexpr int ldb = stream_row(sizeof(T));
         if (active) mma_range<Op, kUR, kUC, true>(acc, A, lda, r0, ch * kKChunk, B, ldb, c0, kKChunk, c.lane);
@@ -1033,7 +992,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
     if (c.tid < c.nvalid) p.accept_count[c.row0 + c.tid] = static_cast<int64_t>(c.row_value(kRowCount)[c.tid]);
   }
   // the schedule's last prefetch (chunk `consumed`) lands before the block's shared memory goes
-  if (!p.resident && c.tid == 0) stage_wait(c.bars + 8 * (c.consumed & 1u), (c.consumed >> 1) & 1u);
+  if (!p.resident && c.tid == 0) wait_chunk(c, c.consumed);
 }
 
 template <int kPrecision, class Op>

@@ -3,23 +3,12 @@
 // rounded as the products read them, in ONE launch. Packing by a zeroed buffer and a copy per tensor was ten
 // launches (the op's host time fell from 0.21 to 0.06 ms on an H200 host).
 #include "mlp_chain.cuh"
-
-#include <cuda_bf16.h>
-
+#include "mlp_operands.cuh"
 #include "torchkern/launch.h"
 
 namespace torchkern {
 namespace mlp {
 namespace {
-
-template <class T, bool kTf32>
-__device__ __forceinline__ T to_operand(float v) {
-  if constexpr (sizeof(T) == 2) {
-    return __float2bfloat16_rn(v);
-  } else {
-    return kTf32 ? round_tf32(v) : v;
-  }
-}
 
 // Hidden layer l's weight at [r, col] of W_l, zero in the padding.
 __device__ __forceinline__ float weight(const PackSource& s, int l, int r, int col) {
@@ -28,11 +17,11 @@ __device__ __forceinline__ float weight(const PackSource& s, int l, int r, int c
 
 // Element i of [operands | vecs]: hidden layer l's weights at p.w_off[l] (resident: W_l [dims[l+1], dims[l]];
 // streamed: its forward and backward images, mlp_chain.cuh); then b_l at p.b_off[l], the output row at
-// p.wlast_off and its bias at p.blast_off (vecs, float32).
-template <class T, bool kTf32>
-__global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_constant__ PackSource s, T* wpack,
-                                float* vpack, int64_t w_elems, int64_t v_elems) {
-  constexpr int kRow = stream_row(sizeof(T));
+// p.wlast_off and its bias at p.blast_off (vecs, float32). Operands rounded by Op (mlp_operands.cuh).
+template <class Op>
+__global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_constant__ PackSource s,
+                                typename Op::T* wpack, float* vpack, int64_t w_elems, int64_t v_elems) {
+  constexpr int kRow = stream_row(sizeof(typename Op::T));
   const int H = p.n_hidden;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < w_elems + v_elems; i += stride) {
@@ -54,7 +43,7 @@ __global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_c
         const int kg = chunk * kKChunk + kk;  // B(kg, n): W_l[n, kg] forward, W_l[kg, n] backward
         if (kk < kKChunk) v = fwd ? weight(s, l, n, kg) : weight(s, l, kg, n);
       }
-      wpack[i] = to_operand<T, kTf32>(v);
+      wpack[i] = Op::operand(v);
       continue;
     }
     const int j = static_cast<int>(i - w_elems);
@@ -71,22 +60,24 @@ __global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_c
   }
 }
 
+template <class Op>
+void launch_pack_as(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems) {
+  mlp_pack_kernel<Op><<<grid_for(w_elems + v_elems, 256, 2), 256, 0, current_stream()>>>(
+      p, s, static_cast<typename Op::T*>(wpack), vpack, w_elems, v_elems);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems,
                  int precision) {
-  const unsigned grid = grid_for(w_elems + v_elems, 256, 2);
   if (precision == kBf16) {
-    mlp_pack_kernel<__nv_bfloat16, false><<<grid, 256, 0, current_stream()>>>(
-        p, s, static_cast<__nv_bfloat16*>(wpack), vpack, w_elems, v_elems);
+    launch_pack_as<Bf16Op>(p, s, wpack, vpack, w_elems, v_elems);
   } else if (precision == kTf32) {
-    mlp_pack_kernel<float, true><<<grid, 256, 0, current_stream()>>>(p, s, static_cast<float*>(wpack), vpack,
-                                                                     w_elems, v_elems);
+    launch_pack_as<Tf32Op>(p, s, wpack, vpack, w_elems, v_elems);
   } else {
-    mlp_pack_kernel<float, false><<<grid, 256, 0, current_stream()>>>(p, s, static_cast<float*>(wpack), vpack,
-                                                                      w_elems, v_elems);
+    launch_pack_as<Fp32Op>(p, s, wpack, vpack, w_elems, v_elems);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace mlp
