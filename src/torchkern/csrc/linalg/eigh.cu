@@ -241,6 +241,10 @@ constexpr int kRoundThreads = 256;    // 8 warps, each 16 x 32 of the 64 x 64 ou
 constexpr size_t kRoundSmem = 2 * size_t(kPair) * kRoundLd * sizeof(double);
 static_assert(kPair == 64, "block_round_kernel's warp tiling covers 64 x 64 tiles (EIGH_BLOCK = 32)");
 
+// A round's thread blocks per matrix: A's tiles (k, l) with k <= l, then W's P^2 tiles.
+__host__ __device__ inline int upper_tiles(int P) { return P * (P + 1) / 2; }
+__host__ __device__ inline int round_jobs(int P) { return upper_tiles(P) + P * P; }
+
 // d += a b (D 8 x 8, A 8 x 4 row-major, B 4 x 8 column-major; lane = 4 g + q holds A[g][q], B[q][g] and
 // D[g][2q], D[g][2q + 1]).
 __device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
@@ -291,7 +295,7 @@ __global__ void __launch_bounds__(kRoundThreads, 3) block_round_kernel(
   double* u = round_smem;  // U_k, then U_l
   double* tile = round_smem + kPair * kRoundLd;
   // the job: a tile (k, l), k <= l, of A (the first P (P + 1) / 2 of a matrix's jobs), else a tile of W
-  const int a_jobs = P * (P + 1) / 2, jobs = a_jobs + P * P;
+  const int a_jobs = upper_tiles(P), jobs = round_jobs(P);
   const int64_t mat = blockIdx.x / jobs;
   int job = static_cast<int>(blockIdx.x % jobs), k = 0, l;
   const bool two_sided = job < a_jobs;
@@ -368,7 +372,7 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
   W.diagonal(0, 1, 2).fill_(1.0);
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, block_round_kernel, kRoundSmem);
-  const auto round_blocks = static_cast<unsigned>(B * (P * (P + 1) / 2 + P * P));
+  const auto round_blocks = static_cast<unsigned>(B * round_jobs(static_cast<int>(P)));
   const at::Tensor norm = at::linalg_vector_norm(X, 2, at::IntArrayRef({1, 2}));
   const at::Tensor thr = at::mul(norm, tol / double(N)).contiguous();
   const at::Tensor stop2 = at::mul(norm, tol).square().contiguous();
