@@ -14,7 +14,7 @@
 // Larger n: block Jacobi in float64 (float32 accumulation over the many rounds lost the 1e-5 residual in an
 // emulation; float64 products run on the tensor cores of sm_80+). The padded matrix (N = n rounded up to
 // 2b, b = TORCHKERN_EIGH_BLOCK) is split into nb = N / b block rows; a round pairs them up (positions 2k and
-// 2k + 1 form pair k), the in-block kernel diagonalizes each pair's 2b x 2b diagonal tile (tile mode:
+// 2k + 1 form pair k), a sweep of cyclic Jacobi rotates each pair's 2b x 2b diagonal tile (jacobi_tiles.cuh:
 // U_k, unsorted, so that U_k stays close to a permutation-free rotation and the block pairs keep their
 // meaning), and the rotation J = diag(U_k) is applied to both sides of A and to the basis W = V^T while the
 // block rows move to the next round's positions (the circle method: one block row stays, the others move one
@@ -62,6 +62,7 @@
 #include <vector>
 
 #include "jacobi.cuh"
+#include "jacobi_tiles.cuh"
 #include "torchkern/checks.h"
 #include "torchkern/launch.h"
 
@@ -76,7 +77,6 @@ constexpr int kBlock = TORCHKERN_EIGH_BLOCK;
 constexpr int kMaxSweeps = TORCHKERN_EIGH_MAX_SWEEPS;
 constexpr int kInnerSweeps = TORCHKERN_EIGH_INNER_SWEEPS;
 constexpr int kSmallMaxN = TORCHKERN_EIGH_SMALL_MAX_N;
-constexpr int kTileThreads = jacobi::threads_for(2 * kBlock);
 constexpr int kTorchFromN = TORCHKERN_EIGH_TORCH_FROM_N;  // 0: never
 
 // Whether a cold start of B matrices of size n (above the in-block kernel's) goes to cuSOLVER, which solves one
@@ -239,7 +239,8 @@ constexpr int kRoundThreads = 256;    // 8 warps, each 16 x 32 of the 64 x 64 ou
 // U_k (then U_l) and the tile (then T): 68 KiB, so three blocks share an sm_90 multiprocessor and the kernel fits
 // the 99 KiB a block may have on sm_86 and sm_89
 constexpr size_t kRoundSmem = 2 * size_t(kPair) * kRoundLd * sizeof(double);
-static_assert(kPair == 64, "block_round_kernel's warp tiling covers 64 x 64 tiles (EIGH_BLOCK = 32)");
+static_assert(kPair == 64 && kPair == jacobi::tiles::kM,
+              "block_round_kernel's warp tiling and the tile solver cover 64 x 64 tiles (EIGH_BLOCK = 32)");
 
 // A round's thread blocks per matrix: A's tiles (k, l) with k <= l, then W's P^2 tiles.
 __host__ __device__ inline int upper_tiles(int P) { return P * (P + 1) / 2; }
@@ -362,8 +363,8 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
   const int64_t N = std::max<int64_t>((n + 2 * b - 1) / (2 * b) * (2 * b), 4 * b), nb = N / b, P = nb / 2, G = B * P;
   const auto opt = X.options();
   const cudaStream_t stream = current_stream();
-  TORCH_CHECK(jacobi::fits<double>(2 * b),
-              "torchkern.eigh: the block method's subproblems do not fit in shared memory: lower EIGH_BLOCK");
+  TORCH_CHECK(jacobi::tiles::fits(), "torchkern.eigh: the block method's subproblems (64 x 64 tiles) need ",
+              jacobi::tiles::kSmem / 1024, " KiB of shared memory per thread block, more than this GPU allows");
   // A and the basis W = V^T by position, each with the buffer a round writes (every entry of it).
   at::Tensor A = at::zeros({B, N, N}, opt), A_next = at::empty_like(A);
   at::Tensor W = at::zeros({B, N, N}, opt), W_next = at::empty_like(W);
@@ -386,13 +387,11 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
     ~EventGuard() { cudaEventDestroy(e); }
   } event_guard{event};
 
-  jacobi::Problem<double> pr{};
+  jacobi::tiles::Tiles pr{};
   pr.batch_stride = N * N;
   pr.tile_stride = 2 * b * (N + 1);
   pr.per = static_cast<int>(P);
-  pr.split = 1;
   pr.ld = static_cast<int>(N);
-  pr.n = static_cast<int>(2 * b);
   pr.max_sweeps = kInnerSweeps;
   pr.U = U.mutable_data_ptr<double>();
   pr.thr = thr.const_data_ptr<double>();
@@ -404,7 +403,7 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
   for (int sweep = 0; sweep < kMaxSweeps; ++sweep) {
     for (int round = 0; round < nb - 1; ++round) {
       pr.A = A.const_data_ptr<double>();
-      jacobi::run<double, kTileThreads, true>(pr, G, stream);  // U: each pair slot's rotation
+      jacobi::tiles::launch(pr, G, stream);  // U: each pair slot's rotation
       block_round_kernel<<<round_blocks, kRoundThreads, kRoundSmem, stream>>>(
           A.const_data_ptr<double>(), A_next.mutable_data_ptr<double>(), W.const_data_ptr<double>(),
           W_next.mutable_data_ptr<double>(), U.const_data_ptr<double>(), active.const_data_ptr<int>(),
@@ -487,7 +486,6 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
       jacobi::Problem<TA> pr{};
       pr.A = Xc.const_data_ptr<TA>();
       pr.batch_stride = n * n;
-      pr.per = 1;
       pr.split = jacobi::split_for(B, static_cast<int>(n));
       pr.ld = static_cast<int>(n);
       pr.n = static_cast<int>(n);

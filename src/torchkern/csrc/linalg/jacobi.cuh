@@ -13,7 +13,7 @@
 // exactly symmetric; each entry owned by one thread, so no barrier between the two sides) (barrier). The last
 // round's rotation of V follows the last sweep.
 //
-// Row slices (whole mode): V <- V J mixes columns within each row, so the rows of V can live in different
+// Row slices: V <- V J mixes columns within each row, so the rows of V can live in different
 // blocks. With `split` > 1, each of a matrix's `split` blocks holds all of A and a slice of V's rows, and
 // repeats the A work and the rotations of the others: the same instructions on the same data give bitwise the
 // same A, rotations and stopping decisions in every block, with no communication. A batch too small to fill
@@ -32,8 +32,7 @@
 // rotations leaves an off-diagonal norm <= tol ||A||_F). A whole matrix stops as soon as its off-diagonal
 // norm, summed after each sweep (m^2 loads, against the m^3 of a sweep), is <= tol ||A||_F, or after
 // max_sweeps: this saves the last sweep of a rule that looks at the entries as the sweep reaches them, which
-// learns of convergence one sweep late (a sweep that only confirms it: 1 of 4 to 5 from a warm start). A tile
-// keeps that rule (below: the block method needs its tiles solved well below its own tolerance).
+// learns of convergence one sweep late (a sweep that only confirms it: 1 of 4 to 5 from a warm start).
 // Input is scaled by a power of two so that max |a_ij| is in [0.5, 1) (nothing overflows or underflows
 // in theta^2 or the norms; the scaling is exact) and symmetrized (a_ij + a_ji) / 2.
 //
@@ -41,12 +40,9 @@
 // conflict-free; in the A update the lanes of a warp take consecutive pairs k2, whose columns are
 // consecutive (mod m - 1).
 //
-// Two modes. Whole (kTile = false): one matrix per block (Problem: where each lives); outputs the eigenvalues
-// ascending and the eigenvectors as columns, in TA; a matrix with a NaN or Inf entry gets NaN outputs. Tile
-// (kTile = true, the block method of eigh.cu): the 2b x 2b diagonal tile `g % per` of matrix `g / per` of a
-// larger double matrix; outputs the unsorted eigenvector matrix U (double), takes the rotation threshold from
-// the caller (relative to the whole matrix), and returns U = I at once for a matrix that has converged
-// (active[g / per] == 0).
+// One matrix per block (Problem: where each lives, `split` blocks each); outputs the eigenvalues ascending and
+// the eigenvectors as columns, in TA; a matrix with a NaN or Inf entry gets NaN outputs. (The block method's
+// 64 x 64 subproblems have their own kernel: jacobi_tiles.cuh.)
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -67,26 +63,18 @@ struct Pair2 {
   TA x, y;
 };
 
-// One launch's matrices and outputs (G = gridDim.x problems).
+// One launch's matrices and outputs (G = gridDim.x / split problems).
 template <typename TA>
 struct Problem {
-  const TA* A;           // problem g: A + (g / per) batch_stride + (g % per) tile_stride, rows ld apart, n x n
+  const TA* A;           // matrix g: A + g batch_stride, rows ld apart, n x n
   int64_t batch_stride;  // elements between matrices
-  int64_t tile_stride;   // elements between the tiles of one matrix (tile mode)
-  int per;               // problems per matrix (1: whole mode)
-  int split;             // blocks per problem, each with a slice of V's rows (whole mode; 1 in tile mode)
+  int split;             // blocks per matrix, each with a slice of V's rows
   int ld;                // row stride of the input
-  int n;                 // problem size
+  int n;                 // matrix size
   int max_sweeps;
-  double tol;            // whole mode: the stopping tolerance relative to ||A||_F
-  // whole mode outputs
-  TA* w;  // [G, n] eigenvalues ascending
-  TA* V;  // [G, n, n] eigenvectors as columns (each block writes its slice's rows)
-  // tile mode
-  double* U;             // [G, n, n] the subproblem's eigenvectors (unsorted)
-  const double* thr;     // [G / per] rotation threshold (unscaled: relative to the whole matrix)
-  double stop_scale;     // a tile stops when 2 sum a_pq^2 over a sweep <= (stop_scale thr)^2
-  const int* active;     // [G / per]: 0 for a matrix that has converged
+  double tol;            // the stopping tolerance relative to ||A||_F
+  TA* w;                 // [G, n] eigenvalues ascending
+  TA* V;                 // [G, n, n] eigenvectors as columns (each block writes its slice's rows)
 };
 
 // Rows of V per block when a problem of size n is split over `split` blocks.
@@ -119,7 +107,7 @@ __device__ __forceinline__ TA scale2(TA x, int e) {
   return ldexp(x, e);  // exact for a power-of-two scaling (barring underflow of negligible entries)
 }
 
-template <typename TA, int THREADS, bool kTile>
+template <typename TA, int THREADS>
 __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
   constexpr int kWarps = THREADS / 32;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -137,18 +125,10 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
   int* tab_rot = reinterpret_cast<int*>(smem + lay.rot_off);
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int64_t g = blockIdx.x / pr.split, mat = g / pr.per;  // the problem, its matrix
-  const TA* src = pr.A + mat * pr.batch_stride + (g - mat * pr.per) * pr.tile_stride;
-  // this block's rows of V: r0 .. r0 + nr - 1 (all of them in tile mode)
+  const int64_t g = blockIdx.x / pr.split;  // the matrix
+  const TA* src = pr.A + g * pr.batch_stride;
+  // this block's rows of V: r0 .. r0 + nr - 1
   const int r0 = static_cast<int>(blockIdx.x % pr.split) * v_rows, nr = min(v_rows, n - r0);
-
-  if constexpr (kTile) {
-    if (!pr.active[mat]) {  // converged: U = I leaves the whole matrix exactly as it is
-      double* u = pr.U + g * n * n;
-      for (int i = tid; i < n * n; i += THREADS) u[i] = (i / n == i % n) ? 1.0 : 0.0;
-      return;
-    }
-  }
 
   // Load (zero padding), the largest |a| (NaN-propagating: it also detects non-finite input), V = I.
   TA amax = TA(0);
@@ -163,14 +143,10 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
     V[r * ld + c] = r0 + r == c ? 1.0 : 0.0;
   }
   amax = block_reduce<THREADS, TA, true>(amax, red_a);  // its barriers also publish A and V
-  if (!isfinite(amax)) {  // uniform: NaN outputs (whole mode), U = NaN (tile mode: never, eigh.cu zeroes those)
-    if constexpr (!kTile) {
-      if (r0 == 0)
-        for (int i = tid; i < n; i += THREADS) pr.w[g * n + i] = TA(NAN);
-      for (int i = tid; i < nr * n; i += THREADS) pr.V[(g * n + r0) * n + i] = TA(NAN);
-    } else {
-      for (int i = tid; i < n * n; i += THREADS) pr.U[g * n * n + i] = NAN;
-    }
+  if (!isfinite(amax)) {  // uniform: NaN outputs
+    if (r0 == 0)
+      for (int i = tid; i < n; i += THREADS) pr.w[g * n + i] = TA(NAN);
+    for (int i = tid; i < nr * n; i += THREADS) pr.V[(g * n + r0) * n + i] = TA(NAN);
     return;
   }
   int e = 0;
@@ -192,19 +168,11 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
     }
   }
   norm2 = block_reduce<THREADS, double>(norm2, red_d);
-  if constexpr (!kTile) off2 = block_reduce<THREADS, double>(off2, red_d);  // a tile stops on its own rule
-  // Threshold below which an entry is not rotated, and the stopping bound on 2 sum a_pq^2 per sweep.
-  TA thr;
-  double stop2;
-  if constexpr (kTile) {
-    const double t = scale2(pr.thr[mat], -e);
-    thr = static_cast<TA>(t);
-    stop2 = (pr.stop_scale * t) * (pr.stop_scale * t);
-  } else {
-    const double t = pr.tol * sqrt(norm2);
-    thr = static_cast<TA>(t / m);
-    stop2 = t * t;
-  }
+  off2 = block_reduce<THREADS, double>(off2, red_d);
+  // Threshold below which an entry is not rotated, and the stopping bound on the off-diagonal norm^2.
+  const double tol_norm = pr.tol * sqrt(norm2);
+  const TA thr = static_cast<TA>(tol_norm / m);
+  const double stop2 = tol_norm * tol_norm;
 
   // V <- V J for the round whose tables start at `buf` (h entries each), on this block's rows (padding rows stay
   // zero: only rows below n): lanes over pairs (each loads its pair's rotation once; consecutive pairs have
@@ -226,10 +194,7 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
   const int rot_warps = (h + 31) / 32;
   int rounds = 0;
   for (int sweep = 0; sweep < pr.max_sweeps; ++sweep) {
-    if constexpr (!kTile) {
-      if (off2 <= stop2) break;  // uniform: every thread has the same sum
-    }
-    double swept = 0.0;  // tile: sum of a_pq^2 over this thread's pairs of the sweep
+    if (off2 <= stop2) break;  // uniform: every thread has the same sum
     for (int r = 0; r < m - 1; ++r, ++rounds) {
       // this round's tables; the previous round's (V's rotation, done now by the warps that compute none)
       const int buf = (rounds & 1) * h, prev = h - buf;
@@ -243,7 +208,6 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
           if (q < 0) q += m - 1;
         }
         const TA apq = A[p * ld + q], app = A[p * ld + p], aqq = A[q * ld + q];
-        if constexpr (kTile) swept += double(apq) * apq;
         const bool rot = fabs(apq) > thr;
         Pair2<TA> cs{TA(1), TA(0)};
         Pair2<double> csd{1.0, 0.0};
@@ -314,50 +278,37 @@ __global__ void __launch_bounds__(THREADS) jacobi_kernel(const Problem<TA> pr) {
       }
       __syncthreads();  // A is complete before the next round reads it
     }
-    if constexpr (kTile) {
-      swept = block_reduce<THREADS, double>(swept, red_d);
-      if (2.0 * swept <= stop2) break;  // uniform: every thread has the same sum
-    } else {
-      off2 = 0.0;
-      for (int i = tid; i < m * m; i += THREADS) {
-        const int r = i / m, c = i - r * m;
-        const TA v = A[r * ld + c];
-        if (r != c) off2 += double(v) * v;
-      }
-      off2 = block_reduce<THREADS, double>(off2, red_d);
+    off2 = 0.0;
+    for (int i = tid; i < m * m; i += THREADS) {
+      const int r = i / m, c = i - r * m;
+      const TA v = A[r * ld + c];
+      if (r != c) off2 += double(v) * v;
     }
+    off2 = block_reduce<THREADS, double>(off2, red_d);
   }
 
   if (rounds > 0) {  // the last round's rotation of V
     rotate_v(((rounds - 1) & 1) * h, 0);
     __syncthreads();
   }
-  if constexpr (kTile) {
-    double* u = pr.U + g * n * n;
-    for (int i = tid; i < n * n; i += THREADS) {
-      const int r = i / n, c = i - r * n;
-      u[i] = V[r * ld + c];
+  // Ascending order by ranks: the rank of d_j among d_0..d_{n-1}, ties broken by index.
+  int* perm = tab_rot;  // the tables are free now (V's last rotation ended with a barrier)
+  TA* w = pr.w + g * n;
+  for (int j = tid; j < n; j += THREADS) {
+    const TA dj = A[j * ld + j];
+    int rank = 0;
+    for (int i = 0; i < n; ++i) {
+      const TA di = A[i * ld + i];
+      rank += (di < dj) || (di == dj && i < j);
     }
-  } else {
-    // Ascending order by ranks: the rank of d_j among d_0..d_{n-1}, ties broken by index.
-    int* perm = tab_rot;  // the tables are free now (V's last rotation ended with a barrier)
-    TA* w = pr.w + g * n;
-    for (int j = tid; j < n; j += THREADS) {
-      const TA dj = A[j * ld + j];
-      int rank = 0;
-      for (int i = 0; i < n; ++i) {
-        const TA di = A[i * ld + i];
-        rank += (di < dj) || (di == dj && i < j);
-      }
-      perm[rank] = j;
-      if (r0 == 0) w[rank] = scale2(dj, e);
-    }
-    __syncthreads();
-    TA* out = pr.V + (g * n + r0) * n;
-    for (int i = tid; i < nr * n; i += THREADS) {
-      const int r = i / n, c = i - r * n;
-      out[i] = static_cast<TA>(V[r * ld + perm[c]]);
-    }
+    perm[rank] = j;
+    if (r0 == 0) w[rank] = scale2(dj, e);
+  }
+  __syncthreads();
+  TA* out = pr.V + (g * n + r0) * n;
+  for (int i = tid; i < nr * n; i += THREADS) {
+    const int r = i / n, c = i - r * n;
+    out[i] = static_cast<TA>(V[r * ld + perm[c]]);
   }
 }
 
@@ -381,7 +332,7 @@ inline bool fits(int64_t n) {
   return n >= 1 && n <= (1 << 12) && smem_bytes<TA>(static_cast<int>(n)) + kStaticSmem <= smem_optin_bytes();
 }
 
-// Blocks per matrix for a whole-mode batch of B matrices of size n: enough to give every multiprocessor a block
+// Blocks per matrix for a batch of B matrices of size n: enough to give every multiprocessor a block
 // (each repeats the A work, so no more than that), at most kMaxSplit, and no block without rows of V.
 constexpr int kMaxSplit = 8;
 inline int split_for(int64_t B, int n) {
@@ -391,9 +342,9 @@ inline int split_for(int64_t B, int n) {
 
 // Launches G problems of size pr.n (which must fit), pr.split blocks each, on THREADS-thread blocks, with the
 // kernel's shared memory opted in once per device (to the most the device allows).
-template <typename TA, int THREADS, bool kTile>
+template <typename TA, int THREADS>
 void run(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
-  const auto kernel = jacobi_kernel<TA, THREADS, kTile>;
+  const auto kernel = jacobi_kernel<TA, THREADS>;
   static int opted_in[kCachedDevices] = {};
   per_device(opted_in, [&](int) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -412,9 +363,9 @@ void launch_whole(const Problem<TA>& pr, int64_t G, cudaStream_t stream);
 template <typename TA>
 void launch_whole_impl(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
   switch (threads_for(pr.n)) {
-    case 128: run<TA, 128, false>(pr, G, stream); break;
-    case 512: run<TA, 512, false>(pr, G, stream); break;
-    default: run<TA, 1024, false>(pr, G, stream); break;
+    case 128: run<TA, 128>(pr, G, stream); break;
+    case 512: run<TA, 512>(pr, G, stream); break;
+    default: run<TA, 1024>(pr, G, stream); break;
   }
 }
 
