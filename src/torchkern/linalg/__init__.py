@@ -6,19 +6,18 @@
 Kronecker product: K-FAC / Shampoo). The math is in docs/design.md ("Symmetric eigensolver", "Inverse
 roots", "Kronecker preconditioning"); the twins are in ``torchkern.linalg.twins``.
 
-Kernels behind them (``csrc/linalg/``): ``eigh`` runs cyclic Jacobi with the matrix and its eigenvectors in
-one thread block's shared memory (jacobi.cuh; n <= 136 in float32, 118 in float64; a batch too small to fill
-the GPU spreads each matrix's eigenvector rows over up to 8 blocks), and above that a block
-Jacobi method in float64 whose subproblems that kernel solves and whose rotations are one launch per round
-of 64 x 64 tiles on the float64 tensor cores (eigh.cu); cold starts of fewer than 8 matrices from n = 704, and
-of any batch above n = 1024, go to cuSOLVER, which is faster there. The coupled Newton iteration of the roots
-runs, for n <= 128 (float32, half types computed in float32; n <= 64 in float64), the whole iteration of one
-matrix inside one thread block with the matrices in shared memory (or, for 64 < n <= 128 on sm_90 when the
-batch leaves SMs idle, a cluster of two blocks per matrix); larger matrices use cuBLAS batched products with
-fused elementwise steps and a per-matrix "done" mask. For n >= 64 both start the iteration's
-scaling from a Lanczos estimate of each matrix's smallest eigenvalue (``twins.py``: about 2 of 10
-steps saved on moderately conditioned matrices). A matrix whose iteration does not converge falls back to
-a float64 ``eigh`` root. ``kron`` is one write-bound kernel.
+Kernels behind them (``csrc/linalg/``): ``eigh`` runs cyclic Jacobi with the matrix and its eigenvectors in one
+thread block's shared memory (jacobi.cuh; n <= 136 in float32, 118 in float64; a batch too small to fill the GPU
+spreads each matrix's eigenvector rows over up to 8 blocks), and above that a block Jacobi method in float64 whose
+64 x 64 subproblems get a sweep each in 4 x 4 groups (jacobi_tiles.cuh) and whose rotations are one launch per round
+of 64 x 64 tiles on the float64 tensor cores (eigh.cu); cold starts of fewer than 8 matrices from n = 704, and of
+any batch above n = 1024, go to cuSOLVER, which is faster there. The coupled Newton iteration of the roots runs, for
+n <= 128 (float32, half types computed in float32; n <= 64 in float64), the whole iteration of one matrix inside one
+thread block with the matrices in shared memory (or, for 64 < n <= 128 on sm_90 when the batch leaves SMs idle, a
+cluster of two blocks per matrix); larger matrices use cuBLAS batched products with fused elementwise steps and a
+per-matrix "done" mask. For n >= 64 both start the iteration's scaling from a Lanczos estimate of each matrix's
+smallest eigenvalue (``twins.py``: about 2 of 10 steps saved on moderately conditioned matrices). A matrix whose
+iteration does not converge falls back to a float64 ``eigh`` root. ``kron`` is one write-bound kernel.
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor,
     Kernels (CUDA): cyclic two-sided Jacobi with the matrix and its eigenvectors in shared memory, one
     thread block per matrix (up to 8 for a batch too small to fill the GPU, each with a slice of the
     eigenvectors' rows), every sweep in one launch (n <= 136 in float32, n <= 118 in float64 on sm_90's
-    shared memory), and a block Jacobi method above, whose subproblems that kernel solves and whose
+    shared memory), and a block Jacobi method above, whose 64 x 64 subproblems get one sweep each and whose
     rotations are one launch per round of 64 x 64 tiles on the float64 tensor cores; cuSOLVER for cold starts
     where it is faster (fewer than 8 matrices from n = 704, any batch above n = 1024; docs/design.md,
     "Symmetric eigensolver").

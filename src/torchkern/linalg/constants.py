@@ -42,7 +42,8 @@ EIGH_TOL_F64 = 1e-13
 EIGH_MAX_SWEEPS = 40
 EIGH_INNER_SWEEPS = 1
 # The block method (n above what one thread block's shared memory holds, or above EIGH_SMALL_MAX_N): blocks of
-# EIGH_BLOCK rows, subproblems of 2 EIGH_BLOCK (solved in float64 by the in-block kernel).
+# EIGH_BLOCK rows, subproblems of 2 EIGH_BLOCK (swept in float64 by csrc/linalg/jacobi_tiles.cuh, which, like the
+# round kernel, takes 64 x 64 tiles only).
 EIGH_BLOCK = 32
 EIGH_SMALL_MAX_N = 168
 # Cold starts (no Q0) with n >= EIGH_TORCH_FROM_N go to torch.linalg.eigh (cuSOLVER, one matrix after another)

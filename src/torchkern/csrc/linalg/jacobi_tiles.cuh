@@ -13,13 +13,13 @@
 // (barrier); then warps 0-7 turn every off-diagonal 4 x 4 block of A into Q_G1^T A_G1G2 Q_G2 while warps 8-15
 // take V's rows to V_G Q_G (barrier). Against jacobi_kernel's one round at a time on 2 x 2 blocks with the
 // circle ordering (this kernel's predecessor here): a third of the barriers, no rotation tables, and each step's
-// accesses to A and V in 4 x 4 blocks. A/B on one H100 (benchmarks/RESULTS.md, 2026-11-26, ninth session): 64 x
-// 256^2 from a cold start 13.0 -> 10.9 ms, 16 x 1024^2 130 -> 118 ms, K-FAC's warm 8 x 1025^2 34.9 -> 31.7 ms.
+// accesses to A and V in 4 x 4 blocks. A/B on one H100 (benchmarks/RESULTS.md, 2026-11-26, ninth session): the
+// block method at 64 x 256^2 13.0 -> 10.9 ms, 16 x 1024^2 130 -> 118 ms, K-FAC's warm 8 x 1025^2 34.9 -> 31.7 ms.
 // Phase 1 (the rotations' dependent chains, one warp) is what the others wait for: the same 63 chains a sweep as
 // before, no longer hidden behind V's rotation.
 // Convergence (benchmarks/probes/tile_ordering_model.py convergence): in a numpy model of the block method (n =
 // 256, tol 1e-6 and 1e-13; random, 1e8-conditioned, clustered, rank-8 and nearly diagonal spectra) this ordering
-// took the same outer sweeps as the circle method, one more for the rank-8 matrix, one fewer at 1e8 and 1e-13.
+// took within one outer sweep of the circle method's count, either way.
 //
 // Rotation of pair (p, q), d = a_qq - a_pp, a gap r = sqrt(d^2 + 4 a_pq^2): t = tan(phi) = 2 a_pq sign(d) / (|d| +
 // r) (Rutishauser's t without theta), so with u = |d| + r, c = u / sqrt(u^2 + 4 a_pq^2) and s = 2 a_pq sign(d) /
