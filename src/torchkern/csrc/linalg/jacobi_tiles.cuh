@@ -56,10 +56,10 @@ constexpr int kQld = 17;         // Q_G's stride: odd, so lanes reading differen
 // offset mod 16, which only sees an index's low four bits. So an index x is stored at phys(x) = x with bits 4-5
 // folded into the low four (x ^ 5 (x >> 4): linear over GF(2), bijective), and each step takes bits (lo, hi)
 // whose removal leaves the low four bits of phys a bijection of the other four (every step has such a pair). With
-// kLd = 67, a model of the kernel's accesses (phase 1's pair entries, the blocks' loads and stores, V's rows; the
-// model's `banks` mode) gives 1.04 times the conflict-free wavefronts, against 1.94 with phys = x; a first version
-// without phys, and one block per two threads, had 2.4 (loads) and 5.9 (stores) times (Nsight Compute) and was no
-// faster than jacobi_kernel.
+// kLd = 67, a model of the kernel's accesses (phase 1's pair entries, the blocks' loads and stores, V's rows;
+// benchmarks/probes/tile_ordering_model.py banks) gives 1.04 times the conflict-free wavefronts, against 1.94 with
+// phys = x; a first version without phys, with one block per two threads, had 2.4 (loads) and 5.9 (stores)
+// times (Nsight Compute) and was no faster than jacobi_kernel.
 __host__ __device__ constexpr int phys(int x) { return x ^ (5 * (x >> 4)); }
 
 // Multiplication by x in GF(2^6) = GF(2)[x] / (x^6 + x + 1) (x is primitive: its powers are the 63 masks).
