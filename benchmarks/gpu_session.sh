@@ -7,6 +7,10 @@
 #   STAGES="build tests" TEST_ARGS="tests/test_linalg.py -k eigh" bash benchmarks/gpu_session.sh
 #   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_session.sh
 #
+# The whole suite takes about 430 s on an H100 and a cold build 70-110 s: with the device tool's 600 s a call, build
+# first (STAGES="env build") and run STAGES="tests" TEST_SECONDS=560 in the next call on the warm machine (the
+# ninth session's single call, TEST_SECONDS=470 after a 69 s build, was cut inside the last test).
+#
 # Benchmark-only peers (opacus) travel as wheels in .whl/ (ignored by git) and are installed into /tmp/site.
 set -uo pipefail
 STAGES=${STAGES:-env build import tests bench quality readme}
