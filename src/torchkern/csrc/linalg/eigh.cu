@@ -3,9 +3,9 @@
 // Every path zeroes matrices with a NaN or Inf entry (their outputs become NaN), scales each matrix by a
 // power of two so that max |a_ij| lies in [0.5, 1) (exact; nothing in the norms, the rotation formulas or
 // Q0^T A Q0 overflows or underflows), and symmetrizes, (A + A^T) / 2: the in-block kernel does all three
-// itself; with Q0 or for the block method, ATen ops do it first, as the twin does. With Q0 it solves
-// Q0^T A Q0 and returns Q0 V' (a warm start: from an eigenbasis of a nearby matrix, the rotated matrix is
-// nearly diagonal and Jacobi needs few sweeps).
+// itself, the block method in its preparation kernels; otherwise ATen ops do it first, as the twin does. With Q0
+// it solves Q0^T A Q0 and returns Q0 V' (a warm start: from an eigenbasis of a nearby matrix, the rotated matrix
+// is nearly diagonal and Jacobi needs few sweeps).
 //
 // n small enough for one thread block's shared memory (jacobi.cuh: A in the compute type and V in double,
 // 12 m (m + 1) bytes in float32, 16 m (m + 1) in float64, m = n rounded up to even: n <= 136 and n <= 118
@@ -38,7 +38,6 @@
 #include <ATen/ops/frexp.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/linalg_eigh.h>
-#include <ATen/ops/linalg_vector_norm.h>
 #include <ATen/ops/logical_or.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/mul.h>
@@ -47,9 +46,7 @@
 #include <ATen/ops/pow.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/sort.h>
-#include <ATen/ops/square.h>
 #include <ATen/ops/sub.h>
-#include <ATen/ops/sum.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -64,6 +61,7 @@
 #include "jacobi.cuh"
 #include "jacobi_tiles.cuh"
 #include "torchkern/checks.h"
+#include "torchkern/dispatch.h"
 #include "torchkern/launch.h"
 
 #if !defined(TORCHKERN_EIGH_TOL_F32) || !defined(TORCHKERN_EIGH_BLOCK)
@@ -199,15 +197,48 @@ at::Tensor warm_rotate(const at::Tensor& X, const at::Tensor& Q) {
   return Y;
 }
 
-// sweep end, one thread per matrix: a matrix goes on while its off-diagonal norm after the sweep exceeds
-// tol ||A||_F; counts the ones that go on.
-__global__ void sweep_end_kernel(const double* __restrict__ off2,   // [B]
-                                 const double* __restrict__ stop2,  // [B] (tol ||A||_F)^2
-                                 int* __restrict__ active,          // [B]
-                                 int* __restrict__ count, int64_t batch) {
+// The off-diagonal sum of squares of A (B, N, N) after a sweep, per (matrix, chunk of kOffRows rows): one pass
+// over A (it was a clone, a square and a sum: four passes and three launches a sweep), summed in a fixed order so
+// that the stopping rule sees the same sums on every run. Matrices that have stopped are skipped.
+constexpr int kOffRows = 16;  // divides N (a multiple of 2b)
+constexpr int kOffThreads = 256;
+__global__ void __launch_bounds__(kOffThreads)
+    offdiag_rows_kernel(const double* __restrict__ A, const int* __restrict__ active, double* __restrict__ partial,
+                        int N, int chunks) {
+  const int64_t b = blockIdx.x / chunks;
+  const int chunk = static_cast<int>(blockIdx.x - b * chunks);
+  if (!active[b]) return;
+  double s = 0.0;
+  for (int r = 0; r < kOffRows; ++r) {
+    const int i = chunk * kOffRows + r;
+    const double* row = A + (b * N + i) * int64_t(N);
+    for (int j = threadIdx.x; j < N; j += kOffThreads) {
+      const double x = row[j];
+      s += j == i ? 0.0 : x * x;
+    }
+  }
+  __shared__ double warp_sums[kOffThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int w = 0; w < kOffThreads / 32; ++w) total += warp_sums[w];
+    partial[blockIdx.x] = total;
+  }
+}
+
+// sweep end, one thread per matrix: a matrix goes on while its off-diagonal norm after the sweep (the sum of its
+// chunks' partial sums) exceeds tol ||A||_F; counts the ones that go on.
+__global__ void sweep_end_kernel(const double* __restrict__ partial,  // [B, chunks]
+                                 const double* __restrict__ stop2,    // [B] (tol ||A||_F)^2
+                                 int* __restrict__ active,            // [B]
+                                 int* __restrict__ count, int64_t batch, int chunks) {
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
     if (active[b]) {
-      const bool go = off2[b] > stop2[b];
+      double off2 = 0.0;
+      for (int c = 0; c < chunks; ++c) off2 += partial[b * chunks + c];
+      const bool go = off2 > stop2[b];
       active[b] = go;
       if (go) atomicAdd(count, 1);
     }
@@ -356,29 +387,227 @@ __global__ void __launch_bounds__(kRoundThreads, 3) block_round_kernel(
   });
 }
 
-// Block Jacobi on X (B, n, n), float64, finite, symmetric, scaled to max |x| < 1: returns (w ascending, V).
-std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) {
+// The block method's way in and out, a few launches instead of some thirty ATen ops whose host time left the GPU
+// idle for about a millisecond a call at 64 x 256^2 (torch.profiler, tenth session). In: per (matrix, kPrepRows
+// rows), the largest |x| and whether X or Q0 has a non-finite entry (block_prep_stats_kernel); per 32 x 32 tile of
+// the padded matrix, A = 2^-e (X + X^T) / 2 with e from frexp of the matrix's largest |x| (zero for a non-finite
+// matrix) and W = Q0^T or I (block_prep_write_kernel); the thresholds from the tiles' sums of squares
+// (block_prep_norms_kernel). Out: eigenvalues and eigenvectors gathered in ascending order, scaled back, cast, NaN
+// for the flagged matrices (block_finish_kernel). The arithmetic is the ATen ops' (scaling by powers of two is
+// exact).
+constexpr int kPrepRows = 16;
+constexpr int kTile = 32;  // the write and finish passes: 32 x 8 threads per 32 x 32 tile
+
+template <typename T>
+__device__ inline double as_double(T x) {
+  return static_cast<double>(static_cast<at::opmath_type<T>>(x));
+}
+
+__device__ inline double warp_max(double x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ inline double warp_sum(double x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256)
+    block_prep_stats_kernel(const T* __restrict__ X, const T* __restrict__ Q, double* __restrict__ part_max,
+                      int* __restrict__ part_bad, int n, int chunks) {
+  const int64_t b = blockIdx.x / chunks;
+  const int chunk = static_cast<int>(blockIdx.x - b * chunks);
+  const int64_t base = b * int64_t(n) * n, end = int64_t(min(n, (chunk + 1) * kPrepRows)) * n;
+  double m = 0.0;
+  bool bad = false;
+  for (int64_t k = int64_t(chunk) * kPrepRows * n + threadIdx.x; k < end; k += blockDim.x) {
+    const double x = as_double(X[base + k]);
+    bad |= !isfinite(x) || (Q != nullptr && !isfinite(as_double(Q[base + k])));
+    m = fmax(m, fabs(x));
+  }
+  __shared__ double warp_m[8];
+  __shared__ int warp_bad[8];
+  m = warp_max(m);
+  const unsigned any_bad = __ballot_sync(0xffffffffu, bad);
+  if ((threadIdx.x & 31) == 0) {
+    warp_m[threadIdx.x >> 5] = m;
+    warp_bad[threadIdx.x >> 5] = any_bad != 0;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) {
+      warp_m[0] = fmax(warp_m[0], warp_m[w]);
+      warp_bad[0] |= warp_bad[w];
+    }
+    part_max[blockIdx.x] = warp_m[0];
+    part_bad[blockIdx.x] = warp_bad[0];
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kTile * 8)
+    block_prep_write_kernel(const T* __restrict__ X, const T* __restrict__ Q, const double* __restrict__ part_max,
+                      const int* __restrict__ part_bad, double* __restrict__ A, double* __restrict__ W,
+                      int* __restrict__ exponent, int* __restrict__ flagged, double* __restrict__ part_sq, int n,
+                      int N, int chunks) {
+  const int tiles = N / kTile;
+  const int64_t b = blockIdx.x / (tiles * tiles);
+  const int t = static_cast<int>(blockIdx.x - b * tiles * tiles), ti = t / tiles, tj = t - ti * tiles;
+  const int lane = threadIdx.x, row = threadIdx.y;  // (32, 8) threads
+  __shared__ double up[kTile][kTile + 1], mirror[kTile][kTile + 1], q_mirror[kTile][kTile + 1];
+  __shared__ int s_e, s_bad;
+  __shared__ double s_sq[8];
+  if (row == 0) {  // the matrix's exponent and flag from its chunks (every tile of the matrix the same)
+    double m = 0.0;
+    int bad = 0;
+    for (int c = lane; c < chunks; c += 32) {
+      m = fmax(m, part_max[b * chunks + c]);
+      bad |= part_bad[b * chunks + c];
+    }
+    m = warp_max(m);
+    bad = __any_sync(0xffffffffu, bad);
+    if (lane == 0) {
+      int e = 0;
+      if (!bad) frexp(m, &e);  // 0 for a zero matrix
+      s_e = e;
+      s_bad = bad;
+      if (t == 0) {
+        exponent[b] = e;
+        flagged[b] = bad;
+      }
+    }
+  }
+  const int64_t in = b * int64_t(n) * n, out = b * int64_t(N) * N;
+  for (int r = row; r < kTile; r += 8) {
+    const int i = ti * kTile + r, j = tj * kTile + lane, i2 = tj * kTile + r, j2 = ti * kTile + lane;
+    up[r][lane] = (i < n && j < n) ? as_double(X[in + int64_t(i) * n + j]) : 0.0;
+    mirror[r][lane] = (i2 < n && j2 < n) ? as_double(X[in + int64_t(i2) * n + j2]) : 0.0;
+    if (Q != nullptr) q_mirror[r][lane] = (i2 < n && j2 < n) ? as_double(Q[in + int64_t(i2) * n + j2]) : 0.0;
+  }
+  __syncthreads();
+  const int shift = -s_e - 1;
+  const bool bad = s_bad;
+  double sq = 0.0;
+  for (int r = row; r < kTile; r += 8) {
+    const int i = ti * kTile + r, j = tj * kTile + lane;
+    // 2^-e x_ij / 2 + 2^-e x_ji / 2: the ATen ops' scale, then halves summed (exact scalings, one rounding)
+    const double v = bad ? 0.0 : ldexp(up[r][lane], shift) + ldexp(mirror[lane][r], shift);
+    A[out + int64_t(i) * N + j] = v;
+    sq += v * v;
+    const bool inside = Q != nullptr && !bad && i < n && j < n;  // a flagged matrix rotates its zeros by I
+    W[out + int64_t(i) * N + j] = inside ? q_mirror[lane][r] : (i == j ? 1.0 : 0.0);  // Q0^T, the padding I
+  }
+  sq = warp_sum(sq);
+  if (lane == 0) s_sq[row] = sq;
+  __syncthreads();
+  if (row == 0 && lane == 0) {
+    double total = 0.0;
+    for (int w = 0; w < 8; ++w) total += s_sq[w];
+    part_sq[blockIdx.x] = total;
+  }
+}
+
+// One thread per matrix: thr = ||A||_F tol / N (the tiles' rotation threshold) and stop2 = (tol ||A||_F)^2.
+__global__ void block_prep_norms_kernel(const double* __restrict__ part_sq, double* __restrict__ thr,
+                                  double* __restrict__ stop2, int64_t batch, int per, double tol, int N) {
+  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
+    double s = 0.0;
+    for (int k = 0; k < per; ++k) s += part_sq[b * per + k];
+    const double norm = sqrt(s);
+    thr[b] = norm * (tol / double(N));
+    stop2[b] = (norm * tol) * (norm * tol);
+  }
+}
+
+// V[b, i, j] = W[b, rows[order[b, j]], i] (the basis row of the j-th smallest eigenvalue, as column j) and
+// w[b, j] = 2^e sorted[b, j], cast to T, NaN for a flagged matrix; per 32 x 32 tile of V.
+template <typename T>
+__global__ void __launch_bounds__(kTile * 8)
+    block_finish_kernel(const double* __restrict__ W, const double* __restrict__ sorted,
+                        const int64_t* __restrict__ order, const int64_t* __restrict__ rows,
+                        const int* __restrict__ exponent, const int* __restrict__ flagged, T* __restrict__ w,
+                        T* __restrict__ V, int n, int N) {
+  const int tiles = (n + kTile - 1) / kTile;
+  const int64_t b = blockIdx.x / (tiles * tiles);
+  const int t = static_cast<int>(blockIdx.x - b * tiles * tiles), ti = t / tiles, tj = t - ti * tiles;
+  const int lane = threadIdx.x, row = threadIdx.y;
+  __shared__ double tile[kTile][kTile + 1];
+  const bool bad = flagged[b];
+  for (int r = row; r < kTile; r += 8) {  // r: the eigenvalue j = tj * kTile + r, lane: the component i
+    const int j = tj * kTile + r, i = ti * kTile + lane;
+    double x = 0.0;
+    if (j < n && i < n) x = W[b * int64_t(N) * N + rows[order[b * n + j]] * N + i];
+    tile[r][lane] = x;
+  }
+  __syncthreads();
+  const T nan = static_cast<T>(NAN);
+  for (int r = row; r < kTile; r += 8) {
+    const int i = ti * kTile + r, j = tj * kTile + lane;
+    if (i < n && j < n) V[b * int64_t(n) * n + int64_t(i) * n + j] = bad ? nan : static_cast<T>(tile[lane][r]);
+  }
+  if (ti == 0 && row == 0) {
+    const int j = tj * kTile + lane;
+    if (j < n) w[b * n + j] = bad ? nan : static_cast<T>(ldexp(sorted[b * n + j], exponent[b]));
+  }
+}
+
+// The block method on X (B, n, n) of any float dtype (contiguous), from Q0^T A Q0 with Q (B, n, n; undefined for a
+// cold start): returns (w ascending, V) in X's dtype, NaN for matrices with a non-finite entry in X or Q. It works
+// in float64 on A = 2^-e (X + X^T) / 2 padded to N, with the accumulated rotations W = V^T starting from Q0^T (so
+// that they end as (Q0 V')^T: no product on the way out); polish: one orthogonality correction of V, which only
+// float64 results need.
+std::tuple<at::Tensor, at::Tensor> block_method(const at::Tensor& X, const at::Tensor& Q, double tol, bool polish) {
   const int64_t B = X.size(0), n = X.size(1), b = kBlock;
   // N: n padded to whole block pairs, and at least two pairs (the circle method's moves need them)
   const int64_t N = std::max<int64_t>((n + 2 * b - 1) / (2 * b) * (2 * b), 4 * b), nb = N / b, P = nb / 2, G = B * P;
-  const auto opt = X.options();
+  const auto opt = X.options().dtype(at::kDouble), iopt = X.options().dtype(at::kInt);
   const cudaStream_t stream = current_stream();
   TORCH_CHECK(jacobi::tiles::fits(), "torchkern.eigh: the block method's subproblems (64 x 64 tiles) need ",
               jacobi::tiles::kSmem / 1024, " KiB of shared memory per thread block, more than this GPU allows");
   // A and the basis W = V^T by position, each with the buffer a round writes (every entry of it).
-  at::Tensor A = at::zeros({B, N, N}, opt), A_next = at::empty_like(A);
-  at::Tensor W = at::zeros({B, N, N}, opt), W_next = at::empty_like(W);
+  at::Tensor A = at::empty({B, N, N}, opt), A_next = at::empty_like(A);
+  at::Tensor W = at::empty({B, N, N}, opt), W_next = at::empty_like(W);
   at::Tensor U = at::empty({G, 2 * b, 2 * b}, opt);
-  A.narrow(1, 0, n).narrow(2, 0, n).copy_(X);
-  W.diagonal(0, 1, 2).fill_(1.0);
+  at::Tensor exponent = at::empty({B}, iopt), flagged = at::empty({B}, iopt);
+  at::Tensor thr = at::empty({B}, opt), stop2 = at::empty({B}, opt);
+  const int stat_chunks = static_cast<int>((n + kPrepRows - 1) / kPrepRows), tiles = static_cast<int>(N / kTile);
+  at::Tensor part_max = at::empty({B * stat_chunks}, opt), part_bad = at::empty({B * stat_chunks}, iopt);
+  at::Tensor part_sq = at::empty({B * tiles * tiles}, opt);
+  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_block_prep", [&] {
+    const scalar_t* q = Q.defined() ? Q.const_data_ptr<scalar_t>() : nullptr;
+    block_prep_stats_kernel<scalar_t><<<static_cast<unsigned>(B * stat_chunks), 256, 0, stream>>>(
+        X.const_data_ptr<scalar_t>(), q, part_max.mutable_data_ptr<double>(), part_bad.mutable_data_ptr<int>(),
+        static_cast<int>(n), stat_chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    block_prep_write_kernel<scalar_t><<<static_cast<unsigned>(B * tiles * tiles), dim3(kTile, 8), 0, stream>>>(
+        X.const_data_ptr<scalar_t>(), q, part_max.const_data_ptr<double>(), part_bad.const_data_ptr<int>(),
+        A.mutable_data_ptr<double>(), W.mutable_data_ptr<double>(), exponent.mutable_data_ptr<int>(),
+        flagged.mutable_data_ptr<int>(), part_sq.mutable_data_ptr<double>(), static_cast<int>(n),
+        static_cast<int>(N), stat_chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  block_prep_norms_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
+      part_sq.const_data_ptr<double>(), thr.mutable_data_ptr<double>(), stop2.mutable_data_ptr<double>(), B,
+      tiles * tiles, tol, static_cast<int>(N));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (Q.defined()) {
+    // A <- Q0^T A Q0 on the n x n corner (W holds Q0^T there), the products in float64: float32 ones would
+    // follow torch's global TF32 flag (1e-3 accuracy when a training script turns it on), far from the 1e-5
+    // residual. The thresholds above are from A's norm, which the rotation keeps.
+    at::Tensor corner = A.narrow(1, 0, n).narrow(2, 0, n);
+    const at::Tensor Qt = W.narrow(1, 0, n).narrow(2, 0, n);
+    const at::Tensor AQ = at::bmm(corner, Qt.transpose(1, 2));
+    at::bmm_out(corner, Qt, AQ);
+  }
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, block_round_kernel, kRoundSmem);
   const auto round_blocks = static_cast<unsigned>(B * round_jobs(static_cast<int>(P)));
-  const at::Tensor norm = at::linalg_vector_norm(X, 2, at::IntArrayRef({1, 2}));
-  const at::Tensor thr = at::mul(norm, tol / double(N)).contiguous();
-  const at::Tensor stop2 = at::mul(norm, tol).square().contiguous();
-  at::Tensor active = at::ones({B}, opt.dtype(at::kInt));
-  at::Tensor counts = at::zeros({kMaxSweeps}, opt.dtype(at::kInt));
+  at::Tensor active = at::ones({B}, iopt);
+  const int off_chunks = static_cast<int>(N / kOffRows);
+  at::Tensor off_partial = at::empty({B * off_chunks}, opt);
+  at::Tensor counts = at::zeros({kMaxSweeps}, iopt);
   at::Tensor host = at::empty({kMaxSweeps}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
   cudaEvent_t event = nullptr;
   C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
@@ -415,12 +644,13 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
       for (int pos = 0; pos < nb; ++pos) moved[next_position(pos, static_cast<int>(P))] = content[pos];
       content = std::move(moved);
     }
-    at::Tensor off = A.clone();  // the padding's rows and columns are zero
-    off.diagonal(0, 1, 2).zero_();
-    const at::Tensor off2 = at::sum(at::square(off), at::IntArrayRef({1, 2}));
+    offdiag_rows_kernel<<<static_cast<unsigned>(B * off_chunks), kOffThreads, 0, stream>>>(
+        A.const_data_ptr<double>(), active.const_data_ptr<int>(), off_partial.mutable_data_ptr<double>(),
+        static_cast<int>(N), off_chunks);  // the padding's rows and columns are zero
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     sweep_end_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
-        off2.const_data_ptr<double>(), stop2.const_data_ptr<double>(), active.mutable_data_ptr<int>(),
-        counts.mutable_data_ptr<int>() + sweep, B);
+        off_partial.const_data_ptr<double>(), stop2.const_data_ptr<double>(), active.mutable_data_ptr<int>(),
+        counts.mutable_data_ptr<int>() + sweep, B, off_chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     int* host_p = host.mutable_data_ptr<int>() + sweep;
     C10_CUDA_CHECK(cudaMemcpyAsync(host_p, counts.const_data_ptr<int>() + sweep, sizeof(int), cudaMemcpyDeviceToHost,
@@ -430,26 +660,37 @@ std::pair<at::Tensor, at::Tensor> block_jacobi(const at::Tensor& X, double tol) 
     if (*host_p == 0) break;
   }
   // The basis vectors of the padding coordinates never rotate (their rows and columns are zero): they stay
-  // in their block row's slot. Keep the others, then sort by eigenvalue.
+  // in their block row's slot. The others' positions, then the order of their eigenvalues.
   std::vector<int64_t> rows;
   rows.reserve(n);
   for (int pos = 0; pos < nb; ++pos)
     for (int s = 0; s < b; ++s)
       if (content[pos] * b + s < n) rows.push_back(pos * b + s);
-  at::Tensor index = at::empty({n}, at::TensorOptions().dtype(at::kLong));
+  // pinned, so that the copy does not hold the host
+  at::Tensor index = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
   std::copy(rows.begin(), rows.end(), index.mutable_data_ptr<int64_t>());
-  index = index.to(X.device());
-  const at::Tensor d = A.diagonal(0, 1, 2).index_select(1, index);                 // (B, n)
-  const at::Tensor basis = W.index_select(1, index).narrow(2, 0, n);  // (B, n, n): rows
-  at::Tensor w, order;
-  std::tie(w, order) = at::sort(d, 1);
-  at::Tensor V = basis.gather(1, order.unsqueeze(2).expand({B, n, n})).transpose(1, 2).contiguous();
+  index = index.to(X.device(), /*non_blocking=*/true);
+  at::Tensor sorted, order;
+  std::tie(sorted, order) = at::sort(A.diagonal(0, 1, 2).index_select(1, index), 1);
+  at::Tensor w = at::empty({B, n}, X.options()), V = at::empty({B, n, n}, X.options());
+  const int out_tiles = static_cast<int>((n + kTile - 1) / kTile);
+  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_block_finish", [&] {
+    block_finish_kernel<scalar_t><<<static_cast<unsigned>(B * out_tiles * out_tiles), dim3(kTile, 8), 0, stream>>>(
+        W.const_data_ptr<double>(), sorted.const_data_ptr<double>(), order.const_data_ptr<int64_t>(),
+        index.const_data_ptr<int64_t>(), exponent.const_data_ptr<int>(), flagged.const_data_ptr<int>(),
+        w.mutable_data_ptr<scalar_t>(), V.mutable_data_ptr<scalar_t>(), static_cast<int>(n), static_cast<int>(N));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
   // The basis went through hundreds of rounds of products, each adding rounding to V^T V - I (measured: 1e-12 at
-  // n = 256, the float64 bar's edge). One correction V <- V (3 I - V^T V) / 2 squares that error (two products,
-  // a few percent of one sweep) and moves V by O(error), leaving the residual as it was.
-  const at::Tensor gram = at::bmm(V.transpose(1, 2), V);
-  gram.diagonal(0, 1, 2).sub_(3.0);
-  V = at::bmm(V, gram).mul_(-0.5);
+  // n = 256, the float64 bar's edge). For float64 results one correction V <- V (3 I - V^T V) / 2 squares that
+  // error (two products, a few percent of one sweep; host time of the same order at 256^2) and moves V by
+  // O(error), leaving the residual as it was (a flagged matrix's NaN stays NaN); rounding to float32 adds far
+  // more (about 1e-7) than it removes.
+  if (polish) {
+    const at::Tensor gram = at::bmm(V.transpose(1, 2), V);
+    gram.diagonal(0, 1, 2).sub_(3.0);
+    V = at::bmm(V, gram).mul_(-0.5);
+  }
   return {w, V};
 }
 
@@ -501,6 +742,11 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   const auto finish = [&](const at::Tensor& w, const at::Tensor& V) -> std::tuple<at::Tensor, at::Tensor> {
     return {w.to(A.scalar_type()).reshape(w_shape), V.to(A.scalar_type()).reshape(A.sizes()).contiguous()};
   };
+  if (!small && (warm_start.has_value() || !cold_start_to_cusolver(B, n))) {  // the block method, in X's dtype
+    const at::Tensor Q = warm_start.has_value() ? warm_start->reshape({B, n, n}).contiguous() : at::Tensor();
+    const auto [w, V] = block_method(A.reshape({B, n, n}).contiguous(), Q, tol, /*polish=*/f64);
+    return {w.reshape(w_shape), V.reshape(A.sizes())};
+  }
   at::Tensor X = A.reshape({B, n, n}).to(cdt);
   at::Tensor w, V;
   if (small && !warm_start.has_value()) {  // the kernel itself flags non-finite matrices, scales and symmetrizes
@@ -523,7 +769,8 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
     solve_small(at::matmul(Q.transpose(1, 2), at::matmul(X.to(at::kDouble), Q)).to(at::kFloat), w, V);
     return finish(w, at::matmul(Q, V.to(at::kDouble)));
   }
-  // zero the non-finite matrices, scale by 2^-e (max |x| in [0.5, 1)), symmetrize (as the twin does)
+  // A float64 warm start on the in-block path, or a cold start for cuSOLVER: zero the non-finite matrices, scale
+  // by 2^-e (max |x| in [0.5, 1)), symmetrize (as the twin does)
   const at::Tensor zero = at::scalar_tensor(0.0, X.options());
   at::Tensor bad = at::isfinite(X).flatten(1).all(1).logical_not();
   X = at::where(bad.view({B, 1, 1}), zero, X);
@@ -542,14 +789,12 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   }
   if (small) {
     solve_small(X, w, V);
-  } else if (!Q.defined() && cold_start_to_cusolver(B, n)) {
+    V = at::matmul(Q, V.to(at::kDouble));
+  } else {
     std::tie(w, V) = at::linalg_eigh(X.to(f64 ? at::kDouble : at::kFloat));  // in the input's precision
     w = w.to(at::kDouble);
     V = V.to(at::kDouble);
-  } else {
-    std::tie(w, V) = block_jacobi(X, tol);
   }
-  if (Q.defined()) V = at::matmul(Q, V.to(at::kDouble));
   w = times_pow2(w, e.view({B, 1}));
   const at::Tensor nan = at::scalar_tensor(NAN, w.options());
   w = at::where(bad.view({B, 1}), nan, w);
