@@ -639,6 +639,18 @@ def test_eigh_block_method_mixed_batch(dtype):
 
 
 @requires_cuda
+def test_eigh_block_method_noncontiguous():
+    # the block method's preparation reads A and Q0 in its own layout: strided views give the same decomposition
+    A = spectrum("random", 150, batch=(3,)).float().cuda()
+    Q0 = torch.linalg.eigh(A.double())[1].float()
+    for warm in (None, Q0):
+        w, _ = linalg.eigh(A, warm)
+        w2, V2 = linalg.eigh(noncontiguous(A), None if warm is None else noncontiguous(warm))
+        check_eigh(A, w2, V2, torch.float32)
+        torch.testing.assert_close(w2, w, rtol=0, atol=1e-5 * A.abs().max().item())
+
+
+@requires_cuda
 @pytest.mark.parametrize("batch", [1, 8], ids=["cusolver", "block"])
 def test_eigh_large_cold_starts(batch):
     # from n = 704 a cold start of fewer than 8 matrices goes to cuSOLVER, a batch of 8 stays on the block method
@@ -692,12 +704,13 @@ def test_eigh_batch_shapes_and_layouts(device, batch):
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("exponent", [-100, 100])
-def test_eigh_extreme_scales(device, dtype, exponent):
+@pytest.mark.parametrize("n", [24, 150])  # CUDA: the in-block kernel, the block method's preparation kernels
+def test_eigh_extreme_scales(device, dtype, exponent, n):
     # tiny and huge matrices (2^-100 ... 2^100 in float32, 2^-1000 ... 2^1000 in float64; powers of two, so the
     # scaled input is exactly the scaled rounded matrix): no under- or overflow, the eigenvalues scale. The twin
     # (LAPACK) rescales by factors of its own, so the comparison allows the dtype's floor, a few eps * ||A||.
     scale = 2.0 ** (exponent * (10 if dtype == torch.float64 else 1))
-    A = spectrum("random", 24, batch=(2,)).to(dtype)
+    A = spectrum("random", n, batch=(2,)).to(dtype)
     w, V = linalg.eigh((A.double() * scale).to(dtype).to(device))
     w1, _ = linalg.eigh(A.to(device))
     check_eigh(A, w / scale, V, dtype)
@@ -707,8 +720,9 @@ def test_eigh_extreme_scales(device, dtype, exponent):
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-def test_eigh_half_types_compute_in_float32(device, dtype):
-    A = spectrum("random", 12, batch=(2,)).to(dtype)
+@pytest.mark.parametrize("n", [12, 150])  # CUDA: the in-block kernel, the block method (its casts in and out)
+def test_eigh_half_types_compute_in_float32(device, dtype, n):
+    A = spectrum("random", n, batch=(2,)).to(dtype)
     w, V = linalg.eigh(A.to(device))
     assert w.dtype == dtype and V.dtype == dtype
     w32, V32 = linalg.eigh(A.float().to(device))  # the same rounded input, in float32: the result rounded to dtype
