@@ -197,6 +197,16 @@ at::Tensor warm_rotate(const at::Tensor& X, const at::Tensor& Q) {
   return Y;
 }
 
+__device__ inline double warp_max(double x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ inline double warp_sum(double x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
 // The off-diagonal sum of squares of A (B, N, N) after a sweep, per (matrix, chunk of kOffRows rows): one pass
 // over A (it was a clone, a square and a sum: four passes and three launches a sweep), summed in a fixed order so
 // that the stopping rule sees the same sums on every run. Matrices that have stopped are skipped.
@@ -218,7 +228,7 @@ __global__ void __launch_bounds__(kOffThreads)
     }
   }
   __shared__ double warp_sums[kOffThreads / 32];
-  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  s = warp_sum(s);
   if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = s;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -403,20 +413,10 @@ __device__ inline double as_double(T x) {
   return static_cast<double>(static_cast<at::opmath_type<T>>(x));
 }
 
-__device__ inline double warp_max(double x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-__device__ inline double warp_sum(double x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(256)
     block_prep_stats_kernel(const T* __restrict__ X, const T* __restrict__ Q, double* __restrict__ part_max,
-                      int* __restrict__ part_bad, int n, int chunks) {
+                            int* __restrict__ part_bad, int n, int chunks) {
   const int64_t b = blockIdx.x / chunks;
   const int chunk = static_cast<int>(blockIdx.x - b * chunks);
   const int64_t base = b * int64_t(n) * n, end = int64_t(min(n, (chunk + 1) * kPrepRows)) * n;
@@ -449,9 +449,9 @@ __global__ void __launch_bounds__(256)
 template <typename T>
 __global__ void __launch_bounds__(kTile * 8)
     block_prep_write_kernel(const T* __restrict__ X, const T* __restrict__ Q, const double* __restrict__ part_max,
-                      const int* __restrict__ part_bad, double* __restrict__ A, double* __restrict__ W,
-                      int* __restrict__ exponent, int* __restrict__ flagged, double* __restrict__ part_sq, int n,
-                      int N, int chunks) {
+                            const int* __restrict__ part_bad, double* __restrict__ A, double* __restrict__ W,
+                            int* __restrict__ exponent, int* __restrict__ flagged, double* __restrict__ part_sq,
+                            int n, int N, int chunks) {
   const int tiles = N / kTile;
   const int64_t b = blockIdx.x / (tiles * tiles);
   const int t = static_cast<int>(blockIdx.x - b * tiles * tiles), ti = t / tiles, tj = t - ti * tiles;
@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(kTile * 8)
 
 // One thread per matrix: thr = ||A||_F tol / N (the tiles' rotation threshold) and stop2 = (tol ||A||_F)^2.
 __global__ void block_prep_norms_kernel(const double* __restrict__ part_sq, double* __restrict__ thr,
-                                  double* __restrict__ stop2, int64_t batch, int per, double tol, int N) {
+                                        double* __restrict__ stop2, int64_t batch, int per, double tol, int N) {
   for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
     double s = 0.0;
     for (int k = 0; k < per; ++k) s += part_sq[b * per + k];
