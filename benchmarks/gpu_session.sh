@@ -5,6 +5,8 @@
 #
 #   bash benchmarks/gpu_session.sh                       # every stage, every family
 #   STAGES="build tests" TEST_ARGS="tests/test_linalg.py -k eigh" bash benchmarks/gpu_session.sh
+#   STAGES="tests" TEST_ARGS="tests/test_linalg.py tests/test_optim.py" TEST_K="eigh or kfac" bash ...
+# (TEST_ARGS is split at spaces; a -k expression with spaces goes in TEST_K.)
 #   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_session.sh
 #
 # The whole suite takes about 430 s on an H100 and a cold build 70-110 s: with the device tool's 600 s a call, build
@@ -15,6 +17,7 @@
 set -uo pipefail
 STAGES=${STAGES:-env build import tests bench quality readme}
 TEST_ARGS=${TEST_ARGS:-tests}
+TEST_K=${TEST_K:-}
 TEST_SECONDS=${TEST_SECONDS:-420}
 BENCH_FAMILIES=${BENCH_FAMILIES:-}
 BENCH_SECONDS=${BENCH_SECONDS:-420}
@@ -50,9 +53,9 @@ if has import; then
 fi
 
 if has tests; then
-  echo "== tests: $TEST_ARGS"
+  echo "== tests: $TEST_ARGS${TEST_K:+ -k \"$TEST_K\"}"
   # shellcheck disable=SC2086
-  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS -q -p no:cacheprovider --timeout=240 -rfE --maxfail=30 2>&1 \
+  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider --timeout=240 -rfE --maxfail=30 2>&1 \
     | grep -v "^SKIPPED"
 fi
 

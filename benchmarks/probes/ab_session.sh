@@ -2,7 +2,8 @@
 # One device call that compares the committed tree with the working tree: the committed sources in .ab/base
 # (made by `git archive HEAD src | tar -x -C .ab/base`; .ab/ is ignored, so pass carry: [".ab"]) and ./src are
 # built side by side (their own caches), then PROBE runs under each (TREES="base new"; another name T is the tree
-# in .ab/T), then the working tree's tests (TEST_ARGS, optional). Output in $OUT/session.txt.
+# in .ab/T), then the working tree's tests (TEST_ARGS, optional, split at spaces; a -k expression with spaces goes
+# in TEST_K). Output in $OUT/session.txt.
 #
 #   PROBE="benchmarks/probes/mlp_chain_probe.py bf16 tf32" TEST_ARGS="tests/test_ebm.py -k mlp" \
 #     bash benchmarks/probes/ab_session.sh
@@ -30,8 +31,8 @@ for tree in $TREES; do
   PYTHONPATH=$(src_of "$tree") TORCHKERN_CACHE=/tmp/tk-$tree timeout "${PROBE_SECONDS:-240}" python $PROBE 2>&1
 done
 if [ -n "${TEST_ARGS:-}" ]; then
-  echo "== tests on new: $TEST_ARGS"
+  echo "== tests on new: $TEST_ARGS${TEST_K:+ -k \"$TEST_K\"}"
   # shellcheck disable=SC2086
   PYTHONPATH=$PWD/src TORCHKERN_CACHE=/tmp/tk-new timeout "${TEST_SECONDS:-300}" \
-    python -m pytest $TEST_ARGS -q -p no:cacheprovider --timeout=240 -rfE --maxfail=20 2>&1 | grep -v "^SKIPPED"
+    python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider --timeout=240 -rfE --maxfail=20 2>&1 | grep -v "^SKIPPED"
 fi
