@@ -55,7 +55,8 @@ fi
 if has tests; then
   echo "== tests: $TEST_ARGS${TEST_K:+ -k \"$TEST_K\"}"
   # shellcheck disable=SC2086
-  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider --timeout=240 -rfE --maxfail=30 2>&1 \
+  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider --timeout=240 \
+    -rfE --maxfail=30 2>&1 \
     | grep -v "^SKIPPED"
 fi
 

@@ -34,5 +34,6 @@ if [ -n "${TEST_ARGS:-}" ]; then
   echo "== tests on new: $TEST_ARGS${TEST_K:+ -k \"$TEST_K\"}"
   # shellcheck disable=SC2086
   PYTHONPATH=$PWD/src TORCHKERN_CACHE=/tmp/tk-new timeout "${TEST_SECONDS:-300}" \
-    python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider --timeout=240 -rfE --maxfail=20 2>&1 | grep -v "^SKIPPED"
+    python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider --timeout=240 -rfE --maxfail=20 2>&1 \
+    | grep -v "^SKIPPED"
 fi
