@@ -14,7 +14,7 @@ T = TypeVar("T")
 
 
 def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[], object] | None = None,
-            generators: tuple[torch.Generator, ...] = ()) -> tuple[torch.cuda.CUDAGraph, T]:
+            generators: tuple[torch.Generator, ...] = (), error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, T]:
     """``body`` captured into a CUDA graph on ``device``: returns the graph and what ``body`` returned during
     capture (its tensors are the graph's outputs, overwritten by every replay).
 
@@ -22,7 +22,9 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
     initialization (cuBLAS workspaces, autograd's device threads, allocator blocks) never happens inside it.
     ``generators``: the non-default CUDA generators ``body`` draws from, registered so that every replay
     draws fresh numbers. Replays are launched with ``graph.replay()`` on the current stream; a caller that
-    refills static inputs orders each call after the previous one with :func:`follow`.
+    refills static inputs orders each call after the previous one with :func:`follow`. ``error_mode``:
+    ``torch.cuda.graph``'s ``capture_error_mode``; "thread_local" for captures a caller did not ask for (an
+    optimizer's step), which must not fail another thread's CUDA calls (a data loader's pinned allocations).
     """
     with torch.cuda.device(device):  # the capture, its side stream and its memory pool live on ``device``
         current = torch.cuda.current_stream()
@@ -30,7 +32,7 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
         side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(2):
-                (warmup or body)()
+                (body if warmup is None else warmup)()
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         for gen in generators:
@@ -38,7 +40,7 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
                 graph.register_generator_state(gen)
         # an explicit capture stream: torch.cuda.graph's default one is created once, on whichever device was
         # current then, and a capture on that stream would miss every kernel ``body`` queues on ``device``
-        with torch.cuda.graph(graph, stream=side):
+        with torch.cuda.graph(graph, stream=side, capture_error_mode=error_mode):
             out = body()
     return graph, out
 

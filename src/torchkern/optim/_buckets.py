@@ -9,6 +9,8 @@ deepcopy or a block joining or leaving builds the buckets anew from those (docs/
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ._common import as_operand
@@ -44,6 +46,7 @@ class Storage:
         self.eye = eye
         self._operands: tuple | None = None
         self.keys = [(id(p), i) for p, _, i, _ in entries]  # (id(param), block index) of each block
+        self.states = [state for _, state, _, _ in entries]  # each block's parameter state
         self.shapes = [tuple(e[3].shape) for e in entries]
         self.rows = torch.tensor([r for r, _ in self.shapes], device=self.device)
         self.cols = torch.tensor([c for _, c in self.shapes], device=self.device)
@@ -77,6 +80,9 @@ class Storage:
     def operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The two ``eye`` tensors (left and right basis or root) as product operands at the bucket's precision, kept
         until :meth:`forget_operands` (called whenever they change)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a graph casts at every replay: a cast cached outside it would go stale
+            return tuple(as_operand(getattr(self, name), self.precision) for name in self.eye)
         if self._operands is None:
             self._operands = tuple(as_operand(getattr(self, name), self.precision) for name in self.eye)
         return self._operands
@@ -100,8 +106,11 @@ class Plan:
     padding to a common shape :func:`fits`; ``make(entries, m, n)`` builds a bucket. Cached by the optimizer while
     ``key`` (the blocks stepping) is the same and every bucket :meth:`owns` its blocks' state."""
 
+    _serials = itertools.count()
+
     def __init__(self, key: tuple, entries: list, make):
         self.key = key
+        self.serial = next(Plan._serials)  # names this plan's storage in a StepGraph key (ids may be reused)
         order = sorted(range(len(entries)), key=lambda j: -work(*entries[j][3].shape))
         groups: list[list] = []  # [dims m, n, exact work, indices]
         for j in order:

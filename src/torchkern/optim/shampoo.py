@@ -45,8 +45,8 @@ import torch
 
 from .._checks import opmath_dtype
 from ._buckets import Storage, cached_plan
-from ._common import (PRECISIONS, GuardedOptimizer, as_operand, bmm, check_arg, check_state_dict, eigh, is_int,
-                      is_real, load_state_dict_keeping_dtypes)
+from ._common import (PRECISIONS, GuardedOptimizer, UpdateScalars, as_operand, bmm, check_arg, check_state_dict,
+                      eigh, is_int, is_real, load_state_dict_keeping_dtypes)
 
 _GRAFTINGS = ("adam", "adagrad", None)
 _ROOT_METHODS = ("auto", "eigh", "newton", "qr")
@@ -150,22 +150,23 @@ def assemble(parts: list[torch.Tensor], n_cols: int) -> torch.Tensor:
     return torch.cat([torch.cat(parts[i:i + n_cols], dim=1) for i in range(0, len(parts), n_cols)], dim=0)
 
 
-def apply_updates(items: list, lr: float, weight_decay: float, ok: dict, zero_when_skipped: bool = False) -> None:
-    """``p <- p (1 - lr wd) - lr d`` for (param, direction) pairs, as a no-op on devices whose ``ok`` is False
-    (``ok``: device -> 0-d bool). Directions are finite by construction; they are multiplied by the flag unless
-    ``zero_when_skipped`` (they are exactly zero on a skipped step already)."""
+def apply_updates(items: list, gi: int, group: dict, scalars: UpdateScalars, ok: dict,
+                  zero_when_skipped: bool = False) -> None:
+    """``p <- p (1 - lr wd) - lr d`` for (param, direction) pairs of param group ``gi``, as a no-op on devices whose
+    ``ok`` is False (``ok``: device -> 0-d bool); lr and the decay factor are read on the device (``scalars``).
+    Directions are finite by construction; the step is zero where ``ok`` is False unless ``zero_when_skipped``
+    (the directions are exactly zero on a skipped step already)."""
     by_key: dict[tuple, list] = defaultdict(list)
     for p, d in items:
         by_key[(p.device, p.dtype)].append((p, d))
     for (device, dtype), pairs in by_key.items():
+        neg_lr, decay = scalars.get(gi, group, device, dtype)
         params = [p for p, _ in pairs]
-        if weight_decay != 0:  # the factor in the parameters' dtype: float64 parameters decay by the exact factor
-            decay = torch.where(ok[device], torch.full((), 1.0 - lr * weight_decay, dtype=dtype, device=device), 1.0)
-            torch._foreach_mul_(params, decay)
-        dirs = [d for _, d in pairs]
-        if not zero_when_skipped:
-            dirs = torch._foreach_mul(dirs, ok[device].to(dirs[0].dtype))
-        torch._foreach_add_(params, [_like(d, p) for p, d in zip(params, dirs)], alpha=-lr)
+        if group["weight_decay"] != 0:
+            torch._foreach_mul_(params, torch.where(ok[device], decay, 1.0))
+        step = neg_lr if zero_when_skipped else torch.where(ok[device], neg_lr, 0.0)
+        dirs = torch._foreach_mul([d for _, d in pairs], step)
+        torch._foreach_add_(params, [_like(d, p) for p, d in zip(params, dirs)])
 
 
 def check_common_hyperparameters(name: str, lr, weight_decay, max_preconditioner_dim, precondition_frequency,
@@ -296,6 +297,7 @@ class Shampoo(GuardedOptimizer):
         self._plans: dict = {}  # param group index -> its buckets (_buckets.Plan of _Bucket)
         self._root_budgets: dict[tuple, _RootBudget] = {}  # see _RootBudget
         self._norm_picks: dict[tuple, torch.Tensor] = {}  # see _graft_norms
+        self._scalars = UpdateScalars()
 
     # ------------------------------------------------------------------ state
 
@@ -438,10 +440,10 @@ class Shampoo(GuardedOptimizer):
                     bucket.forget_operands()
 
         directions = self._directions(work, buckets_of)
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             items = [(p, directions[id(p)]) for p in group["params"] if id(p) in directions]
             if items:  # with grafting every direction is zero on a skipped step (the grafting op's are)
-                apply_updates(items, group["lr"], group["weight_decay"], ok, group["grafting"] is not None)
+                apply_updates(items, gi, group, self._scalars, ok, group["grafting"] is not None)
         self._guard.settle(wait=False)
 
     def _update_roots(self, key: tuple, items: list, ok: torch.Tensor) -> None:

@@ -44,8 +44,9 @@ from typing import Iterable
 import torch
 
 from .._checks import opmath_dtype
-from ._common import (GuardedOptimizer, as_operand, bmm, check_arg, check_state_dict, eigh, is_real,
-                      load_state_dict_keeping_dtypes)
+from .._library import has_cuda_kernel
+from ._common import (GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg, check_state_dict, eigh,
+                      is_real, load_state_dict_keeping_dtypes, step_counts)
 from ._buckets import Storage, cached_plan
 from .shampoo import _as_matrix, apply_updates, assemble, block_grid, blocks, check_common_hyperparameters
 
@@ -157,6 +158,12 @@ class SOAP(GuardedOptimizer):
             1024^2 factors); the module docstring has both.
         precision: ``"fp32"`` or ``"bf16"`` (statistics and rotations with bfloat16 operands, float32
             accumulation and results; tensor cores on CUDA; torch's global TF32 switch is never touched).
+        cuda_graph: on CUDA, replay each step's update (every kernel but the bases' refresh) as one CUDA graph once
+            the same parameters have stepped twice in a row (``_common.StepGraph``): one launch of host time
+            instead of ~60, which is most of the step on small models. The learning rate and weight decay are read
+            on the device, so schedules need no new capture; a change of another hyperparameter or of which
+            parameters have gradients captures anew. The graph keeps the update's intermediates' memory. False:
+            every step eager.
 
     State per m x n block: L, R, Q_L, Q_R (2 m^2 + 2 n^2 values) and Adam's two moments (2 m n, in the
     eigenbasis); per 1-D parameter, the two moments. Statistics and moments are float32 (float64 for float64
@@ -176,7 +183,7 @@ class SOAP(GuardedOptimizer):
     def __init__(self, params: Iterable, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
                  shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
                  precondition_frequency: int = 10, max_preconditioner_dim: int = 1024, refresh: str = "qr",
-                 precision: str = "fp32"):
+                 precision: str = "fp32", cuda_graph: bool = True):
         name = self._name
         check_common_hyperparameters(name, lr, weight_decay, max_preconditioner_dim, precondition_frequency,
                                      precision)
@@ -189,14 +196,18 @@ class SOAP(GuardedOptimizer):
                   "must be in [0, 1) or None")
         check_arg(name, "eps", eps, is_real(eps) and eps > 0, "must be a finite number > 0")
         check_arg(name, "refresh", refresh, refresh in _REFRESHES, "must be 'eigh' or 'qr'")
+        check_arg(name, "cuda_graph", cuda_graph, isinstance(cuda_graph, bool), "must be True or False")
         defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         precondition_frequency=precondition_frequency, max_preconditioner_dim=max_preconditioner_dim,
-                        refresh=refresh, precision=precision)
+                        refresh=refresh, precision=precision, cuda_graph=cuda_graph)
         super().__init__(params, defaults)
 
     def _init_caches(self) -> None:
         super()._init_caches()
         self._plans: dict = {}  # param group index -> its buckets (_buckets.Plan)
+        self._flat_steps: dict = {}  # (group index, n) -> (ids of 1-D params, their step counts on the device)
+        self._scalars = UpdateScalars()
+        self._graph = StepGraph(self._name)
 
     # ------------------------------------------------------------------ state
 
@@ -236,6 +247,8 @@ class SOAP(GuardedOptimizer):
         check_state_dict("SOAP", self, state_dict, self._state_spec)
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
         self._plans.clear()
+        self._flat_steps.clear()
+        self._graph = StepGraph(self._name)  # its graphs read the old state's storage
 
     # ------------------------------------------------------------------ step
 
@@ -252,26 +265,63 @@ class SOAP(GuardedOptimizer):
             return
         undo_entries = [(p, not self.state[p]) for p in stepped]
         ok, skip = self._guard.check([p.grad for p in stepped], functools.partial(self._undo, undo_entries))
+        self._scalars.refresh(self.param_groups)
+        groups, counted = [], []  # (group index, group, params with gradients); params whose step counts
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+            if params:
+                groups.append((gi, group, params))
+                for p in params:
+                    state = self._init_state(p, group)
+                    if "L" not in state or "QL" in state:  # a matrix's first step only sets its statistics up
+                        counted.append(state)
+        self._graph.run(self._graph_key(groups, stepped), stepped, lambda: self._update(groups, ok, skip))
+        for state in counted:
+            state["step"] += 1
+        for gi, group, _ in groups:  # bases due after this step's update
+            plan = self._plans.get(gi)
+            for bucket in plan.buckets if plan is not None else ():
+                due = [j for j, state in enumerate(bucket.states) if state["step"] % group["precondition_frequency"] == 0]
+                if due:
+                    bucket.refresh(due, group["refresh"], ok[bucket.device])
+        self._guard.settle(wait=False)
+
+    def _graph_key(self, groups: list, stepped: list):
+        """What ``_update`` bakes into a CUDA graph (``StepGraph``), or None where it cannot be replayed: off, not one
+        CUDA device, the fused Adam op not compiled, or a matrix's first step (it takes eigendecompositions)."""
+        if not stepped[0].is_cuda or not has_cuda_kernel("shampoo_graft"):
+            return None
+        key = []
+        for gi, group, params in groups:
+            if not group.get("cuda_graph", True):
+                return None
+            for p in params:
+                state = self.state[p]
+                if p.device != stepped[0].device or ("L" in state and "QL" not in state):
+                    return None
+            plan = self._plans.get(gi)
+            key.append((gi, plan.serial if plan is not None else None, group["weight_decay"] != 0,
+                        tuple(v for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay")),
+                        tuple((id(p), p.grad.dtype, p.grad.shape) for p in params)))
+        return tuple(key)
+
+    def _update(self, groups: list, ok: dict, skip: dict) -> None:
+        """The step's kernels (``StepGraph``'s body): statistics, Adam in the eigenbases and the parameter update for
+        the params with gradients ``groups`` [(group index, group, params)], and a matrix's first statistics and
+        bases. Changes no host state but caches (plans, step counts on the device)."""
+        for gi, group, params in groups:
             beta1, beta2 = group["betas"]
             flat, first, regular = [], [], []  # 1-D params; blocks of a first step; blocks of an Adam step
             for p in params:
-                state = self._init_state(p, group)
+                state = self.state[p]
                 dtype = opmath_dtype(p.dtype)
                 g = p.grad if p.grad.dtype == dtype else p.grad.to(dtype)
                 if "L" not in state:  # 1-D (or empty): AdamW from the first step
-                    state["step"] += 1
                     flat.append((p, g, state))
                     continue
-                is_first = "QL" not in state  # statistics and bases only, no update
-                if not is_first:
-                    state["step"] += 1
                 rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
                 for i, blk in enumerate(blocks(_as_matrix(g), rows, cols)):
-                    (first if is_first else regular).append((p, state, i, blk))
+                    (first if "QL" not in state else regular).append((p, state, i, blk))
             directions: dict[int, list] = {}
             if regular:
                 plan = cached_plan(self._plans, gi, regular,
@@ -284,7 +334,7 @@ class SOAP(GuardedOptimizer):
             if first:
                 self._first_step(first, group, ok)
             items = []
-            flat_directions = self._adamw_flat(flat, beta1, beta2, group["eps"], skip) if flat else {}
+            flat_directions = self._adamw_flat(gi, flat, beta1, beta2, group["eps"], skip) if flat else {}
             for p in params:
                 if id(p) in directions:
                     rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
@@ -292,14 +342,7 @@ class SOAP(GuardedOptimizer):
                 elif id(p) in flat_directions:
                     items.append((p, flat_directions[id(p)]))
             if items:  # every direction comes from the fused Adam op, zero on a skipped step
-                apply_updates(items, group["lr"], group["weight_decay"], ok, zero_when_skipped=True)
-            if regular:
-                freq = group["precondition_frequency"]
-                for bucket, entries in plan.split(regular):
-                    due = [j for j, (_, state, _, _) in enumerate(entries) if state["step"] % freq == 0]
-                    if due:
-                        bucket.refresh(due, group["refresh"], ok[bucket.device])
-        self._guard.settle(wait=False)
+                apply_updates(items, gi, group, self._scalars, ok, zero_when_skipped=True)
 
     def _first_step(self, entries: list, group: dict, ok: dict) -> None:
         """A matrix parameter's first step: its statistics from this gradient and eigenbases from them, per block
@@ -330,22 +373,22 @@ class SOAP(GuardedOptimizer):
                     state[name] = [None] * len(state["L"])
                 state[name][i] = Q[j].clone()
 
-    @staticmethod
-    def _adamw_flat(flat: list, beta1: float, beta2: float, eps: float, skip: dict) -> dict:
-        """AdamW directions for the 1-D parameters (by id): one fused op per device and dtype."""
+    def _adamw_flat(self, gi: int, flat: list, beta1: float, beta2: float, eps: float, skip: dict) -> dict:
+        """AdamW directions for the 1-D parameters (by id) of param group ``gi``: one fused op per device and dtype,
+        the bias corrections from step counts kept on the device (made from the host's once per set of params)."""
         directions = {}
         by_key: dict[tuple, list] = defaultdict(list)
         for item in flat:
             by_key[(item[1].device, item[1].dtype)].append(item)
-        for (device, _), items in by_key.items():
-            steps = [s["step"] for _, _, s in items]
-            bias1 = [1.0 - beta1 ** t for t in steps]
-            bias2 = [1.0 - beta2 ** t for t in steps]
+        for n, ((device, dtype), items) in enumerate(by_key.items()):
+            ids = tuple(id(p) for p, _, _ in items)
+            cached = self._flat_steps.get((gi, n))
+            if cached is None or cached[0] != ids:
+                cached = self._flat_steps[(gi, n)] = (ids, step_counts([s for _, _, s in items], device))
             out = [torch.empty_like(s["exp_avg"]) for _, _, s in items]
             torch.ops.torchkern.shampoo_graft([g for _, g, _ in items], [s["exp_avg"] for _, _, s in items],
                                               [s["exp_avg_sq"] for _, _, s in items], out, beta1, beta2, 1.0 - beta2,
-                                              [eps * math.sqrt(b) for b in bias2],
-                                              [math.sqrt(b) / a for a, b in zip(bias1, bias2)], skip[device])
+                                              [eps] * len(items), [1.0] * len(items), skip[device], cached[1])
             for (p, _, _), d in zip(items, out):
                 directions[id(p)] = d
         return directions
@@ -364,6 +407,7 @@ class _Bucket(Storage):
     def __init__(self, entries: list, m: int, n: int, precision: str):
         super().__init__(entries, m, n, _LAYOUT, ("QL", "QR"), precision)
         self.weight = torch.full((), math.nan, dtype=self.dtype, device=self.device)  # 1 - shampoo_beta
+        self.steps = step_counts(self.states, self.device)  # Adam's steps per block, counted on the device
         self._sbeta: float | None = None
 
     def adam_step(self, entries: list, ok: dict, skip: dict, group: dict) -> torch.Tensor:
@@ -375,13 +419,10 @@ class _Bucket(Storage):
         QL, QR = self.operands()
         Gt = bmm(bmm(QL.mT, G, precision, self.dtype), QR, precision, self.dtype)
         N = torch.empty_like(Gt)
-        steps = [e[1]["step"] for e in entries]
-        bias1 = [1.0 - beta1 ** t for t in steps]
-        bias2 = [1.0 - beta2 ** t for t in steps]
+        k = len(entries)
         torch.ops.torchkern.shampoo_graft(list(Gt.unbind(0)), list(self.exp_avg.unbind(0)),
                                           list(self.exp_avg_sq.unbind(0)), list(N.unbind(0)), beta1, beta2,
-                                          1.0 - beta2, [group["eps"] * math.sqrt(b) for b in bias2],
-                                          [math.sqrt(b) / a for a, b in zip(bias1, bias2)], skip[self.device])
+                                          1.0 - beta2, [group["eps"]] * k, [1.0] * k, skip[self.device], self.steps)
         N = bmm(bmm(QL, as_operand(N, precision), precision, self.dtype), QR.mT, precision, self.dtype)
         # L <- lerp(L, G G^T, 1 - beta): weight 0 on a skipped step (G is zero then), bitwise no change
         if self._sbeta != sbeta:

@@ -14,7 +14,8 @@ OP = "shampoo_graft"
 
 def check_shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                         graft_sqs: Sequence[torch.Tensor], out: Sequence[torch.Tensor], eps: Sequence[float],
-                        scale: Sequence[float], found_inf: torch.Tensor | None = None) -> None:
+                        scale: Sequence[float], found_inf: torch.Tensor | None = None,
+                        steps: torch.Tensor | None = None) -> None:
     n = len(grads)
     check(n > 0, OP, "grads must hold at least one tensor")
     check(len(exp_avgs) in (0, n), OP,
@@ -29,6 +30,12 @@ def check_shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.
         check(found_inf.dtype == torch.float32 and found_inf.numel() == 1 and found_inf.device == g0.device, OP,
               f"found_inf must be a float32 tensor of one element on {g0.device}, got {dtype_name(found_inf.dtype)} "
               f"{shape(found_inf)} on {found_inf.device}")
+    if steps is not None:
+        check(steps.dtype == torch.float32 and steps.shape == (n,) and steps.device == g0.device
+              and steps.is_contiguous(), OP,
+              f"steps must be a contiguous float32 tensor of shape [{n}] on {g0.device}, got "
+              f"{dtype_name(steps.dtype)} {shape(steps)} on {steps.device}"
+              + ("" if steps.is_contiguous() else " (not contiguous)"))
     for i, g in enumerate(grads):  # messages built only on failure: this runs on every optimizer step
         if not (g.dtype == g0.dtype and g.device == g0.device):
             fail(OP, f"grads[{i}] must have the dtype and device of grads[0] ({dtype_name(g0.dtype)}, {g0.device}), "
@@ -45,13 +52,21 @@ def check_shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.
 
 def shampoo_graft(grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor], graft_sqs: Sequence[torch.Tensor],
                   out: Sequence[torch.Tensor], beta1: float, sq_decay: float, sq_weight: float, eps: Sequence[float],
-                  scale: Sequence[float], found_inf: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: Sequence[float], found_inf: torch.Tensor | None = None,
+                  steps: torch.Tensor | None = None) -> torch.Tensor:
     """Per tensor i: ``m <- lerp(m, g, 1 - beta1)`` (``m = g`` when ``exp_avgs`` is empty),
     ``v <- sq_decay v + sq_weight g^2``, ``out[i] = d = m / (sqrt(v) + eps[i]) * scale[i]``; returns the (n,)
     norms ||d||. ``exp_avgs``, ``graft_sqs`` and ``out`` are updated in place; states and ``out`` have the
     state dtype (float64 for float64 grads, float32 otherwise). ``found_inf`` nonzero (a float32 scalar on the
-    device, read there): a skipped step, states unchanged, ``out`` and the norms zero."""
-    check_shampoo_graft(grads, exp_avgs, graft_sqs, out, eps, scale, found_inf)
+    device, read there): a skipped step, states unchanged, ``out`` and the norms zero.
+
+    ``steps`` (float32 (n,), the steps each tensor has taken, read and counted up on the device unless the step
+    is skipped): Adam's bias corrections for step ``t = steps[i] + 1`` applied to ``eps[i]`` and ``scale[i]``:
+    ``eps[i] sqrt(b2)`` and ``scale[i] sqrt(b2) / b1``, ``b1 = 1 - beta1^t`` (1 without ``exp_avgs``),
+    ``b2 = 1 - sq_decay^t`` (1 when sq_decay is 1)."""
+    check_shampoo_graft(grads, exp_avgs, graft_sqs, out, eps, scale, found_inf, steps)
+    if steps is not None:
+        return _counted(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf, steps)
     dtype = graft_sqs[0].dtype
     if found_inf is not None:
         return _skippable(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf)
@@ -86,3 +101,31 @@ def _skippable(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps,
     for d in out:
         d.copy_(torch.where(skip, zero, d))
     return torch.where(skip, zero, norms)
+
+
+def _counted(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf, steps):
+    """shampoo_graft with the bias corrections taken from ``steps`` on the device (float64, as the kernel) and
+    ``steps`` counted up where the step is not skipped: per tensor, 0-d factors broadcast (no host sync)."""
+    t = steps.double() + 1.0
+    b1 = 1.0 - beta1 ** t if exp_avgs else torch.ones_like(t)
+    b2 = 1.0 - sq_decay ** t if sq_decay < 1.0 else torch.ones_like(t)
+    dtype = graft_sqs[0].dtype
+    eps_t = (t.new_tensor(list(eps)) * b2.sqrt()).to(dtype)
+    scale_t = (t.new_tensor(list(scale)) * b2.sqrt() / b1).to(dtype)
+    skip = found_inf is not None and found_inf.reshape(()) != 0
+    zero = torch.zeros((), dtype=dtype, device=steps.device)
+    g = [x.to(dtype) for x in grads]
+    if found_inf is not None:
+        g = [torch.where(skip, zero, x) for x in g]
+    m = [x.clone() for x in exp_avgs] if exp_avgs else g
+    if exp_avgs:
+        torch._foreach_lerp_(m, g, 1.0 - beta1)
+    v = [x * sq_decay + sq_weight * y * y for x, y in zip(graft_sqs, g)]
+    for i in range(len(grads)):
+        d = m[i] / (v[i].sqrt() + eps_t[i]) * scale_t[i]
+        out[i].copy_(d if found_inf is None else torch.where(skip, zero, d))
+    for new, old in zip((m if exp_avgs else []) + v, list(exp_avgs) + list(graft_sqs)):
+        old.copy_(new if found_inf is None else torch.where(skip, old, new))
+    norms = torch.stack([d.norm() for d in out])
+    steps.add_(1.0 if found_inf is None else (~skip).float())
+    return norms

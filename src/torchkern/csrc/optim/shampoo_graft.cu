@@ -1,4 +1,5 @@
-// shampoo_graft(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf) -> norms:
+// shampoo_graft(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf, steps)
+// -> norms:
 // Shampoo's grafting direction for every parameter of a group in one op (the math is in optim/shampoo.py and
 // the twin); SOAP's Adam step in the eigenbasis and its AdamW step for 1-D parameters use it too:
 //
@@ -9,6 +10,12 @@
 // found_inf (optional, a float32 scalar on the device): when it is nonzero the step is skipped on the device,
 // without the host reading it: m and v are left as they are, out is zero and so are the norms. The optimizers
 // pass their "gradients not all finite" flag, so a skipped step changes no state.
+//
+// steps (optional, float32 (n,) on the device, the steps each tensor has taken): this step is steps_i + 1, and
+// Adam's bias corrections come from it on the device: eps_i sqrt(b2), scale_i sqrt(b2) / b1 with
+// b1 = 1 - beta1^t (1 without exp_avgs) and b2 = 1 - sq_decay^t (1 when sq_decay is 1, AdaGrad); steps_i is
+// then counted up, unless the step is skipped. No per-step host value is left in the call, so an optimizer
+// step made of it can be replayed as a CUDA graph (optim/_common.py, StepGraph).
 //
 // The directions go to caller-allocated ``out`` tensors (a custom op may mutate lists of tensors but, for
 // torch.compile, not return a list as well).
@@ -49,17 +56,19 @@ struct GraftTable {
   C* v[kMaxTensors];
   C* d[kMaxTensors];
   int64_t numel[kMaxTensors];
-  C eps[kMaxTensors];
-  C scale[kMaxTensors];
+  double eps[kMaxTensors];  // before the bias corrections, which are taken in double: 1 - 0.999^t cancels
+  double scale[kMaxTensors];
   int first_chunk[kMaxTensors + 1];  // tensor t owns chunks [first_chunk[t], first_chunk[t + 1])
   int count;
 };
 
 template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads)
-graft_kernel(const __grid_constant__ GraftTable<T, C> table, C beta1, C sq_decay, C sq_weight,
+graft_kernel(const __grid_constant__ GraftTable<T, C> table, double beta1_d, double sq_decay_d, double sq_weight_d,
              const float* __restrict__ found_inf,  // [] or null
+             const float* __restrict__ steps,      // [count] or null
              C* __restrict__ partial) {
+  const C beta1 = C(beta1_d), sq_decay = C(sq_decay_d), sq_weight = C(sq_weight_d);
   __shared__ C scratch[kThreads / 32];
   const int chunk = blockIdx.x;
   const bool skip = found_inf != nullptr && *found_inf != 0.f;  // uniform across the block: no divergence
@@ -71,7 +80,15 @@ graft_kernel(const __grid_constant__ GraftTable<T, C> table, C beta1, C sq_decay
   C* __restrict__ m = table.m[t];
   C* __restrict__ v = table.v[t];
   C* __restrict__ d = table.d[t];
-  const C eps = table.eps[t], scale = table.scale[t];
+  double eps_d = table.eps[t], scale_d = table.scale[t];
+  if (steps != nullptr) {
+    const double step = double(steps[t]) + 1.0;
+    const double b1 = m != nullptr ? 1.0 - pow(beta1_d, step) : 1.0;
+    const double b2 = sq_decay_d < 1.0 ? 1.0 - pow(sq_decay_d, step) : 1.0;
+    eps_d *= sqrt(b2);
+    scale_d *= sqrt(b2) / b1;
+  }
+  const C eps = C(eps_d), scale = C(scale_d);
   C sum = 0;
   if (skip) {  // a skipped step: the states stay bitwise as they are (g may hold NaN/Inf: never read)
     for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) d[i] = C(0);
@@ -95,21 +112,26 @@ graft_kernel(const __grid_constant__ GraftTable<T, C> table, C beta1, C sq_decay
   if (threadIdx.x == 0) partial[chunk] = sum;
 }
 
-// norms[t] = sqrt(sum of tensor t's partials), in chunk order; one warp per tensor.
+// norms[t] = sqrt(sum of tensor t's partials), in chunk order; one warp per tensor. Then tensor t's step is
+// counted (after graft_kernel has read it).
 template <typename T, typename C>
 __global__ void graft_norms_kernel(const __grid_constant__ GraftTable<T, C> table, const C* __restrict__ partial,
+                                   const float* __restrict__ found_inf, float* __restrict__ steps,
                                    C* __restrict__ norms) {
   const int t = blockIdx.x;
   C sum = 0;
   for (int c = table.first_chunk[t] + threadIdx.x; c < table.first_chunk[t + 1]; c += 32) sum += partial[c];
   sum = warp_sum(sum);
-  if (threadIdx.x == 0) norms[t] = sqrt(sum);
+  if (threadIdx.x == 0) {
+    norms[t] = sqrt(sum);
+    if (steps != nullptr && !(found_inf != nullptr && *found_inf != 0.f)) steps[t] += 1.f;
+  }
 }
 
 at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at::TensorList graft_sqs,
                               at::TensorList out, double beta1, double sq_decay, double sq_weight,
                               at::ArrayRef<double> eps, at::ArrayRef<double> scale,
-                              const std::optional<at::Tensor>& found_inf) {
+                              const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& steps) {
   TORCHKERN_OP("shampoo_graft");
   const size_t n = grads.size();
   TORCHKERN_CHECK(n > 0, "grads must hold at least one tensor");
@@ -147,6 +169,16 @@ at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at:
                     f.scalar_type(), " ", f.sizes(), " on ", f.device().str());
     found = f.const_data_ptr<float>();
   }
+  float* step_counts = nullptr;
+  if (steps.has_value()) {
+    const at::Tensor& s = *steps;
+    TORCHKERN_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.numel() == static_cast<int64_t>(n) &&
+                        s.device() == g0.device() && s.is_contiguous(),
+                    "steps must be a contiguous float32 tensor of shape [", n, "] on ", g0.device().str(), ", got ",
+                    s.scalar_type(), " ", s.sizes(), " on ", s.device().str(),
+                    s.is_contiguous() ? "" : " (not contiguous)");
+    step_counts = s.mutable_data_ptr<float>();
+  }
   const at::cuda::OptionalCUDAGuard guard(g0.device());
   at::Tensor norms = at::empty({static_cast<int64_t>(n)}, g0.options().dtype(state_type));
   const cudaStream_t stream = current_stream();
@@ -166,8 +198,8 @@ at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at:
         table.v[t] = graft_sqs[i].mutable_data_ptr<C>();
         table.d[t] = out[i].mutable_data_ptr<C>();
         table.numel[t] = grads[i].numel();
-        table.eps[t] = static_cast<C>(eps[i]);
-        table.scale[t] = static_cast<C>(scale[i]);
+        table.eps[t] = eps[i];
+        table.scale[t] = scale[i];
         table.first_chunk[t] = chunks;
         const int64_t own = (table.numel[t] + kChunk - 1) / kChunk;
         TORCHKERN_CHECK(chunks + own < (int64_t(1) << 30), "too many elements in one call");
@@ -175,12 +207,12 @@ at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at:
       }
       table.first_chunk[table.count] = chunks;
       at::Tensor partial = at::empty({chunks}, norms.options());
-      graft_kernel<scalar_t, C><<<chunks, kThreads, 0, stream>>>(
-          table, static_cast<C>(beta1), static_cast<C>(sq_decay), static_cast<C>(sq_weight), found,
-          partial.mutable_data_ptr<C>());
+      float* counts = step_counts == nullptr ? nullptr : step_counts + start;
+      graft_kernel<scalar_t, C><<<chunks, kThreads, 0, stream>>>(table, beta1, sq_decay, sq_weight, found, counts,
+                                                                 partial.mutable_data_ptr<C>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      graft_norms_kernel<scalar_t, C><<<table.count, 32, 0, stream>>>(table, partial.const_data_ptr<C>(),
-                                                                      norms.mutable_data_ptr<C>() + start);
+      graft_norms_kernel<scalar_t, C><<<table.count, 32, 0, stream>>>(
+          table, partial.const_data_ptr<C>(), found, counts, norms.mutable_data_ptr<C>() + start);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
