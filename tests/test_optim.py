@@ -5,6 +5,7 @@ state-dict errors, and the training-quality suite's quick mode."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import json
 import math
@@ -1667,17 +1668,32 @@ def test_soap_on_cuda_matches_cpu(device, refresh):
         torch.testing.assert_close(q.cpu(), p, rtol=1e-7, atol=1e-9)
 
 
+# regular steps of the test below: e eager, C captured (and replayed), R replayed, - eager (roots due); after the
+# load_state_dict at 22 a new StepGraph: (replays before it, after it)
+_GRAPH_STEPS = {
+    # first step; 1 and 2 eager (a new plan at 1); 17 (a gradient missing) eager, 18 captured; 19 eager, 20 captured
+    "soap": ("-eeCRRRRRRRRRRRRReCeCReeCRRRRR", 17, 6),
+    # roots at 3, 8, 13 (skipped: again at 14), 19, 24, 29 (steps counted from 1); preconditioned from 3 (a new key)
+    "shampoo": ("ee-eCRR-RRRR--RRRe-RRRe-eCRR-R", 13, 4),
+}
+
+
 @requires_cuda
+@pytest.mark.parametrize("name", ["soap", "shampoo"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_soap_cuda_graph_matches_eager(precision):
+def test_cuda_graph_step_matches_eager(name, precision):
     # the update replayed as a CUDA graph against the eager one on the same data, through what changes a graph's
-    # inputs: a learning-rate schedule, weight decay, refreshes, a skipped step, a parameter without a gradient
-    # for two steps (another key: eager, then a new capture) and a state_dict load (new storage)
+    # inputs: a learning-rate schedule, weight decay, refreshes or root updates, a skipped step, a parameter without
+    # a gradient for two steps (another key: eager, then a new capture) and a state_dict load (new storage)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(40, 64), nn.Tanh(), nn.LayerNorm(64), nn.Linear(64, 10)).cuda()
     twin = copy.deepcopy(model)
-    opts = [SOAP(m.parameters(), lr=3e-3, weight_decay=0.1, precondition_frequency=4, precision=precision,
-                 cuda_graph=graph) for m, graph in ((model, True), (twin, False))]
+    if name == "soap":
+        make = functools.partial(SOAP, lr=3e-3, weight_decay=0.1, precondition_frequency=4, precision=precision)
+    else:
+        make = functools.partial(Shampoo, lr=3e-3, weight_decay=0.1, precondition_frequency=5,
+                                 start_preconditioning_step=3, precision=precision)
+    opts = [make(m.parameters(), cuda_graph=graph) for m, graph in ((model, True), (twin, False))]
     gen = torch.Generator(device="cuda").manual_seed(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
@@ -1698,15 +1714,66 @@ def test_soap_cuda_graph_matches_eager(precision):
                     opt.load_state_dict(opt.state_dict())  # a new StepGraph: its graphs read the old storage
                 opt.step()
     assert not opts[0]._graph.errors and opts[1]._graph.replays == 0
-    # regular steps 1 and 2 eager (a new plan at 1), 3 captured and replayed to 16; 17 eager (another key), 18
-    # captured; 19 eager, 20 captured, 21; after the load 22 and 23 eager, 24 captured, to 29
-    assert replays == 17 and opts[0]._graph.replays == 6
+    assert (replays, opts[0]._graph.replays) == _GRAPH_STEPS[name][1:], _GRAPH_STEPS[name][0]
     assert opts[0].skipped_steps == opts[1].skipped_steps == 1
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     for a, b in zip(opts[0].state.values(), opts[1].state.values()):
         assert a["step"] == b["step"]
         torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=1e-4, atol=1e-6)
+
+
+def test_graph_steps_table_matches_the_step_logic(monkeypatch):
+    # _GRAPH_STEPS (what the CUDA test above expects) from StepGraph's rule run on the CPU: each optimizer's keys
+    # (its _graph_key, made to see a CUDA device) and a graph that only counts
+    from torchkern.optim import _common, shampoo as shampoo_module, soap as soap_module
+
+    for module in (soap_module, shampoo_module):
+        monkeypatch.setattr(module, "has_cuda_kernel", lambda name: True)
+    seen = []
+
+    def run(self, key, params, body):
+        body()
+        if key is None:
+            self._last = None
+            seen.append("-")
+        elif key == self._key:
+            self.replays += 1
+            seen.append("R")
+        elif key != self._last:
+            self._last = key
+            seen.append("e")
+        else:
+            self._key = key
+            self.replays += 1
+            seen.append("C")
+
+    monkeypatch.setattr(_common.StepGraph, "run", run)
+    for name, cls in (("soap", SOAP), ("shampoo", Shampoo)):
+        real_key = cls._graph_key
+        cuda = type("CudaLike", (), {"is_cuda": True, "device": torch.device("cpu")})()
+        monkeypatch.setattr(cls, "_graph_key", lambda self, groups, stepped, real_key=real_key:
+                            real_key(self, groups, [cuda] + stepped[1:]))
+        seen.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(40, 64), nn.Tanh(), nn.LayerNorm(64), nn.Linear(64, 10))
+        opt = (SOAP(model.parameters(), lr=3e-3, weight_decay=0.1, precondition_frequency=4) if name == "soap" else
+               Shampoo(model.parameters(), lr=3e-3, weight_decay=0.1, precondition_frequency=5,
+                       start_preconditioning_step=3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for i in range(30):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(torch.randn(32, 40)), torch.randint(0, 10, (32,))).backward()
+                if i == 12:
+                    model[0].weight.grad[0, 0] = float("nan")
+                if i in (17, 18):
+                    model[2].weight.grad = None
+                if i == 22:
+                    replays = opt._graph.replays
+                    opt.load_state_dict(opt.state_dict())
+                opt.step()
+        assert ("".join(seen), replays, opt._graph.replays) == _GRAPH_STEPS[name]
 
 
 # ----------------------------------------------------------------------------- the quality suite

@@ -232,6 +232,23 @@ def step_counts(states: list[dict], device: torch.device) -> torch.Tensor:
     return counts.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else counts
 
 
+class DeviceSteps:
+    """The step counts of lists of parameters on the device (``shampoo_graft``'s ``steps``, which counts them up
+    there), one list per slot: made from the host's counts when a slot's list changes, so a count the device
+    left behind while its parameter stepped in another list is never used. The host's counts are exact then:
+    every step starts by settling earlier skips, and counts its own after its kernels are queued."""
+
+    def __init__(self):
+        self._slots: dict = {}  # slot -> (ids of the params, their counts on the device)
+
+    def get(self, slot, params: list, states: list[dict], device: torch.device) -> torch.Tensor:
+        ids = tuple(id(p) for p in params)
+        cached = self._slots.get(slot)
+        if cached is None or cached[0] != ids:
+            cached = self._slots[slot] = (ids, step_counts(states, device))
+        return cached[1]
+
+
 class GuardedOptimizer(torch.optim.Optimizer):
     """What torchkern's optimizers share around their own ``_step``: the non-finite step guard
     (:class:`StepGuard`, ``skipped_steps``), caches rebuilt on unpickling and deepcopy (they are not state), state

@@ -45,8 +45,9 @@ import torch
 
 from .._checks import opmath_dtype
 from ._buckets import Storage, cached_plan
-from ._common import (PRECISIONS, GuardedOptimizer, UpdateScalars, as_operand, bmm, check_arg, check_state_dict,
-                      eigh, is_int, is_real, load_state_dict_keeping_dtypes)
+from .._library import has_cuda_kernel
+from ._common import (PRECISIONS, DeviceSteps, GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg,
+                      check_state_dict, eigh, is_int, is_real, load_state_dict_keeping_dtypes)
 
 _GRAFTINGS = ("adam", "adagrad", None)
 _ROOT_METHODS = ("auto", "eigh", "newton", "qr")
@@ -181,28 +182,6 @@ def check_common_hyperparameters(name: str, lr, weight_decay, max_preconditioner
     check_arg(name, "precision", precision, precision in PRECISIONS, "must be 'fp32' or 'bf16'")
 
 
-def _graft(grads: list, moments: list, sqs: list, beta1: float, decay: float, weight: float, eps: list,
-           scale: list, skip: dict) -> tuple[list, list]:
-    """``torch.ops.torchkern.shampoo_graft`` over a param group (one call per device and dtype: one, usually).
-    Returns each parameter's grafting direction and (norms, index) of its norm."""
-    keys = [(g.device, g.dtype) for g in grads]
-    if all(k == keys[0] for k in keys):
-        parts: Iterable[list[int]] = [list(range(len(grads)))]
-    else:
-        by_key: dict[tuple, list[int]] = defaultdict(list)
-        for i, k in enumerate(keys):
-            by_key[k].append(i)
-        parts = by_key.values()
-    directions, norm_refs = [None] * len(grads), [None] * len(grads)
-    for idx in parts:
-        g, m, v, e, c = ([xs[i] for i in idx] if xs else [] for xs in (grads, moments, sqs, eps, scale))
-        out = [torch.empty_like(t) for t in v]
-        norms = torch.ops.torchkern.shampoo_graft(g, m, v, out, beta1, decay, weight, e, c, skip[g[0].device])
-        for j, i in enumerate(idx):
-            directions[i], norm_refs[i] = out[j], (norms, j)
-    return directions, norm_refs
-
-
 class Shampoo(GuardedOptimizer):
     """Shampoo (Gupta et al. 2018; Anil et al. 2020; Shi et al. 2023) with grafting.
 
@@ -241,6 +220,11 @@ class Shampoo(GuardedOptimizer):
         precision: ``"fp32"`` or ``"bf16"``: the statistics products ``G G^T`` and the preconditioning products
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global
             TF32 switch is never touched). The statistics, roots and moments stay float32.
+        cuda_graph: on CUDA, replay the update of every step that takes no new roots as one CUDA graph, once the same
+            parameters have stepped twice in a row (``_common.StepGraph``): one launch of host time instead of
+            ~70. The learning rate and weight decay are read on the device; another hyperparameter or another set
+            of parameters with gradients captures anew. Not with ``grafting=None`` and ``beta1 > 0``. False:
+            every step eager.
 
     Memory: the gradient EMA and the grafting second moment (each the parameter's size, when enabled);
     per 2-D block of m x n, the statistics L, R and their roots (2 m^2 + 2 n^2 values), plus the roots
@@ -261,7 +245,7 @@ class Shampoo(GuardedOptimizer):
                  eps: float = 1e-6, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
                  max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
                  grafting_beta2: float = 0.999, grafting_eps: float = 1e-8, root_method: str = "auto",
-                 relative_eps: bool = True, precision: str = "fp32"):
+                 relative_eps: bool = True, precision: str = "fp32", cuda_graph: bool = True):
         name = self._name
         check_common_hyperparameters(name, lr, weight_decay, max_preconditioner_dim, precondition_frequency,
                                      precision)
@@ -285,11 +269,12 @@ class Shampoo(GuardedOptimizer):
                   "must be a finite number > 0")
         check_arg(name, "root_method", root_method, root_method in _ROOT_METHODS,
                   "must be 'auto', 'eigh', 'newton' or 'qr'")
+        check_arg(name, "cuda_graph", cuda_graph, isinstance(cuda_graph, bool), "must be True or False")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, precondition_frequency=precondition_frequency,
                         start_preconditioning_step=start_preconditioning_step,
                         max_preconditioner_dim=max_preconditioner_dim, grafting=grafting, weight_decay=weight_decay,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps, root_method=root_method,
-                        relative_eps=relative_eps, precision=precision)
+                        relative_eps=relative_eps, precision=precision, cuda_graph=cuda_graph)
         super().__init__(params, defaults)
 
     def _init_caches(self) -> None:
@@ -298,6 +283,8 @@ class Shampoo(GuardedOptimizer):
         self._root_budgets: dict[tuple, _RootBudget] = {}  # see _RootBudget
         self._norm_picks: dict[tuple, torch.Tensor] = {}  # see _graft_norms
         self._scalars = UpdateScalars()
+        self._steps = DeviceSteps()  # the grafting op's step counts
+        self._graph = StepGraph(self._name)
 
     # ------------------------------------------------------------------ state
 
@@ -344,6 +331,8 @@ class Shampoo(GuardedOptimizer):
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
         self._plans.clear()
         self._root_budgets.clear()
+        self._steps = DeviceSteps()
+        self._graph = StepGraph(self._name)  # its graphs read the old state's storage
 
     # ------------------------------------------------------------------ step
 
@@ -356,38 +345,85 @@ class Shampoo(GuardedOptimizer):
         if not stepped:
             return
         ok, skip = self._guard.check([p.grad for p in stepped], functools.partial(self._undo, stepped))
-        roots_due: dict[tuple, list] = defaultdict(list)
-        buckets_of: dict[int, object] = {}  # param group index -> its plan of buckets this step
-        work = []  # (param, group, state, filtered grad M, graft direction D or None, its norm)
+        self._scalars.refresh(self.param_groups)
+        groups = []  # (group index, group, params with gradients, whether each is preconditioned at this step)
+        roots_due: dict[tuple, list] = defaultdict(list)  # the factors whose roots this step updates, by size
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            start, preconditioned = group["start_preconditioning_step"], []
+            for p in params:
+                state = self._init_state(p, group)
+                t = state["step"] + 1  # this step's number
+                preconditioned.append("L" in state and t >= start)
+                if "L" in state and t >= start and (t - start) % group["precondition_frequency"] == 0:
+                    self._roots_due(state, group, roots_due)
+            groups.append((gi, group, params, preconditioned))
+        key = None if roots_due else self._graph_key(groups, stepped)
+        self._graph.run(key, stepped, lambda: self._update(groups, roots_due, ok, skip))
+        for p in stepped:
+            self.state[p]["step"] += 1
+        self._guard.settle(wait=False)
+
+    def _roots_due(self, state: dict, group: dict, roots_due: dict) -> None:
+        """Queue the roots of one parameter's factors (its state entries, views of the buckets once they exist)."""
+        qr = group["root_method"] == "qr"
+        first = qr and "L_basis" not in state  # no basis yet (also after loading another method's state)
+        if first:  # placeholders that this update's eigendecomposition fills (a skipped step leaves them I)
+            for side in ("L", "R"):
+                state[side + "_basis"] = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device) for f in state[side]]
+        for side in ("L", "R"):
+            bases = state[side + "_basis"] if qr else [None] * len(state[side])
+            for i, q in enumerate(bases):
+                key = (state[side][i].shape[-1], state[side][i].dtype, state[side][i].device, group["root_method"],
+                       group["eps"], group["relative_eps"])
+                roots_due[key].append((state, side, i, q, first))
+
+    def _graph_key(self, groups: list, stepped: list):
+        """What ``_update`` bakes into a CUDA graph (``StepGraph``), or None where it cannot be replayed: off, not one
+        CUDA device, the fused grafting op not compiled, or a filtered gradient without grafting (its bias
+        correction is a host value). Steps that update roots are never replayed (the caller's)."""
+        if not stepped[0].is_cuda or not has_cuda_kernel("shampoo_graft"):
+            return None
+        key = []
+        for gi, group, params, preconditioned in groups:
+            if not group.get("cuda_graph", True) or (group["grafting"] is None and group["betas"][0] > 0):
+                return None
+            if any(p.device != stepped[0].device for p in params):
+                return None
+            plan = self._plans.get(gi)
+            key.append((gi, plan.serial if plan is not None else None, group["weight_decay"] != 0,
+                        tuple(v for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay")),
+                        tuple((id(p), p.grad.dtype, p.grad.shape, pre) for p, pre in zip(params, preconditioned))))
+        return tuple(key)
+
+    def _update(self, groups: list, roots_due: dict, ok: dict, skip: dict) -> None:
+        """The step's kernels (``StepGraph``'s body when no roots are due): grafting, statistics, the roots due,
+        preconditioning and the parameter update for ``groups`` [(group index, group, params, preconditioned)].
+        Changes no host state but caches (plans, step counts on the device) and the roots' bookkeeping."""
+        buckets_of: dict[int, object] = {}  # param group index -> its plan of buckets this step
+        work = []  # (param, group, state, filtered grad M, graft direction D or None, its norm, preconditioned)
+        for gi, group, params, preconditioned in groups:
             beta1, beta2 = group["betas"]
             grads = []
             for p in params:
-                state = self._init_state(p, group)
-                state["step"] += 1
                 dtype = opmath_dtype(p.dtype)
                 grads.append(p.grad if p.grad.dtype == dtype else p.grad.to(dtype))
 
             # Filtered gradient M (EMA of the gradient) and grafting direction D with its norm.
-            steps = [self.state[p]["step"] for p in params]
             moments = [self.state[p]["exp_avg"] for p in params] if beta1 > 0 else []
-            bias1 = [1.0 - beta1 ** t for t in steps] if beta1 > 0 else [1.0] * len(params)
             grafted, graft_norms = [None] * len(params), [None] * len(params)
             if group["grafting"] is not None:
                 sqs = [self.state[p]["graft_sq"] for p in params]
                 if group["grafting"] == "adam":
-                    b2 = group["grafting_beta2"]
-                    decay, weight, bias2 = b2, 1.0 - b2, [1.0 - b2 ** t for t in steps]
+                    decay, weight = group["grafting_beta2"], 1.0 - group["grafting_beta2"]
                 else:
-                    decay, weight, bias2 = 1.0, 1.0, [1.0] * len(params)
-                # D = (M / bias1) / (sqrt(v / bias2) + eps) = (M / (sqrt(v) + eps sqrt(bias2))) sqrt(bias2) / bias1:
-                # the bias corrections as per-parameter scalars, no bias-corrected copies of M or v
-                eps = [group["grafting_eps"] * math.sqrt(b) for b in bias2]
-                scale = [math.sqrt(b) / a for a, b in zip(bias1, bias2)]
-                grafted, graft_norms = _graft(grads, moments, sqs, beta1, decay, weight, eps, scale, skip)
+                    decay, weight = 1.0, 1.0
+                # D = (M / bias1) / (sqrt(v / bias2) + eps), the bias corrections taken by the op from the step counts
+                # on the device: no bias-corrected copies of M or v, no host value per step
+                grafted, graft_norms = self._graft(gi, params, grads, moments, sqs, beta1, decay, weight,
+                                                   group["grafting_eps"], skip)
                 # the Shampoo direction is rescaled to D's norm: M's bias correction cancels. Where M holds the
                 # raw gradient (beta1 = 0) of a skipped step, _directions falls back to D, which is zero then.
                 filtered = moments or grads
@@ -395,21 +431,18 @@ class Shampoo(GuardedOptimizer):
                 # lerp towards M itself on a skipped step: M stays bitwise as it is
                 targets = [torch.where(ok[g.device], g, m) for g, m in zip(grads, moments)]
                 torch._foreach_lerp_(moments, targets, 1.0 - beta1)
-                filtered = torch._foreach_div(moments, bias1)
+                filtered = torch._foreach_div(moments, [1.0 - beta1 ** (self.state[p]["step"] + 1) for p in params])
             else:
                 filtered = [torch.where(ok[g.device], g, 0.0) for g in grads]
 
-            # Kronecker factors (every step, in the group's buckets) and the roots due at this step.
-            entries, due = [], []  # (param, state, block index, gradient block) of every block with statistics
-            for p, g, m, d, dn in zip(params, grads, filtered, grafted, graft_norms):
+            # Kronecker factors (every step, in the group's buckets).
+            entries = []  # (param, state, block index, gradient block) of every block with statistics
+            for p, g, m, d, dn, pre in zip(params, grads, filtered, grafted, graft_norms, preconditioned):
                 state = self.state[p]
                 if "L" in state:
                     rows, cols = self._block_sizes(p, group)
                     entries += [(p, state, i, blk) for i, blk in enumerate(blocks(_as_matrix(g), rows, cols))]
-                    t, start = state["step"], group["start_preconditioning_step"]
-                    if t >= start and (t - start) % group["precondition_frequency"] == 0:
-                        due.append(state)
-                work.append((p, group, state, m, d, dn))
+                work.append((p, group, state, m, d, dn, pre))
             if entries:
                 plan = cached_plan(self._plans, gi, entries,
                                    lambda e, m, n, precision=group["precision"]: _Bucket(e, m, n, precision),
@@ -417,22 +450,10 @@ class Shampoo(GuardedOptimizer):
                 for bucket, items in plan.split(entries):
                     bucket.update_statistics(items, beta2, ok[bucket.device])
                 buckets_of[gi] = plan
-            for state in due:  # the state entries as the plan left them (views of its buckets)
-                qr = group["root_method"] == "qr"
-                first = qr and "L_basis" not in state  # no basis yet (also after loading another method's state)
-                if first:  # placeholders that this update's eigendecomposition fills (a skipped step leaves them I)
-                    for side in ("L", "R"):
-                        state[side + "_basis"] = [torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
-                                                  for f in state[side]]
-                for side in ("L", "R"):
-                    bases = state[side + "_basis"] if qr else [None] * len(state[side])
-                    for s, r, q in zip(state[side], state[side + "_root"], bases):
-                        key = (s.shape[-1], s.dtype, s.device, group["root_method"], group["eps"],
-                               group["relative_eps"])
-                        roots_due[key].append((s, r, q, first))
 
         # roots per factor size, of the unpadded factors (views of the buckets' storage): rare, and exact
-        for key, items in roots_due.items():
+        for key, due in roots_due.items():
+            items = [(state[side][i], state[side + "_root"][i], q, first) for state, side, i, q, first in due]
             self._update_roots(key, items, ok[key[2]])
         if roots_due:
             for plan in buckets_of.values():
@@ -440,11 +461,35 @@ class Shampoo(GuardedOptimizer):
                     bucket.forget_operands()
 
         directions = self._directions(work, buckets_of)
-        for gi, group in enumerate(self.param_groups):
+        for gi, group, _, _ in groups:
             items = [(p, directions[id(p)]) for p in group["params"] if id(p) in directions]
             if items:  # with grafting every direction is zero on a skipped step (the grafting op's are)
                 apply_updates(items, gi, group, self._scalars, ok, group["grafting"] is not None)
-        self._guard.settle(wait=False)
+
+    def _graft(self, gi: int, params: list, grads: list, moments: list, sqs: list, beta1: float, decay: float,
+               weight: float, eps: float, skip: dict) -> tuple[list, list]:
+        """``torch.ops.torchkern.shampoo_graft`` over a param group (one call per device and dtype: one, usually),
+        with the params' step counts on the device. Returns each parameter's grafting direction and (norms,
+        index) of its norm."""
+        keys = [(g.device, g.dtype) for g in grads]
+        if all(k == keys[0] for k in keys):
+            parts: Iterable[list[int]] = [list(range(len(grads)))]
+        else:
+            by_key: dict[tuple, list[int]] = defaultdict(list)
+            for i, k in enumerate(keys):
+                by_key[k].append(i)
+            parts = by_key.values()
+        directions, norm_refs = [None] * len(grads), [None] * len(grads)
+        for n, idx in enumerate(parts):
+            g, m, v = ([xs[i] for i in idx] if xs else [] for xs in (grads, moments, sqs))
+            steps = self._steps.get((gi, n), [params[i] for i in idx], [self.state[params[i]] for i in idx],
+                                    g[0].device)
+            out = [torch.empty_like(t) for t in v]
+            norms = torch.ops.torchkern.shampoo_graft(g, m, v, out, beta1, decay, weight, [eps] * len(idx),
+                                                      [1.0] * len(idx), skip[g[0].device], steps)
+            for j, i in enumerate(idx):
+                directions[i], norm_refs[i] = out[j], (norms, j)
+        return directions, norm_refs
 
     def _update_roots(self, key: tuple, items: list, ok: torch.Tensor) -> None:
         """All factors of one size, ``items`` [(factor, its root, its basis or None, first update)]: one batched
@@ -523,7 +568,11 @@ class Shampoo(GuardedOptimizer):
             values = norms.index_select(0, index)
         if js == list(range(k)):
             return values
-        return values.new_zeros(k).index_copy_(0, torch.tensor(js, device=values.device), values)
+        where = self._norm_picks.get((values.device, k, tuple(js)))
+        if where is None:  # once per layout, as above
+            where = self._norm_picks[(values.device, k, tuple(js))] = torch.tensor(js).to(values.device,
+                                                                                           non_blocking=True)
+        return values.new_zeros(k).index_copy_(0, where, values)
 
     def _directions(self, work: list, buckets_of: dict) -> dict:
         """The update direction of every parameter, by id(param): each bucket's blocks preconditioned in one batch."""
@@ -534,8 +583,8 @@ class Shampoo(GuardedOptimizer):
                     slots[key] = (bucket, j)
         per_bucket: dict[int, list] = defaultdict(list)  # id(bucket) -> [(j, M block, D block, D norm ref)]
         buckets, assembled = {}, []
-        for p, group, state, m, d, dn in work:
-            if "L" not in state or state["step"] < group["start_preconditioning_step"]:
+        for p, group, state, m, d, dn, preconditioned in work:
+            if not preconditioned:
                 out[id(p)] = d if d is not None else m
                 continue
             rows, cols = self._block_sizes(p, group)

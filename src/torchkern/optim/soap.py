@@ -45,8 +45,8 @@ import torch
 
 from .._checks import opmath_dtype
 from .._library import has_cuda_kernel
-from ._common import (GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg, check_state_dict, eigh,
-                      is_real, load_state_dict_keeping_dtypes, step_counts)
+from ._common import (DeviceSteps, GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg,
+                      check_state_dict, eigh, is_real, load_state_dict_keeping_dtypes, step_counts)
 from ._buckets import Storage, cached_plan
 from .shampoo import _as_matrix, apply_updates, assemble, block_grid, blocks, check_common_hyperparameters
 
@@ -205,7 +205,7 @@ class SOAP(GuardedOptimizer):
     def _init_caches(self) -> None:
         super()._init_caches()
         self._plans: dict = {}  # param group index -> its buckets (_buckets.Plan)
-        self._flat_steps: dict = {}  # (group index, n) -> (ids of 1-D params, their step counts on the device)
+        self._flat_steps = DeviceSteps()  # the 1-D params' step counts
         self._scalars = UpdateScalars()
         self._graph = StepGraph(self._name)
 
@@ -247,7 +247,7 @@ class SOAP(GuardedOptimizer):
         check_state_dict("SOAP", self, state_dict, self._state_spec)
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
         self._plans.clear()
-        self._flat_steps.clear()
+        self._flat_steps = DeviceSteps()
         self._graph = StepGraph(self._name)  # its graphs read the old state's storage
 
     # ------------------------------------------------------------------ step
@@ -375,20 +375,17 @@ class SOAP(GuardedOptimizer):
 
     def _adamw_flat(self, gi: int, flat: list, beta1: float, beta2: float, eps: float, skip: dict) -> dict:
         """AdamW directions for the 1-D parameters (by id) of param group ``gi``: one fused op per device and dtype,
-        the bias corrections from step counts kept on the device (made from the host's once per set of params)."""
+        the bias corrections from step counts kept on the device (``DeviceSteps``)."""
         directions = {}
         by_key: dict[tuple, list] = defaultdict(list)
         for item in flat:
             by_key[(item[1].device, item[1].dtype)].append(item)
         for n, ((device, dtype), items) in enumerate(by_key.items()):
-            ids = tuple(id(p) for p, _, _ in items)
-            cached = self._flat_steps.get((gi, n))
-            if cached is None or cached[0] != ids:
-                cached = self._flat_steps[(gi, n)] = (ids, step_counts([s for _, _, s in items], device))
+            steps = self._flat_steps.get((gi, n), [p for p, _, _ in items], [s for _, _, s in items], device)
             out = [torch.empty_like(s["exp_avg"]) for _, _, s in items]
             torch.ops.torchkern.shampoo_graft([g for _, g, _ in items], [s["exp_avg"] for _, _, s in items],
                                               [s["exp_avg_sq"] for _, _, s in items], out, beta1, beta2, 1.0 - beta2,
-                                              [eps] * len(items), [1.0] * len(items), skip[device], cached[1])
+                                              [eps] * len(items), [1.0] * len(items), skip[device], steps)
             for (p, _, _), d in zip(items, out):
                 directions[id(p)] = d
         return directions

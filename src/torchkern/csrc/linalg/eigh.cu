@@ -63,6 +63,7 @@
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
 #include "torchkern/launch.h"
+#include "torchkern/reduce.cuh"
 
 #if !defined(TORCHKERN_EIGH_TOL_F32) || !defined(TORCHKERN_EIGH_BLOCK)
 #error "build through torchkern's loader: it defines the TORCHKERN_EIGH_* constants (linalg/constants.py)"
@@ -197,16 +198,6 @@ at::Tensor warm_rotate(const at::Tensor& X, const at::Tensor& Q) {
   return Y;
 }
 
-__device__ inline double warp_max(double x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-
-__device__ inline double warp_sum(double x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
 // The off-diagonal sum of squares of A (B, N, N) after a sweep, per (matrix, chunk of kOffRows rows): one pass
 // over A (it was a clone, a square and a sum: four passes and three launches a sweep), summed in a fixed order so
 // that the stopping rule sees the same sums on every run. Matrices that have stopped are skipped.
@@ -227,15 +218,9 @@ __global__ void __launch_bounds__(kOffThreads)
       s += j == i ? 0.0 : x * x;
     }
   }
-  __shared__ double warp_sums[kOffThreads / 32];
-  s = warp_sum(s);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = s;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    double total = 0.0;
-    for (int w = 0; w < kOffThreads / 32; ++w) total += warp_sums[w];
-    partial[blockIdx.x] = total;
-  }
+  __shared__ double scratch[kOffThreads / 32];
+  s = block_reduce<kOffThreads>(s, scratch);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
 // sweep end, one thread per matrix: a matrix goes on while its off-diagonal norm after the sweep (the sum of its
@@ -406,6 +391,7 @@ __global__ void __launch_bounds__(kRoundThreads, 3) block_round_kernel(
 // for the flagged matrices (block_finish_kernel). The arithmetic is the ATen ops' (scaling by powers of two is
 // exact).
 constexpr int kPrepRows = 16;
+constexpr int kPrepThreads = 256;
 constexpr int kTile = 32;  // the write and finish passes: 32 x 8 threads per 32 x 32 tile
 
 template <typename T>
@@ -414,7 +400,7 @@ __device__ inline double as_double(T x) {
 }
 
 template <typename T>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kPrepThreads)
     block_prep_stats_kernel(const T* __restrict__ X, const T* __restrict__ Q, double* __restrict__ part_max,
                             int* __restrict__ part_bad, int n, int chunks) {
   const int64_t b = blockIdx.x / chunks;
@@ -427,22 +413,12 @@ __global__ void __launch_bounds__(256)
     bad |= !isfinite(x) || (Q != nullptr && !isfinite(as_double(Q[base + k])));
     m = fmax(m, fabs(x));
   }
-  __shared__ double warp_m[8];
-  __shared__ int warp_bad[8];
-  m = warp_max(m);
-  const unsigned any_bad = __ballot_sync(0xffffffffu, bad);
-  if ((threadIdx.x & 31) == 0) {
-    warp_m[threadIdx.x >> 5] = m;
-    warp_bad[threadIdx.x >> 5] = any_bad != 0;
-  }
-  __syncthreads();
+  __shared__ double scratch[kPrepThreads / 32];
+  m = block_reduce<kPrepThreads, double, true>(m, scratch);  // m is never NaN (fmax drops NaN; bad flags it)
+  const int any_bad = __syncthreads_or(bad);
   if (threadIdx.x == 0) {
-    for (int w = 1; w < static_cast<int>(blockDim.x >> 5); ++w) {
-      warp_m[0] = fmax(warp_m[0], warp_m[w]);
-      warp_bad[0] |= warp_bad[w];
-    }
-    part_max[blockIdx.x] = warp_m[0];
-    part_bad[blockIdx.x] = warp_bad[0];
+    part_max[blockIdx.x] = m;
+    part_bad[blockIdx.x] = any_bad != 0;
   }
 }
 
@@ -577,7 +553,7 @@ std::tuple<at::Tensor, at::Tensor> block_method(const at::Tensor& X, const at::T
   at::Tensor part_sq = at::empty({B * tiles * tiles}, opt);
   TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_block_prep", [&] {
     const scalar_t* q = Q.defined() ? Q.const_data_ptr<scalar_t>() : nullptr;
-    block_prep_stats_kernel<scalar_t><<<static_cast<unsigned>(B * stat_chunks), 256, 0, stream>>>(
+    block_prep_stats_kernel<scalar_t><<<static_cast<unsigned>(B * stat_chunks), kPrepThreads, 0, stream>>>(
         X.const_data_ptr<scalar_t>(), q, part_max.mutable_data_ptr<double>(), part_bad.mutable_data_ptr<int>(),
         static_cast<int>(n), stat_chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
