@@ -14,7 +14,8 @@ T = TypeVar("T")
 
 
 def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[], object] | None = None,
-            generators: tuple[torch.Generator, ...] = (), error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, T]:
+            generators: tuple[torch.Generator, ...] = (), error_mode: str = "global",
+            stream: torch.cuda.Stream | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """``body`` captured into a CUDA graph on ``device``: returns the graph and what ``body`` returned during
     capture (its tensors are the graph's outputs, overwritten by every replay).
 
@@ -25,10 +26,12 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
     refills static inputs orders each call after the previous one with :func:`follow`. ``error_mode``:
     ``torch.cuda.graph``'s ``capture_error_mode``; "thread_local" for captures a caller did not ask for (an
     optimizer's step), which must not fail another thread's CUDA calls (a data loader's pinned allocations).
+    ``stream``: the side stream to warm up and capture on (default: a new one), for a caller that warmed it up
+    itself.
     """
     with torch.cuda.device(device):  # the capture, its side stream and its memory pool live on ``device``
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        side = torch.cuda.Stream() if stream is None else stream
         side.wait_stream(current)
         with torch.cuda.stream(side):
             for _ in range(2):

@@ -162,12 +162,14 @@ class StepGraph:
     optimizer state and device scalars only; no host sync, no host state changed) for the parameters ``params``,
     whose gradients it reads. ``key`` holds everything of the host that ``body`` bakes into its kernels (which
     parameters step, their gradients' dtypes and shapes, the hyperparameters not read from the device, the
-    identity of the state's storage); None runs ``body`` eagerly. A key seen on two steps in a row is captured
-    (on the second, with static copies of the gradients standing in for ``p.grad``; ``body`` must be a step
-    that already ran eagerly, so nothing initializes inside the capture) and replayed from then on, the
-    gradients copied into the static ones first; another key runs eagerly, and is captured in turn once it
-    repeats. A capture that fails (an op that waits for the host) runs the step eagerly and never tries that key
-    again, and warns once with the reason. Not used while the caller captures a graph of its own. The graph's
+    identity of the state's storage); None runs ``body`` eagerly. A key seen on three steps in a row is captured
+    on the third (static copies of the gradients standing in for ``p.grad``) and replayed from then on, the
+    gradients copied into the static ones first; the second runs eagerly on the capture's side stream, so that
+    whatever a library initializes lazily per stream (cuBLAS and cuBLASLt workspaces) is there before the
+    capture, which it would break. That step makes no lasting allocation (the first made the key's plans and
+    counts), so no tensor of the main stream's is freed into the side stream's pool. Another key runs
+    eagerly, and is captured in turn once it repeats. A capture that fails (an op that waits for the host) runs
+    the step eagerly and never tries that key again, and warns once with the reason. Not used while the caller captures a graph of its own. The graph's
     memory pool keeps the update's intermediates (about six tensors of the preconditioned blocks' size)."""
 
     def __init__(self, owner: str):
@@ -177,27 +179,51 @@ class StepGraph:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._grads: list[torch.Tensor] = []
         self._last = None      # the previous step's key
+        self._warm = None      # the key last run on the side stream
         self._failed: set = set()
-        self._stream: torch.cuda.Stream | None = None
+        self._stream: torch.cuda.Stream | None = None  # where the graph last replayed
+        self._side: torch.cuda.Stream | None = None    # where it warms up and captures
         self.replays = 0       # steps replayed (tests, benchmarks)
+
+    def next_action(self, key) -> str:
+        """What a step with ``key`` does: "eager", "warm" (eager, on the side stream), "capture" or "replay"."""
+        if key is None:
+            self._last = None
+            return "eager"
+        if key == self._key:
+            return "replay"
+        if key != self._last or key in self._failed:
+            self._last = key
+            return "eager"
+        if key != self._warm:
+            self._warm = key
+            return "warm"
+        return "capture"
 
     def run(self, key, params: list[torch.Tensor], body: Callable[[], None]) -> None:
         from .._cuda_graph import capture, follow
 
-        if key is None or torch.cuda.is_current_stream_capturing():  # (key None on the CPU: nothing to ask CUDA)
-            self._last = None
+        if key is not None and torch.cuda.is_current_stream_capturing():  # the caller's own capture
+            key = None
+        action = self.next_action(key)  # (key None on the CPU: nothing asks CUDA)
+        if action == "eager":
             body()
             return
         device = params[0].device
-        if key == self._key:
+        if action == "replay":
             self._stream = follow(self._stream, device)
             torch._foreach_copy_(self._grads, [p.grad for p in params])
             self._graph.replay()
             self.replays += 1
             return
-        if key != self._last or key in self._failed:
-            self._last = key
-            body()
+        if self._side is None:
+            self._side = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        if action == "warm":
+            self._side.wait_stream(current)
+            with torch.cuda.stream(self._side):
+                body()
+            current.wait_stream(self._side)
             return
         self._key, self._graph = None, None  # the old graph's pool is freed before the new capture
         grads = [torch.empty_like(p.grad) for p in params]
@@ -206,10 +232,11 @@ class StepGraph:
         try:
             for p, g in zip(params, grads):
                 p.grad = g
-            graph, _ = capture(body, device, warmup=lambda: None, error_mode="thread_local")
+            graph, _ = capture(body, device, warmup=lambda: None, error_mode="thread_local", stream=self._side)
         except RuntimeError as exc:
             self._failed.add(key)
-            self.errors.append(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+            causes = [exc] + [e for e in (exc.__context__, exc.__cause__) if e is not None]
+            self.errors.append(" <- ".join(" ".join(str(e).split())[:300] or repr(e) for e in causes))
             if len(self.errors) == 1:
                 warnings.warn(f"{self.owner}: could not capture the step as a CUDA graph, so it runs eagerly "
                               f"({self.errors[0]})", RuntimeWarning, stacklevel=5)
