@@ -1671,11 +1671,11 @@ def test_soap_on_cuda_matches_cpu(device, refresh):
 # the steps of the test below: e eager, w eager on the side stream (warm-up), C captured (and replayed), R replayed,
 # - eager without a key; after the load_state_dict at 22 a new StepGraph: (replays before it, after it)
 _GRAPH_STEPS = {
-    # first step; 1 eager (a new plan), 2 eager, 3 warm-up, 4 captured; 17 (a gradient missing) eager, 18 warm-up,
-    # 19 the old key's graph again
-    "soap": ("-eewCRRRRRRRRRRRRewRRReewCRRRR", 16, 5),
+    # first step; 1 eager (a new plan), 2 eager, 3 warm-up, 4 captured; 17 and 19 (a gradient missing, then back)
+    # make new step counts for the 1-D parameters: new keys, eager until 21 warms up
+    "soap": ("-eewCRRRRRRRRRRRReeeeweewCRRRR", 13, 5),
     # roots at 3, 8, 13 (skipped: again at 14), 19, 24, 29 (steps counted from 1); preconditioned from 3 (a new key)
-    "shampoo": ("ee-ewCR-RRRR--RRRe-RRRe-ewCR-R", 12, 3),
+    "shampoo": ("ee-ewCR-RRRR--RRRe-eewe-ewCR-R", 9, 3),
 }
 
 

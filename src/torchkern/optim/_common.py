@@ -161,8 +161,9 @@ class StepGraph:
     ``run(key, params, body)`` runs ``body`` (the update: every kernel of the step that reads ``p.grad``, the
     optimizer state and device scalars only; no host sync, no host state changed) for the parameters ``params``,
     whose gradients it reads. ``key`` holds everything of the host that ``body`` bakes into its kernels (which
-    parameters step, their gradients' dtypes and shapes, the hyperparameters not read from the device, the
-    identity of the state's storage); None runs ``body`` eagerly. A key seen on three steps in a row is captured
+    parameters step and where their data lives, their gradients' dtypes and shapes, the hyperparameters not read from the device, and the
+    identity of every tensor it reads or writes that a cache may replace: plans' serials, ``DeviceSteps``'
+    version; a graph replayed after one was replaced would write freed memory); None runs ``body`` eagerly. A key seen on three steps in a row is captured
     on the third (static copies of the gradients standing in for ``p.grad``) and replayed from then on, the
     gradients copied into the static ones first; the second runs eagerly on the capture's side stream, so that
     whatever a library initializes lazily per stream (cuBLAS and cuBLASLt workspaces) is there before the
@@ -263,16 +264,20 @@ class DeviceSteps:
     """The step counts of lists of parameters on the device (``shampoo_graft``'s ``steps``, which counts them up
     there), one list per slot: made from the host's counts when a slot's list changes, so a count the device
     left behind while its parameter stepped in another list is never used. The host's counts are exact then:
-    every step starts by settling earlier skips, and counts its own after its kernels are queued."""
+    every step starts by settling earlier skips, and counts its own after its kernels are queued. ``version``
+    changes whenever a count tensor is made: a StepGraph key holds it, because a graph that counts into a
+    tensor since replaced would write freed memory."""
 
     def __init__(self):
         self._slots: dict = {}  # slot -> (ids of the params, their counts on the device)
+        self.version = 0
 
     def get(self, slot, params: list, states: list[dict], device: torch.device) -> torch.Tensor:
         ids = tuple(id(p) for p in params)
         cached = self._slots.get(slot)
         if cached is None or cached[0] != ids:
             cached = self._slots[slot] = (ids, step_counts(states, device))
+            self.version += 1
         return cached[1]
 
 

@@ -386,7 +386,7 @@ class Shampoo(GuardedOptimizer):
         correction is a host value). Steps that update roots are never replayed (the caller's)."""
         if not stepped[0].is_cuda or not has_cuda_kernel("shampoo_graft"):
             return None
-        key = []
+        key = [self._steps.version]
         for gi, group, params, preconditioned in groups:
             if not group.get("cuda_graph", True) or (group["grafting"] is None and group["betas"][0] > 0):
                 return None
@@ -395,7 +395,8 @@ class Shampoo(GuardedOptimizer):
             plan = self._plans.get(gi)
             key.append((gi, plan.serial if plan is not None else None, group["weight_decay"] != 0,
                         tuple(v for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay")),
-                        tuple((id(p), p.grad.dtype, p.grad.shape, pre) for p, pre in zip(params, preconditioned))))
+                        tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.shape, pre)
+                              for p, pre in zip(params, preconditioned))))
         return tuple(key)
 
     def _update(self, groups: list, roots_due: dict, ok: dict, skip: dict) -> None:

@@ -291,7 +291,7 @@ class SOAP(GuardedOptimizer):
         CUDA device, the fused Adam op not compiled, or a matrix's first step (it takes eigendecompositions)."""
         if not stepped[0].is_cuda or not has_cuda_kernel("shampoo_graft"):
             return None
-        key = []
+        key = [self._flat_steps.version]
         for gi, group, params in groups:
             if not group.get("cuda_graph", True):
                 return None
@@ -302,7 +302,7 @@ class SOAP(GuardedOptimizer):
             plan = self._plans.get(gi)
             key.append((gi, plan.serial if plan is not None else None, group["weight_decay"] != 0,
                         tuple(v for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay")),
-                        tuple((id(p), p.grad.dtype, p.grad.shape) for p in params)))
+                        tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.shape) for p in params)))
         return tuple(key)
 
     def _update(self, groups: list, ok: dict, skip: dict) -> None:
