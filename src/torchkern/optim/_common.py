@@ -155,23 +155,24 @@ class UpdateScalars:
 
 class StepGraph:
     """An optimizer's update replayed as one CUDA graph: on small models every kernel of a step is a launch the
-    host pays for (SOAP on the quality suite's MLP: ~60 launches, 1.4 ms a step against AdamW's whole step of
-    1.4 ms), and a replay is one.
+    host pays for (SOAP's ~60 on the quality suite's classifier: a training step of 3.4 ms eagerly, 2.3 ms
+    replayed, AdamW's 1.6 ms; docs/design.md, "The update as a CUDA graph"), and a replay is one.
 
     ``run(key, params, body)`` runs ``body`` (the update: every kernel of the step that reads ``p.grad``, the
     optimizer state and device scalars only; no host sync, no host state changed) for the parameters ``params``,
     whose gradients it reads. ``key`` holds everything of the host that ``body`` bakes into its kernels (which
-    parameters step and where their data lives, their gradients' dtypes and shapes, the hyperparameters not read from the device, and the
-    identity of every tensor it reads or writes that a cache may replace: plans' serials, ``DeviceSteps``'
-    version; a graph replayed after one was replaced would write freed memory); None runs ``body`` eagerly. A key seen on three steps in a row is captured
-    on the third (static copies of the gradients standing in for ``p.grad``) and replayed from then on, the
-    gradients copied into the static ones first; the second runs eagerly on the capture's side stream, so that
-    whatever a library initializes lazily per stream (cuBLAS and cuBLASLt workspaces) is there before the
-    capture, which it would break. That step makes no lasting allocation (the first made the key's plans and
-    counts), so no tensor of the main stream's is freed into the side stream's pool. Another key runs
-    eagerly, and is captured in turn once it repeats. A capture that fails (an op that waits for the host) runs
-    the step eagerly and never tries that key again, and warns once with the reason. Not used while the caller captures a graph of its own. The graph's
-    memory pool keeps the update's intermediates (about six tensors of the preconditioned blocks' size)."""
+    parameters step and where their data lives, their gradients' dtypes and shapes, the hyperparameters not read
+    from the device, and the identity of every tensor it reads or writes that a cache may replace: plans'
+    serials, ``DeviceSteps``' version; a graph replayed after one was replaced would write freed memory); None
+    runs ``body`` eagerly. A key seen on three steps in a row is captured on the third (static copies of the
+    gradients standing in for ``p.grad``) and replayed from then on, the gradients copied into the static ones
+    first; the second runs eagerly on the capture's side stream, so that whatever a library initializes lazily
+    per stream (cuBLAS and cuBLASLt workspaces) is there before the capture, which it would break. That step
+    makes no lasting allocation (the first made the key's plans and counts), so no tensor of the main stream's is
+    freed into the side stream's pool. Another key runs eagerly, and is captured in turn once it repeats. A
+    capture that fails (an op that waits for the host) runs the step eagerly and never tries that key again, and
+    warns once with the reason. Not used while the caller captures a graph of its own. The graph's memory pool
+    keeps the update's intermediates (about six tensors of the preconditioned blocks' size)."""
 
     def __init__(self, owner: str):
         self.owner = owner

@@ -281,7 +281,8 @@ class SOAP(GuardedOptimizer):
         for gi, group, _ in groups:  # bases due after this step's update
             plan = self._plans.get(gi)
             for bucket in plan.buckets if plan is not None else ():
-                due = [j for j, state in enumerate(bucket.states) if state["step"] % group["precondition_frequency"] == 0]
+                freq = group["precondition_frequency"]
+                due = [j for j, state in enumerate(bucket.states) if state["step"] % freq == 0]
                 if due:
                     bucket.refresh(due, group["refresh"], ok[bucket.device])
         self._guard.settle(wait=False)
