@@ -1773,6 +1773,20 @@ def test_graph_steps_table_matches_the_step_logic(monkeypatch):
         assert ("".join(seen), replays, opt._graph.replays) == _GRAPH_STEPS[name]
 
 
+def test_step_graph_leaves_large_models_eager(monkeypatch):
+    # above GRAPH_MAX_ELEMENTS gradient elements a step runs eagerly whatever its key (and asks CUDA nothing)
+    from torchkern.optim import _common
+
+    monkeypatch.setattr(_common, "GRAPH_MAX_ELEMENTS", 100)
+    graph, ran = _common.StepGraph("test"), []
+    params = [torch.zeros(60, requires_grad=True), torch.zeros(50, requires_grad=True)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for _ in range(4):
+        graph.run(("same key",), params, lambda: ran.append(1))
+    assert len(ran) == 4 and graph.replays == 0 and graph.next_action(("same key",)) == "eager"
+
+
 # ----------------------------------------------------------------------------- the quality suite
 
 

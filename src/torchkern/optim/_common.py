@@ -153,6 +153,12 @@ class UpdateScalars:
                 self.get(gi, groups[gi], device, dtype)
 
 
+# The gradient elements above which a step is not replayed as a graph: 2^25, 128 MB of float32. There a step's own
+# kernels take long enough (SOAP at 1024^2 blocks: ~6000 multiply-adds per element, ~8 ms on an H200) that the ~1 ms
+# of launches a graph saves hardly shows, while its static copy of the gradients would hold as much memory again.
+GRAPH_MAX_ELEMENTS = 2 ** 25
+
+
 class StepGraph:
     """An optimizer's update replayed as one CUDA graph: on small models every kernel of a step is a launch the
     host pays for (SOAP's ~60 on the quality suite's classifier: a training step of 3.4 ms eagerly, 2.3 ms
@@ -171,8 +177,9 @@ class StepGraph:
     makes no lasting allocation (the first made the key's plans and counts), so no tensor of the main stream's is
     freed into the side stream's pool. Another key runs eagerly, and is captured in turn once it repeats. A
     capture that fails (an op that waits for the host) runs the step eagerly and never tries that key again, and
-    warns once with the reason. Not used while the caller captures a graph of its own. The graph's memory pool
-    keeps the update's intermediates (about six tensors of the preconditioned blocks' size)."""
+    warns once with the reason. Not used while the caller captures a graph of its own, nor for more than
+    ``GRAPH_MAX_ELEMENTS`` gradient elements. Memory: the static copy of the gradients, and the graph's pool keeps
+    the update's intermediates (about six tensors of the preconditioned blocks' size)."""
 
     def __init__(self, owner: str):
         self.owner = owner
@@ -205,7 +212,8 @@ class StepGraph:
     def run(self, key, params: list[torch.Tensor], body: Callable[[], None]) -> None:
         from .._cuda_graph import capture, follow
 
-        if key is not None and torch.cuda.is_current_stream_capturing():  # the caller's own capture
+        if key is not None and (sum(p.numel() for p in params) > GRAPH_MAX_ELEMENTS  # before asking CUDA
+                                or torch.cuda.is_current_stream_capturing()):  # the caller's own capture
             key = None
         action = self.next_action(key)  # (key None on the CPU: nothing asks CUDA)
         if action == "eager":

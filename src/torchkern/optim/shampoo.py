@@ -221,10 +221,11 @@ class Shampoo(GuardedOptimizer):
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global
             TF32 switch is never touched). The statistics, roots and moments stay float32.
         cuda_graph: on CUDA, replay the update of every step that takes no new roots as one CUDA graph, once the same
-            parameters have stepped twice in a row (``_common.StepGraph``): one launch of host time instead of
-            ~70. The learning rate and weight decay are read on the device; another hyperparameter or another set
-            of parameters with gradients captures anew. Not with ``grafting=None`` and ``beta1 > 0``. False:
-            every step eager.
+            parameters have stepped three times in a row (``_common.StepGraph``): one launch of host time instead
+            of ~70. The learning rate and weight decay are read on the device; another hyperparameter or another
+            set of parameters with gradients captures anew. Not with ``grafting=None`` and ``beta1 > 0``. Memory:
+            a copy of the gradients and the update's intermediates; above 2^25 gradient elements steps stay eager.
+            False: every step eager.
 
     Memory: the gradient EMA and the grafting second moment (each the parameter's size, when enabled);
     per 2-D block of m x n, the statistics L, R and their roots (2 m^2 + 2 n^2 values), plus the roots

@@ -159,11 +159,11 @@ class SOAP(GuardedOptimizer):
         precision: ``"fp32"`` or ``"bf16"`` (statistics and rotations with bfloat16 operands, float32
             accumulation and results; tensor cores on CUDA; torch's global TF32 switch is never touched).
         cuda_graph: on CUDA, replay each step's update (every kernel but the bases' refresh) as one CUDA graph once
-            the same parameters have stepped twice in a row (``_common.StepGraph``): one launch of host time
+            the same parameters have stepped three times in a row (``_common.StepGraph``): one launch of host time
             instead of ~60, which is most of the step on small models. The learning rate and weight decay are read
             on the device, so schedules need no new capture; a change of another hyperparameter or of which
-            parameters have gradients captures anew. The graph keeps the update's intermediates' memory. False:
-            every step eager.
+            parameters have gradients captures anew. Memory: a copy of the gradients and the update's
+            intermediates; above 2^25 gradient elements steps stay eager. False: every step eager.
 
     State per m x n block: L, R, Q_L, Q_R (2 m^2 + 2 n^2 values) and Adam's two moments (2 m n, in the
     eigenbasis); per 1-D parameter, the two moments. Statistics and moments are float32 (float64 for float64
