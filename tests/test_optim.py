@@ -1179,6 +1179,29 @@ def test_soap_block_without_gradient_keeps_its_state(monkeypatch):
     assert len({opt.state[model[i].weight]["L"][0].untyped_storage().data_ptr() for i in (0, 2, 4)}) == 1
 
 
+def test_soap_refreshes_only_blocks_that_stepped(monkeypatch):
+    # a step in which only the 1-D parameters have gradients refreshes no basis, though the matrices' step counts
+    # sit on a multiple of precondition_frequency from their last step
+    from torchkern.optim import soap as soap_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = SOAP(model.parameters(), lr=0.01, precondition_frequency=2)
+    refreshed = []
+    real = soap_module._Bucket.refresh
+    monkeypatch.setattr(soap_module._Bucket, "refresh",
+                        lambda self, due, *args: (refreshed.append(len(due)), real(self, due, *args))[1])
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    for i in range(4):  # the first step, then regular steps 1, 2 (a refresh of both matrices), 3
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        if i == 3:
+            model[0].weight.grad = model[2].weight.grad = None
+        opt.step()
+    assert refreshed == [2]
+    assert [opt.state[m.weight]["step"] for m in (model[0], model[2])] == [2, 2]
+
+
 def test_soap_deepcopy_mid_training_steps_independently(monkeypatch):
     """A deepcopy of a model and its SOAP (state entries are views of the buckets' storage) trains on its own: the
     copy builds buckets of its own, and the same gradients give both the same parameters."""

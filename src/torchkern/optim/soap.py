@@ -278,9 +278,12 @@ class SOAP(GuardedOptimizer):
         self._graph.run(self._graph_key(groups, stepped), stepped, lambda: self._update(groups, ok, skip))
         for state in counted:
             state["step"] += 1
-        for gi, group, _ in groups:  # bases due after this step's update
+        stepped_ids = {id(p) for p in stepped}
+        for gi, group, _ in groups:  # bases due after this step's update, of the buckets that took it
             plan = self._plans.get(gi)
             for bucket in plan.buckets if plan is not None else ():
+                if not all(pid in stepped_ids for pid, _ in bucket.keys):  # an earlier step's plan
+                    continue
                 freq = group["precondition_frequency"]
                 due = [j for j, state in enumerate(bucket.states) if state["step"] % freq == 0]
                 if due:
