@@ -110,8 +110,9 @@ def _counted(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, s
     b1 = 1.0 - beta1 ** t if exp_avgs else torch.ones_like(t)
     b2 = 1.0 - sq_decay ** t if sq_decay < 1.0 else torch.ones_like(t)
     dtype = graft_sqs[0].dtype
-    eps_t = (t.new_tensor(list(eps)) * b2.sqrt()).to(dtype)
-    scale_t = (t.new_tensor(list(scale)) * b2.sqrt() / b1).to(dtype)
+    root_b2 = b2.sqrt()
+    eps_t = [(root_b2[i] * e).to(dtype) for i, e in enumerate(eps)]  # no host list copied to the device
+    scale_t = [(root_b2[i] / b1[i] * c).to(dtype) for i, c in enumerate(scale)]
     skip = found_inf is not None and found_inf.reshape(()) != 0
     zero = torch.zeros((), dtype=dtype, device=steps.device)
     g = [x.to(dtype) for x in grads]
