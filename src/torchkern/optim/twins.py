@@ -104,8 +104,8 @@ def _skippable(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps,
 
 
 def _counted(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, scale, found_inf, steps):
-    """shampoo_graft with the bias corrections taken from ``steps`` on the device (float64, as the kernel) and
-    ``steps`` counted up where the step is not skipped: per tensor, 0-d factors broadcast (no host sync)."""
+    """shampoo_graft with the bias corrections taken from ``steps`` on the device (float64, as the kernel) as 0-d
+    factors of eps and scale (no host sync), then ``steps`` counted up where the step is not skipped."""
     t = steps.double() + 1.0
     b1 = 1.0 - beta1 ** t if exp_avgs else torch.ones_like(t)
     b2 = 1.0 - sq_decay ** t if sq_decay < 1.0 else torch.ones_like(t)
@@ -113,20 +113,6 @@ def _counted(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, s
     root_b2 = b2.sqrt()
     eps_t = [(root_b2[i] * e).to(dtype) for i, e in enumerate(eps)]  # no host list copied to the device
     scale_t = [(root_b2[i] / b1[i] * c).to(dtype) for i, c in enumerate(scale)]
-    skip = found_inf is not None and found_inf.reshape(()) != 0
-    zero = torch.zeros((), dtype=dtype, device=steps.device)
-    g = [x.to(dtype) for x in grads]
-    if found_inf is not None:
-        g = [torch.where(skip, zero, x) for x in g]
-    m = [x.clone() for x in exp_avgs] if exp_avgs else g
-    if exp_avgs:
-        torch._foreach_lerp_(m, g, 1.0 - beta1)
-    v = [x * sq_decay + sq_weight * y * y for x, y in zip(graft_sqs, g)]
-    for i in range(len(grads)):
-        d = m[i] / (v[i].sqrt() + eps_t[i]) * scale_t[i]
-        out[i].copy_(d if found_inf is None else torch.where(skip, zero, d))
-    for new, old in zip((m if exp_avgs else []) + v, list(exp_avgs) + list(graft_sqs)):
-        old.copy_(new if found_inf is None else torch.where(skip, old, new))
-    norms = torch.stack([d.norm() for d in out])
-    steps.add_(1.0 if found_inf is None else (~skip).float())
+    norms = shampoo_graft(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps_t, scale_t, found_inf)
+    steps.add_(1.0 if found_inf is None else (found_inf.reshape(()) == 0).float())
     return norms
