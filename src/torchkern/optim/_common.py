@@ -12,6 +12,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from .._library import has_cuda_kernel
+
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -261,6 +263,23 @@ class StepGraph:
         self._stream = follow(None, device)
         graph.replay()
         self.replays += 1
+
+
+def update_key(stepped: list, version: int, groups: list):
+    """A ``StepGraph`` key of an optimizer update, or None where it cannot be replayed: not one CUDA device, the
+    fused grafting op not compiled, or a group with ``cuda_graph`` off. ``version``: the optimizer's
+    ``DeviceSteps`` version; ``groups``: (group index, group, params with gradients, the group's bucket plan or
+    None, one hashable per param that the update also depends on)."""
+    if not stepped[0].is_cuda or not has_cuda_kernel("shampoo_graft"):
+        return None
+    key = [version]
+    for gi, group, params, plan, extras in groups:
+        if not group.get("cuda_graph", True) or any(p.device != stepped[0].device for p in params):
+            return None
+        key.append((gi, plan.serial if plan is not None else None, group["weight_decay"] != 0,
+                    tuple(v for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay")),
+                    tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.shape, x) for p, x in zip(params, extras))))
+    return tuple(key)
 
 
 def step_counts(states: list[dict], device: torch.device) -> torch.Tensor:

@@ -45,9 +45,8 @@ import torch
 
 from .._checks import opmath_dtype
 from ._buckets import Storage, cached_plan
-from .._library import has_cuda_kernel
 from ._common import (PRECISIONS, DeviceSteps, GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg,
-                      check_state_dict, eigh, is_int, is_real, load_state_dict_keeping_dtypes)
+                      check_state_dict, eigh, is_int, is_real, load_state_dict_keeping_dtypes, update_key)
 
 _GRAFTINGS = ("adam", "adagrad", None)
 _ROOT_METHODS = ("auto", "eigh", "newton", "qr")
@@ -382,23 +381,14 @@ class Shampoo(GuardedOptimizer):
                 roots_due[key].append((state, side, i, q, first))
 
     def _graph_key(self, groups: list, stepped: list):
-        """What ``_update`` bakes into a CUDA graph (``StepGraph``), or None where it cannot be replayed: off, not one
-        CUDA device, the fused grafting op not compiled, or a filtered gradient without grafting (its bias
-        correction is a host value). Steps that update roots are never replayed (the caller's)."""
-        if not stepped[0].is_cuda or not has_cuda_kernel("shampoo_graft"):
+        """What ``_update`` bakes into a CUDA graph (``_common.update_key``), or None where it cannot be replayed, as
+        with a filtered gradient without grafting (its bias correction is a host value). Steps that update roots
+        are never replayed (the caller's)."""
+        if any(group["grafting"] is None and group["betas"][0] > 0 for _, group, _, _ in groups):
             return None
-        key = [self._steps.version]
-        for gi, group, params, preconditioned in groups:
-            if not group.get("cuda_graph", True) or (group["grafting"] is None and group["betas"][0] > 0):
-                return None
-            if any(p.device != stepped[0].device for p in params):
-                return None
-            plan = self._plans.get(gi)
-            key.append((gi, plan.serial if plan is not None else None, group["weight_decay"] != 0,
-                        tuple(v for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay")),
-                        tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.shape, pre)
-                              for p, pre in zip(params, preconditioned))))
-        return tuple(key)
+        return update_key(stepped, self._steps.version,
+                          [(gi, group, params, self._plans.get(gi), preconditioned)
+                           for gi, group, params, preconditioned in groups])
 
     def _update(self, groups: list, roots_due: dict, ok: dict, skip: dict) -> None:
         """The step's kernels (``StepGraph``'s body when no roots are due): grafting, statistics, the roots due,

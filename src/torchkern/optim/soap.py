@@ -44,9 +44,8 @@ from typing import Iterable
 import torch
 
 from .._checks import opmath_dtype
-from .._library import has_cuda_kernel
 from ._common import (DeviceSteps, GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg,
-                      check_state_dict, eigh, is_real, load_state_dict_keeping_dtypes, step_counts)
+                      check_state_dict, eigh, is_real, load_state_dict_keeping_dtypes, step_counts, update_key)
 from ._buckets import Storage, cached_plan
 from .shampoo import _as_matrix, apply_updates, assemble, block_grid, blocks, check_common_hyperparameters
 
@@ -291,23 +290,13 @@ class SOAP(GuardedOptimizer):
         self._guard.settle(wait=False)
 
     def _graph_key(self, groups: list, stepped: list):
-        """What ``_update`` bakes into a CUDA graph (``StepGraph``), or None where it cannot be replayed: off, not one
-        CUDA device, the fused Adam op not compiled, or a matrix's first step (it takes eigendecompositions)."""
-        if not stepped[0].is_cuda or not has_cuda_kernel("shampoo_graft"):
+        """What ``_update`` bakes into a CUDA graph (``_common.update_key``), or None where it cannot be replayed, as
+        on a matrix's first step (it takes eigendecompositions)."""
+        if any("L" in self.state[p] and "QL" not in self.state[p] for _, _, params in groups for p in params):
             return None
-        key = [self._flat_steps.version]
-        for gi, group, params in groups:
-            if not group.get("cuda_graph", True):
-                return None
-            for p in params:
-                state = self.state[p]
-                if p.device != stepped[0].device or ("L" in state and "QL" not in state):
-                    return None
-            plan = self._plans.get(gi)
-            key.append((gi, plan.serial if plan is not None else None, group["weight_decay"] != 0,
-                        tuple(v for k, v in sorted(group.items()) if k not in ("params", "lr", "weight_decay")),
-                        tuple((id(p), p.data_ptr(), p.grad.dtype, p.grad.shape) for p in params)))
-        return tuple(key)
+        return update_key(stepped, self._flat_steps.version,
+                          [(gi, group, params, self._plans.get(gi), [None] * len(params))
+                           for gi, group, params in groups])
 
     def _update(self, groups: list, ok: dict, skip: dict) -> None:
         """The step's kernels (``StepGraph``'s body): statistics, Adam in the eigenbases and the parameter update for
