@@ -6,6 +6,7 @@ Replaying a graph costs one launch of host time however many kernels it holds: f
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, TypeVar
 
 import torch
@@ -42,9 +43,18 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
             if hasattr(graph, "register_generator_state"):
                 graph.register_generator_state(gen)
         # an explicit capture stream: torch.cuda.graph's default one is created once, on whichever device was
-        # current then, and a capture on that stream would miss every kernel ``body`` queues on ``device``
-        with torch.cuda.graph(graph, stream=side, capture_error_mode=error_mode):
-            out = body()
+        # current then, and a capture on that stream would miss every kernel ``body`` queues on ``device``.
+        # No cyclic garbage collection during the capture: a collection there may free a dead object's CUDA graph
+        # (an earlier optimizer's), and destroying a graph while this thread captures invalidates the capture
+        # (torch.cuda.graph no longer collects first; a probe making one optimizer after another hit it)
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode=error_mode):
+                out = body()
+        finally:
+            if collecting:
+                gc.enable()
     return graph, out
 
 

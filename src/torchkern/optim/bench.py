@@ -13,8 +13,8 @@ loop; over several periods that artifact weighs little.
 
 impls: ``torchkern`` (the case's optimizer at its defaults; Shampoo with Adam grafting), ``adam``/``adamw``
 (torch.optim.Adam/AdamW, their default foreach path), ``adam_fused``/``adamw_fused`` (``fused=True``, CUDA
-only), for Shampoo ``shampoo_bf16`` and for SOAP ``soap_bf16`` (``precision="bf16"``) and ``soap_eigh``
-(``refresh="eigh"``), for K-FAC ``kfac_qr`` (``refresh="qr"``). Divide a row's time by 100 for the per-step
+only), for Shampoo ``shampoo_bf16`` (``precision="bf16"``), for SOAP ``soap_fp32`` (``precision="fp32"``)
+and ``soap_eigh`` (``refresh="eigh"``), for K-FAC ``kfac_qr`` (``refresh="qr"``). Divide a row's time by 100 for the per-step
 time; ratio = impl time / torchkern time, so the bars read: Shampoo <= 2x Adam as ratio >= 0.5 on
 shampoo_train's ``adam`` row, SOAP <= 2x AdamW as ratio >= 0.5 on soap_train's ``adamw`` row, K-FAC <= 3x Adam
 as ratio >= 0.33 on kfac_train's ``adam`` row.
@@ -53,7 +53,7 @@ def _optimizers(kind: str, device: str) -> dict:
                "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)}
         if cuda:
             out["adamw_fused"] = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        out["soap_bf16"] = lambda m: SOAP(m.parameters(), lr=1e-3, precision="bf16")
+        out["soap_fp32"] = lambda m: SOAP(m.parameters(), lr=1e-3, precision="fp32")
         out["soap_eigh"] = lambda m: SOAP(m.parameters(), lr=1e-3, refresh="eigh")
         return out
     own = (lambda m: KFAC(m, lr=1e-3)) if kind == "kfac" else \
