@@ -159,7 +159,7 @@ class SOAP(GuardedOptimizer):
             accumulation and results, on tensor cores on CUDA) or ``"fp32"`` (float32 products, following torch's
             global TF32 switch, which is never touched here). In the quality suite bfloat16 products reach float32's
             final losses within the seeds' spread on every task, and on the optimizer benchmark's MLP the step
-            takes 18% less time (docs/design.md, "SOAP"); ``"fp32"`` is for exactness checks. Float64 parameters
+            takes 11–18% less time (docs/design.md, "SOAP"); ``"fp32"`` is for exactness checks. Float64 parameters
             ignore it.
         cuda_graph: on CUDA, replay each step's update (every kernel but the bases' refresh) as one CUDA graph once
             the same parameters have stepped three times in a row (``_common.StepGraph``): one launch of host time
