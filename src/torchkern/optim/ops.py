@@ -1,6 +1,9 @@
-"""Registration of the optim ops: Shampoo's fused grafting step (also SOAP's Adam step)."""
+"""Registration of the optim ops: Shampoo's fused grafting step (also SOAP's Adam step) and the power steps'
+Cholesky QR pass."""
 
 from __future__ import annotations
+
+import torch
 
 from .._library import define
 from . import twins
@@ -20,3 +23,13 @@ define("shampoo_graft(Tensor[] grads, Tensor(a!)[] exp_avgs, Tensor(b!)[] graft_
        "Tensor(d!)? steps=None) -> Tensor",
        twin=twins.shampoo_graft,
        fake=_shampoo_graft_fake)
+
+
+def _cholesky_qr_fake(X, shift):
+    twins.check_cholesky_qr(X, shift)
+    return torch.empty_like(X, memory_format=torch.contiguous_format)
+
+
+# X R^-1 with R^T R = X^T X + shift I, NaN for a matrix whose factorization fails (optim/soap.py, power_step).
+# Not differentiable: the optimizers' refreshes run without autograd.
+define("cholesky_qr(Tensor X, float shift) -> Tensor", twin=twins.cholesky_qr, fake=_cholesky_qr_fake)

@@ -64,12 +64,14 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     Householder QR of many 1024^2 matrices is slow on GPUs (its panels are sequential: 36 ms for eight on an
     H100). Since ``Q0`` is orthogonal, ``qr(S Q0 P) = Q0 qr(M P)`` with ``M = Q0^T S Q0``, whose columns, once
     scaled to unit norm (which leaves Q unchanged), are close to the axes wherever ``Q0`` is close to the
-    eigenbasis: that is well conditioned, and Cholesky QR (the Cholesky factor of the Gram matrix, then a
-    triangular solve, or above 128 rows a product with the factor's inverse: :func:`triangular_inverse`) in
-    float64 factors it; a first pass shifted by ``11 (n^2 + n (n + 1)) u ||X||^2`` (Fukaya
-    et al. 2020, shifted CholeskyQR) cannot break down on rank-deficient statistics, and unshifted passes restore
-    orthogonality. A column at the level of rounding (a direction the statistics never saw) keeps its own axis.
-    7.3 ms for eight 1024^2 factors on an H200 (docs/design.md, "SOAP")."""
+    eigenbasis: that is well conditioned, and Cholesky QR in float64 factors it (``torch.ops.torchkern.cholesky_qr``:
+    on CUDA a factorization blocked by 64 columns, each block's factor and its inverse in one launch, the rest in
+    batched products); a first pass shifted by ``11 (n^2 + n (n + 1)) u ||X||^2`` (Fukaya et al. 2020, shifted
+    CholeskyQR) cannot break down on rank-deficient statistics, and unshifted passes restore orthogonality. The
+    passes together give X's own Q factor whatever the shift (the product of their triangular factors is X's R),
+    so one shift, from the padded size, serves every matrix of a batch. A column at the level of rounding (a
+    direction the statistics never saw) keeps its own axis. A failed factorization makes its matrix NaN, so the
+    caller's finiteness check keeps the old basis (docs/design.md, "SOAP")."""
     k, n = S.shape[0], S.shape[-1]
     wide = torch.float64
     M = (Q0.mT @ (S @ Q0)).to(wide)
@@ -86,18 +88,11 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     floor = size * torch.finfo(S.dtype).eps * norms.amax(dim=-1, keepdim=True)
     eye = torch.eye(n, dtype=wide, device=S.device)
     X = torch.where(norms > floor, X / norms, eye)
-    shift = 11 * (size * size + size * (size + 1)) * torch.finfo(wide).eps * size  # ||X||_2^2 <= ||X||_F^2 = n
+    shift = 11 * (2 * n * n + n) * torch.finfo(wide).eps * n  # ||X||_2^2 <= ||X||_F^2 = n
     # after the shifted pass cond(X) <~ sqrt(n / shift); each unshifted pass leaves cond^2 u of orthogonality
     # error: one reaches float32's 1e-7 at worst, float64 statistics take a second
     for s in (shift, 0.0) if S.dtype != torch.float64 else (shift, 0.0, 0.0):
-        lower, info = torch.linalg.cholesky_ex(X.mT @ X + s * eye)
-        # X R^-1: above 128 rows as a product with the explicit inverse, because cuBLAS's triangular solve is
-        # slow there (eight 1024^2: 3.1 ms on an H200, the inverse and the product 0.8; the error is cond(L) u,
-        # below float32's rounding after the shift). A failed factorization (no sync to look) makes its matrix
-        # NaN, so the caller's finiteness check keeps the old basis.
-        X = (torch.linalg.solve_triangular(lower.mT, X, upper=True, left=False) if n <= 128
-             else X @ triangular_inverse(lower).mT)
-        X = torch.where(info[:, None, None] == 0, X, math.nan)
+        X = torch.ops.torchkern.cholesky_qr(X, s)
     return (Q0.to(wide) @ X).to(S.dtype)
 
 
@@ -105,39 +100,6 @@ def rayleigh_quotients(S: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     """``q_j^T S q_j`` for every column of the bases Q (k, n, n): S's eigenvalues where Q is its eigenbasis, the
     diagonal of S in Q otherwise (the eigenvalues K-FAC's and Shampoo's "qr" refreshes take with power_step)."""
     return (Q * (S @ Q)).sum(dim=-2)
-
-
-def triangular_inverse(L: torch.Tensor, leaf: int = 64) -> torch.Tensor:
-    """The inverse of a batch (k, n, n) of lower-triangular matrices, in batched products: the diagonal blocks of
-    ``leaf`` rows by one batched triangular solve, then, doubling the block size, the off-diagonal block of each
-    2 x 2 block matrix, ``[[A, 0], [B, C]]^-1 = [[A^-1, 0], [-C^-1 B A^-1, C^-1]]``, every block of a level in
-    two products (the blocks along the diagonal are one strided view). The leaves have at most ``leaf`` rows,
-    as few as a power-of-two count of them allows (n = 1025: 32 of 33 rows), the padding the identity. Only the
-    lower triangle of ``L`` is read."""
-    k, n = L.shape[0], L.shape[-1]
-    levels = max(0, math.ceil(math.log2(n / leaf)))
-    leaf = -(-n // (1 << levels))
-    if levels == 0:
-        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype, device=L.device).expand_as(L),
-                                             upper=False)
-    size = leaf << levels
-    P = torch.eye(size, dtype=L.dtype, device=L.device).repeat(k, 1, 1)
-    P[:, :n, :n] = L.tril()
-    inverse = torch.zeros_like(P)
-
-    def diagonal_blocks(T: torch.Tensor, b: int) -> torch.Tensor:  # (k, size / b, b, b), a view of T
-        return T.as_strided((k, size // b, b, b), (size * size, b * size + b, size, 1))
-
-    leaves = diagonal_blocks(P, leaf)
-    eye = torch.eye(leaf, dtype=L.dtype, device=L.device).expand_as(leaves)
-    diagonal_blocks(inverse, leaf).copy_(torch.linalg.solve_triangular(leaves, eye, upper=False))
-    b = leaf
-    while b < size:
-        blocks, inverses = diagonal_blocks(P, 2 * b), diagonal_blocks(inverse, 2 * b)
-        below = inverses[..., b:, b:] @ blocks[..., b:, :b] @ inverses[..., :b, :b]
-        inverses[..., b:, :b] = -below
-        b *= 2
-    return inverse[:, :n, :n]
 
 
 class SOAP(GuardedOptimizer):

@@ -1,9 +1,11 @@
-"""Twin of shampoo_graft: Shampoo's grafting direction (Adam or AdaGrad) and its norm, per parameter (also SOAP's
-Adam step in the eigenbasis)."""
+"""Twins of the optim ops: shampoo_graft (Shampoo's grafting direction, Adam or AdaGrad, and its norm, per parameter;
+also SOAP's Adam step in the eigenbasis) and cholesky_qr (one pass of Cholesky QR, the power steps' factorization)."""
 
 from __future__ import annotations
 
 from typing import Sequence
+
+import math
 
 import torch
 
@@ -116,3 +118,22 @@ def _counted(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps, s
     norms = shampoo_graft(grads, exp_avgs, graft_sqs, out, beta1, sq_decay, sq_weight, eps_t, scale_t, found_inf)
     steps.add_(1.0 if found_inf is None else (found_inf.reshape(()) == 0).float())
     return norms
+
+
+def check_cholesky_qr(X: torch.Tensor, shift: float) -> None:
+    op = "cholesky_qr"
+    check(X.dtype in (torch.float32, torch.float64), op, f"X must be float32 or float64, got {dtype_name(X.dtype)}")
+    check(X.dim() >= 2, op, f"X must have shape [..., m, n] (at least 2 dims), got {shape(X)}")
+    check(math.isfinite(shift) and shift >= 0.0, op, f"shift must be a finite number >= 0, got {shift:g}")
+
+
+def cholesky_qr(X: torch.Tensor, shift: float) -> torch.Tensor:
+    """``X R^-1`` with ``R^T R = X^T X + shift I`` (R upper triangular), per matrix of X (..., m, n): the Q factor of
+    one Cholesky QR pass. A matrix whose shifted Gram matrix is not numerically positive definite (a Cholesky pivot
+    that is not a finite positive number, also from NaN or Inf input) comes back NaN, the others unaffected."""
+    check_cholesky_qr(X, shift)
+    G = X.mT @ X
+    G.diagonal(dim1=-2, dim2=-1).add_(shift)
+    L, info = torch.linalg.cholesky_ex(G)
+    Y = torch.linalg.solve_triangular(L.mT, X, upper=True, left=False)
+    return torch.where((info == 0)[..., None, None], Y, math.nan).contiguous()
