@@ -9,8 +9,12 @@
 // (block_cholesky_kernel), and batched cuBLAS products do the rest:
 //
 //   L_jj, D_j = chol(G_jj), L_jj^-1                 (the kernel; G_jj already holds the trailing updates)
-//   L_ij = G_ij D_j^T (i > j),  G_ii' -= L_ij L_i'j^T (the trailing matrix, both triangles: one product)
+//   L_ij^T = D_j G_ij^T (i > j),  G_ii' -= L_ij L_i'j^T (the trailing matrix, both triangles: one product)
 //   Y_j = (X_j - Y_<j L_j,<j^T) D_j^T               (the columns of Y, left to right)
+//
+// Five launches a block column, each an ATen call that writes its strided view in place (no copies): the host
+// time per block column (~150 us as a chain of matmuls and copies on the H200 hosts) would otherwise exceed the
+// GPU's.
 //
 // Work: n^3/3 multiply-adds for the factor (2 n^3 / 3 here, the trailing square in full) and m n^2 / 2 for Y, all
 // but the diagonal blocks in products; n / 64 launches of the small kernel in a chain. The error is that of Cholesky
@@ -19,6 +23,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/baddbmm.h>
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/matmul.h>
@@ -58,6 +63,7 @@ __global__ void __launch_bounds__(kThreads) block_cholesky_kernel(T* G, int64_t 
   __syncthreads();
   bool failed = false;
   int failed_at = 0;
+  const int tr = tid / 16, tc = tid % 16;  // the trailing update's 16 x 16 thread tile
   for (int c = 0; c < nb; ++c) {  // right-looking: scale column c, then update the trailing triangle with it
     const T pivot = S[c * kLd + c];  // every thread reads the same value after the barrier: a uniform branch
     if (!(pivot > T(0)) || !isfinite(pivot)) {
@@ -65,14 +71,16 @@ __global__ void __launch_bounds__(kThreads) block_cholesky_kernel(T* G, int64_t 
       failed_at = c;
       break;
     }
-    const T scale = T(1) / sqrt(pivot);
+    const T scale = rsqrt(pivot);  // 1 / L_cc
     for (int i = c + 1 + tid; i < nb; i += kThreads) S[i * kLd + c] *= scale;
     __syncthreads();
-    if (tid == 0) S[c * kLd + c] = sqrt(pivot);  // read by no thread before the next barrier
-    const int t = nb - c - 1;
-    for (int i = tid; i < t * t; i += kThreads) {
-      const int r = c + 1 + i / t, q = c + 1 + i % t;
-      if (q <= r) S[r * kLd + q] -= S[r * kLd + c] * S[q * kLd + c];
+    if (tid == 0) {  // read by no thread before the next barrier
+      S[c * kLd + c] = pivot * scale;
+      dinv[c] = scale;
+    }
+    for (int r = c + 1 + tr; r < nb; r += 16) {
+      const T lr = S[r * kLd + c];
+      for (int q = c + 1 + tc; q <= r; q += 16) S[r * kLd + q] -= lr * S[q * kLd + c];
     }
     __syncthreads();
   }
@@ -88,16 +96,14 @@ __global__ void __launch_bounds__(kThreads) block_cholesky_kernel(T* G, int64_t 
   // L^-1 by rows: X_ij = -(sum_{j <= p < i} L_ip X_pj) / L_ii, row i after row i - 1; lane (j, q) sums every
   // fourth p, the four partial sums added by shuffles within the lane's group of four
   const int j = tid / 4, q = tid % 4;
-  for (int i = 0; i < nb; ++i) {
-    const T inv = T(1) / S[i * kLd + i];
+  for (int i = 1; i < nb; ++i) {
     T sum = T(0);
     if (j < i) {
       for (int p = j + q; p < i; p += 4) sum += S[i * kLd + p] * (p == j ? dinv[j] : S[j * kLd + p]);
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);  // every lane takes part: no shuffle behind the branch above
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (j < i && q == 0) S[j * kLd + i] = -sum * inv;  // X_ij at (j, i): row i's reads are of columns < i
-    if (tid == 0) dinv[i] = inv;
+    if (j < i && q == 0) S[j * kLd + i] = -sum * dinv[i];  // X_ij at (j, i): row i's reads are of columns < i
     __syncthreads();
   }
   for (int i = tid; i < nb * nb; i += kThreads) {
@@ -118,18 +124,21 @@ at::Tensor cholesky_qr_cuda(const at::Tensor& X_in, double shift) {
   const int64_t m = X_in.size(-2), n = X_in.size(-1);
   at::Tensor out = at::empty_like(X_in, at::MemoryFormat::Contiguous);
   if (out.numel() == 0) return out;
-  const at::Tensor X = X_in.reshape({-1, m, n}).contiguous();
-  const int64_t k = X.size(0);
+  at::Tensor work = X_in.reshape({-1, m, n}).clone(at::MemoryFormat::Contiguous);  // X_j, then X_j - Y_<j L_j<^T
+  const int64_t k = work.size(0);
   TORCHKERN_CHECK(k < (int64_t(1) << 31), "too many matrices in one call: ", k);
   at::Tensor Y = out.view({k, m, n});
-  at::Tensor G = at::matmul(X.mT(), X);
+  // G: the shifted Gram matrix; as the factorization goes, L_jj in the diagonal blocks' lower triangles and
+  // L_ij^T (i > j) above the diagonal, at (j, i): there no later trailing update writes, and no product reads
+  // across the trailing square it updates (each product below writes a region none of its operands touches)
+  at::Tensor G = at::matmul(work.mT(), work);
   G.diagonal(0, -2, -1).add_(shift);
-  at::Tensor D = at::empty({k, kB, kB}, X.options());
-  at::Tensor info = at::zeros({k}, X.options().dtype(at::kInt));
+  at::Tensor D = at::empty({k, kB, kB}, work.options());  // L_jj^-1 of the current block column
+  at::Tensor info = at::zeros({k}, work.options().dtype(at::kInt));
   const cudaStream_t stream = current_stream();
   for (int64_t j0 = 0; j0 < n; j0 += kB) {
     const int64_t j1 = std::min<int64_t>(j0 + kB, n), nb = j1 - j0;
-    AT_DISPATCH_FLOATING_TYPES(X.scalar_type(), "cholesky_qr", [&] {
+    AT_DISPATCH_FLOATING_TYPES(work.scalar_type(), "cholesky_qr", [&] {
       block_cholesky_kernel<scalar_t><<<static_cast<unsigned>(k), kThreads, 0, stream>>>(
           G.mutable_data_ptr<scalar_t>(), n * n, n, static_cast<int>(nb), static_cast<int>(j0),
           D.mutable_data_ptr<scalar_t>(), info.mutable_data_ptr<int>());
@@ -137,14 +146,14 @@ at::Tensor cholesky_qr_cuda(const at::Tensor& X_in, double shift) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const at::Tensor Dj = D.slice(1, 0, nb).slice(2, 0, nb);
     if (j1 < n) {
-      at::Tensor panel = G.slice(1, j1, n).slice(2, j0, j1);
-      const at::Tensor P = at::matmul(panel, Dj.mT());  // L_ij for every i > j
-      panel.copy_(P);
-      G.slice(1, j1, n).slice(2, j1, n).baddbmm_(P, P.mT(), 1.0, -1.0);
+      at::Tensor Lt = G.slice(1, j0, j1).slice(2, j1, n);  // (L_ij)^T for i > j, from G_ij: D_j G_ij^T
+      at::bmm_out(Lt, Dj, G.slice(1, j1, n).slice(2, j0, j1).mT());
+      G.slice(1, j1, n).slice(2, j1, n).baddbmm_(Lt.mT(), Lt, 1.0, -1.0);
     }
-    at::Tensor Xj = X.slice(2, j0, j1);
-    if (j0 > 0) Xj = at::baddbmm(Xj, Y.slice(2, 0, j0), G.slice(1, j0, j1).slice(2, 0, j0).mT(), 1.0, -1.0);
-    Y.slice(2, j0, j1).copy_(at::matmul(Xj, Dj.mT()));
+    at::Tensor Xj = work.slice(2, j0, j1);
+    if (j0 > 0) Xj.baddbmm_(Y.slice(2, 0, j0), G.slice(1, 0, j0).slice(2, j0, j1), 1.0, -1.0);
+    at::Tensor Yj = Y.slice(2, j0, j1);
+    at::bmm_out(Yj, Xj, Dj.mT());
   }
   // a failed block leaves the columns before it finite: the whole matrix is NaN, as the twin's
   Y.masked_fill_(info.ne(0).view({k, 1, 1}), std::numeric_limits<double>::quiet_NaN());
