@@ -80,3 +80,17 @@ def warm_start_statistics(batch: int, n: int, seed: int, device: str = "cuda") -
     N = N @ N.mT
     N = N / torch.linalg.matrix_norm(N, 2)[:, None, None]
     return prev + 1e-2 * torch.linalg.matrix_norm(prev, 2)[:, None, None] * N, torch.linalg.eigh(prev)[1]
+
+
+def power_step_inputs(k: int, n: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The power-step probes' inputs: float32 statistics S one step past those whose eigenbasis is Q0 (S = Z Z^T / 2n
+    plus 0.05 W W^T / n, Z, W standard normal), and X, the unit-norm columns of Q0^T S Q0 in float64 (what a
+    Cholesky QR pass of the power step factors)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    Z = torch.randn(k, n, 2 * n, device=device, generator=g)
+    S = Z @ Z.mT / (2 * n)
+    Q0 = torch.linalg.eigh(S.double())[1].float()
+    W = torch.randn(k, n, n, device=device, generator=g)
+    S = S + 0.05 * (W @ W.mT / n)
+    M = (Q0.mT @ (S @ Q0)).double()
+    return S, Q0, M / torch.linalg.vector_norm(M, dim=-2, keepdim=True)

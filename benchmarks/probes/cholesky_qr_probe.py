@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from _timing import per_call
+from _timing import per_call, power_step_inputs
 
 sys.path.insert(0, "src")
 from torchkern.optim import soap, twins  # noqa: E402
@@ -64,13 +64,7 @@ def old_power_step(S, Q0):  # unpadded
 
 def main():
     for k, n in ((8, 1024), (8, 1025), (4, 512), (8, 256), (4, 128), (16, 64)):
-        g = torch.Generator(device=dev).manual_seed(0)
-        Z = torch.randn(k, n, 2 * n, device=dev, generator=g)
-        S = Z @ Z.mT / (2 * n)
-        Q0 = torch.linalg.eigh(S.double())[1].float()
-        S = S + 0.05 * (lambda W: W @ W.mT / n)(torch.randn(k, n, n, device=dev, generator=g))
-        M = (Q0.mT @ (S @ Q0)).double()
-        X = M / torch.linalg.vector_norm(M, dim=-2, keepdim=True)
+        S, Q0, X = power_step_inputs(k, n, dev)
         new, old = soap.power_step(S, Q0), old_power_step(S, Q0)
         cos = (old.double() * new.double()).sum(-2).abs().min().item()
         eye = torch.eye(n, device=dev, dtype=torch.float64)

@@ -6,7 +6,7 @@ the inverse's leaf size."""
 import sys
 import torch
 
-from _timing import per_call
+from _timing import per_call, power_step_inputs
 
 sys.path.insert(0, "src")
 from torchkern.optim import soap
@@ -48,13 +48,7 @@ def blocked(X, shift, b, loop_chol=False):
 
 def main():
     k, n = 8, 1024
-    g = torch.Generator(device=dev).manual_seed(0)
-    Z = torch.randn(k, n, 2 * n, device=dev, generator=g)
-    S = Z @ Z.mT / (2 * n)
-    Q0 = torch.linalg.eigh(S.double())[1].float()
-    S = S + 0.05 * (lambda W: W @ W.mT / n)(torch.randn(k, n, n, device=dev, generator=g))
-    M = (Q0.mT @ (S @ Q0)).double()
-    X = M / torch.linalg.vector_norm(M, dim=-2, keepdim=True)
+    S, Q0, X = power_step_inputs(k, n, dev)
     shift = 1e-10
     ref = unblocked(X, shift)
     r = {"power_step": t(lambda: soap.power_step(S, Q0)), "pass_unblocked": t(lambda: unblocked(X, shift)),

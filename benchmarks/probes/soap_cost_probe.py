@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from _timing import best_ms_per_step, bench_mlp_data, mse_steps, per_call
+from _timing import best_ms_per_step, bench_mlp_data, mse_steps, per_call, power_step_inputs
 
 sys.path.insert(0, "src")
 from torchkern.optim import SOAP, soap  # noqa: E402
@@ -54,13 +54,7 @@ def blocked_cholesky(G, b):
 
 def cholesky_times():
     k, n = 8, 1024
-    g = torch.Generator(device=dev).manual_seed(0)
-    Z = torch.randn(k, n, 2 * n, device=dev, generator=g)
-    S = Z @ Z.mT / (2 * n)
-    Q0 = torch.linalg.eigh(S.double())[1].float()
-    S = S + 0.05 * (lambda W: W @ W.mT / n)(torch.randn(k, n, n, device=dev, generator=g))
-    M = (Q0.mT @ (S @ Q0)).double()
-    X = M / torch.linalg.vector_norm(M, dim=-2, keepdim=True)
+    S, Q0, X = power_step_inputs(k, n, dev)
     G = X.mT @ X + 1e-6 * torch.eye(n, device=dev, dtype=torch.float64)
     ref = torch.linalg.cholesky(G)
     r = {"power_step": per_call(lambda: soap.power_step(S, Q0)),
