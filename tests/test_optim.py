@@ -1,6 +1,7 @@
 """torchkern.optim: Shampoo, SOAP and K-FAC against independent pure-PyTorch references, state round trips,
 autocast/GradScaler behaviour, skipped non-finite steps, convergence against SGD and Adam, argument and
-state-dict errors, and the training-quality suite's quick mode."""
+state-dict errors, the training-quality suite's quick mode, and the family's ops (shampoo_graft, cholesky_qr)
+against their twins and the math."""
 
 from __future__ import annotations
 
