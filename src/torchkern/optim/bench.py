@@ -14,8 +14,8 @@ loop; over several periods that artifact weighs little.
 impls: ``torchkern`` (the case's optimizer at its defaults; Shampoo with Adam grafting), ``adam``/``adamw``
 (torch.optim.Adam/AdamW, their default foreach path), ``adam_fused``/``adamw_fused`` (``fused=True``, CUDA
 only), for Shampoo ``shampoo_bf16`` (``precision="bf16"``), for SOAP ``soap_fp32`` (``precision="fp32"``)
-and ``soap_eigh`` (``refresh="eigh"``), for K-FAC ``kfac_qr`` (``refresh="qr"``). Divide a row's time by 100 for the per-step
-time; ratio = impl time / torchkern time, so the bars read: Shampoo <= 2x Adam as ratio >= 0.5 on
+and ``soap_eigh`` (``refresh="eigh"``), for K-FAC ``kfac_qr`` (``refresh="qr"``). Divide a row's time by 100
+for the per-step time; ratio = impl time / torchkern time, so the bars read: Shampoo <= 2x Adam as ratio >= 0.5 on
 shampoo_train's ``adam`` row, SOAP <= 2x AdamW as ratio >= 0.5 on soap_train's ``adamw`` row, K-FAC <= 3x Adam
 as ratio >= 0.33 on kfac_train's ``adam`` row.
 """

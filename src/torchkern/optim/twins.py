@@ -3,9 +3,8 @@ also SOAP's Adam step in the eigenbasis) and cholesky_qr (one pass of Cholesky Q
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import math
+from typing import Sequence
 
 import torch
 
