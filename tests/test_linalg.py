@@ -601,6 +601,16 @@ def check_eigh(A: torch.Tensor, w: torch.Tensor, V: torch.Tensor, dtype: torch.d
 
 
 EIGH_KINDS = ["random", "clustered", "repeated", "rank_deficient", "cond1e8", "zero", "diagonal"]
+# CUDA eigh's solvers: "auto" (cuSOLVER where it is faster, linalg/constants.py) or "jacobi"
+# (TORCHKERN_EIGH_CUSOLVER=0: the Jacobi kernels at every size)
+EIGH_SOLVERS = ["auto", "jacobi"]
+
+
+def use_solver(monkeypatch, solver: str, device: str = "cuda") -> None:
+    if solver == "jacobi":
+        if device == "cpu":
+            pytest.skip("the solver choice is CUDA's")
+        monkeypatch.setenv("TORCHKERN_EIGH_CUSOLVER", "0")
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -618,9 +628,11 @@ def test_eigh_spectra(device, kind, dtype):
 @pytest.mark.parametrize("kind", EIGH_KINDS)
 @pytest.mark.parametrize("n", [127, 128, 136, 137, 200, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
-def test_eigh_kernel_sizes(kind, n, dtype):
+@pytest.mark.parametrize("solver", EIGH_SOLVERS)
+def test_eigh_kernel_sizes(kind, n, dtype, solver, monkeypatch):
     # around the in-block kernel's limit (136 float32, 118 float64) and the block method above it (padding:
-    # 137 and 200 are not multiples of 64)
+    # 137 and 200 are not multiples of 64); "auto": cuSOLVER's batched solver for these cold starts (float64 to 128)
+    use_solver(monkeypatch, solver)
     A = spectrum(kind, n, batch=(2,))
     w, V = linalg.eigh(A.to(dtype).cuda())
     check_eigh(A, w, V, dtype)
@@ -639,8 +651,11 @@ def test_eigh_block_method_mixed_batch(dtype):
 
 
 @requires_cuda
-def test_eigh_block_method_noncontiguous():
-    # the block method's preparation reads A and Q0 in its own layout: strided views give the same decomposition
+@pytest.mark.parametrize("solver", EIGH_SOLVERS)
+def test_eigh_block_method_noncontiguous(solver, monkeypatch):
+    # the block method's preparation reads A and Q0 in its own layout (and cuSOLVER's path copies them): strided
+    # views give the same decomposition
+    use_solver(monkeypatch, solver)
     A = spectrum("random", 150, batch=(3,)).float().cuda()
     Q0 = torch.linalg.eigh(A.double())[1].float()
     for warm in (None, Q0):
@@ -662,10 +677,11 @@ def test_eigh_large_cold_starts(batch):
 
 @requires_cuda
 @pytest.mark.parametrize("n", [7, 102, 128])
-def test_eigh_row_slices_agree(n):
+def test_eigh_row_slices_agree(n, monkeypatch):
     # A batch too small to fill the GPU splits each matrix's eigenvectors over several blocks (jacobi.cuh, "Row
     # slices"), a batch of 300 does not: the same matrices alone and within the batch meet the bars and agree to
     # the float32 floor. n = 102: an odd number of rotation pairs; n = 7 alone: seven blocks of one row each.
+    use_solver(monkeypatch, "jacobi")  # the in-block kernel's cold starts (cuSOLVER's from n = 96)
     A = spectrum("random", n, batch=(300,))
     X = A.float().cuda()
     w_all, V_all = linalg.eigh(X)
@@ -679,8 +695,11 @@ def test_eigh_row_slices_agree(n):
 
 @requires_cuda
 @pytest.mark.parametrize("n", [16, 64, 96, 120, 160])
-def test_eigh_kernel_float64_paths(n):
-    # float64: the in-block kernel up to 118, the block method above, both at float64 accuracy
+@pytest.mark.parametrize("solver", EIGH_SOLVERS)
+def test_eigh_kernel_float64_paths(n, solver, monkeypatch):
+    # float64: the in-block kernel up to 118, the block method above (cuSOLVER's batched solver for 96 and 120),
+    # all at float64 accuracy
+    use_solver(monkeypatch, solver)
     A = spectrum("cond1e8", n, batch=(3,))
     w, V = linalg.eigh(A.cuda())
     check_eigh(A, w, V, torch.float64)
@@ -704,11 +723,13 @@ def test_eigh_batch_shapes_and_layouts(device, batch):
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("exponent", [-100, 100])
-@pytest.mark.parametrize("n", [24, 150])  # CUDA: the in-block kernel, the block method's preparation kernels
-def test_eigh_extreme_scales(device, dtype, exponent, n):
+@pytest.mark.parametrize("n", [24, 150])  # CUDA: the in-block kernel; 150: cuSOLVER, or the block method's preparation
+@pytest.mark.parametrize("solver", EIGH_SOLVERS)
+def test_eigh_extreme_scales(device, dtype, exponent, n, solver, monkeypatch):
     # tiny and huge matrices (2^-100 ... 2^100 in float32, 2^-1000 ... 2^1000 in float64; powers of two, so the
     # scaled input is exactly the scaled rounded matrix): no under- or overflow, the eigenvalues scale. The twin
     # (LAPACK) rescales by factors of its own, so the comparison allows the dtype's floor, a few eps * ||A||.
+    use_solver(monkeypatch, solver, device)
     scale = 2.0 ** (exponent * (10 if dtype == torch.float64 else 1))
     A = spectrum("random", n, batch=(2,)).to(dtype)
     w, V = linalg.eigh((A.double() * scale).to(dtype).to(device))
@@ -720,8 +741,10 @@ def test_eigh_extreme_scales(device, dtype, exponent, n):
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-@pytest.mark.parametrize("n", [12, 150])  # CUDA: the in-block kernel, the block method (its casts in and out)
-def test_eigh_half_types_compute_in_float32(device, dtype, n):
+@pytest.mark.parametrize("n", [12, 150])  # CUDA: the in-block kernel; 150: cuSOLVER, or the block method's casts
+@pytest.mark.parametrize("solver", EIGH_SOLVERS)
+def test_eigh_half_types_compute_in_float32(device, dtype, n, solver, monkeypatch):
+    use_solver(monkeypatch, solver, device)
     A = spectrum("random", n, batch=(2,)).to(dtype)
     w, V = linalg.eigh(A.to(device))
     assert w.dtype == dtype and V.dtype == dtype
@@ -794,7 +817,9 @@ def test_eigh_opcheck(device):
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
-def test_eigh_nan_names_the_matrices(device):
+@pytest.mark.parametrize("solver", EIGH_SOLVERS)
+def test_eigh_nan_names_the_matrices(device, solver, monkeypatch):
+    use_solver(monkeypatch, solver, device)
     A = spectrum("random", 6, batch=(2, 3)).float().to(device)
     A[0, 2, 1, 1] = float("nan")
     A[1, 0, 3, 4] = float("inf")
@@ -807,7 +832,8 @@ def test_eigh_nan_names_the_matrices(device):
     with _raises("torchkern.eigh: Q0 contains NaN or Inf in the matrices at batch indices [1]"):
         linalg.eigh(spectrum("random", 6, batch=(3,)).float().to(device), Q0)
     # the op itself: NaN for those matrices only, the others decomposed, with and without a warm start (one
-    # with a NaN in Q0 too); the sizes take the in-block kernel and the block method
+    # with a NaN in Q0 too); the sizes take the in-block kernel and the block method (150 cold: cuSOLVER's, unless
+    # "jacobi")
     for n in (6, 150):
         A = spectrum("random", n, batch=(2, 3)).float().to(device)
         A[0, 2, 1, 1] = float("nan")
@@ -819,6 +845,26 @@ def test_eigh_nan_names_the_matrices(device):
             bad = torch.isin(torch.arange(6), torch.tensor(bad))
             assert torch.isnan(w[bad]).all() and torch.isnan(V[bad]).all()
             check_eigh(A.flatten(0, 1)[~bad], w[~bad], V[~bad], torch.float32)
+
+
+@requires_cuda
+def test_eigh_large_warm_start_goes_to_cusolver():
+    # 64 x 256^2 float32 with a warm start: above EIGH_SYEV_WARM_MIN_ELEMS, so cuSOLVER's batched solver takes it
+    # (Q0 unused); the results meet the bars and match the Jacobi kernels' warm start, and a non-finite A or Q0
+    # still makes its matrix NaN
+    B, n = 64, 256
+    assert B * n * n >= constants.EIGH_SYEV_WARM_MIN_ELEMS and n <= constants.EIGH_SYEV_MAX_N_F32
+    A = spectrum("cond1e8", n, batch=(B,))
+    Q0 = torch.linalg.eigh(A + 1e-3 * torch.eye(n, dtype=torch.float64))[1].float().cuda()
+    X = A.float().cuda()
+    w, V = torch.ops.torchkern.eigh(X, Q0)
+    check_eigh(A, w, V, torch.float32)
+    X[3, 0, 1] = float("inf")
+    Q0[5, 2, 2] = float("nan")
+    w, V = torch.ops.torchkern.eigh(X, Q0)
+    bad = torch.isin(torch.arange(B), torch.tensor([3, 5]))
+    assert torch.isnan(w[bad]).all() and torch.isnan(V[bad]).all()
+    check_eigh(A[~bad], w[~bad], V[~bad], torch.float32)
 
 
 def test_eigh_bad_inputs():

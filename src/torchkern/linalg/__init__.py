@@ -97,7 +97,10 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor,
             bad = ~torch.isfinite(X).flatten(-2).all(-1) if X is not None else None
             if bad is not None and bool(bad.any()):
                 _raise_nonfinite(X, bad, "eigh", name)
-        fail("eigh", "NaN eigenvalues from finite input (please report this as a bug)")
+        batch = w.shape[:-1]
+        where = f" at batch indices {_batch_indices(torch.isnan(w).any(-1), batch)}" if len(batch) else ""
+        fail("eigh", f"no eigendecomposition of the finite matrices{where} (a solver did not converge; please report "
+             "this as a bug)")
     return w, V
 
 

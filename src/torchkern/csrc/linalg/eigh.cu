@@ -25,8 +25,11 @@
 // off-diagonal norm <= tol ||A||_F (summed from the matrix after the sweep: a sum of the tiles' norms as the
 // sweep reaches them learns of convergence one sweep late); the host reads the count of matrices still going
 // once per sweep.
-// Cold starts from n = TORCHKERN_EIGH_TORCH_FROM_N on (0: never) go to torch.linalg.eigh instead, except batches of
-// at least TORCHKERN_EIGH_BLOCK_MIN_BATCH matrices up to n = TORCHKERN_EIGH_BLOCK_MAX_N (linalg/constants.py).
+// cuSOLVER takes the calls where it is faster (linalg/constants.py, choose_solver below): its batched solver
+// (syev_batched.h) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and the large
+// float32 warm starts up to n = 256 (Q0 ignored: a direct method gains nothing from it); torch.linalg.eigh (syevd,
+// one matrix after another) the other cold starts from n = TORCHKERN_EIGH_TORCH_FROM_N on, except batches of at
+// least TORCHKERN_EIGH_BLOCK_MIN_BATCH matrices up to n = TORCHKERN_EIGH_BLOCK_MAX_N.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/add.h>
@@ -54,12 +57,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "jacobi.cuh"
 #include "jacobi_tiles.cuh"
+#include "syev_batched.h"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
 #include "torchkern/launch.h"
@@ -78,11 +84,27 @@ constexpr int kInnerSweeps = TORCHKERN_EIGH_INNER_SWEEPS;
 constexpr int kSmallMaxN = TORCHKERN_EIGH_SMALL_MAX_N;
 constexpr int kTorchFromN = TORCHKERN_EIGH_TORCH_FROM_N;  // 0: never
 
-// Whether a cold start of B matrices of size n (above the in-block kernel's) goes to cuSOLVER, which solves one
-// matrix after another: faster than the block method for a few matrices, or large ones (linalg/constants.py).
-bool cold_start_to_cusolver(int64_t B, int64_t n) {
-  return kTorchFromN > 0 && n >= kTorchFromN &&
-         (B < TORCHKERN_EIGH_BLOCK_MIN_BATCH || n > TORCHKERN_EIGH_BLOCK_MAX_N);
+// Who solves B matrices of size n: the Jacobi kernels (in-block or block method), cuSOLVER's batched solver, or
+// torch.linalg.eigh's loop of syevd (faster than the block method for a few large matrices); linalg/constants.py
+// has the measurements behind the thresholds.
+enum class Solver { kJacobi, kSyevBatched, kSyevdLoop };
+
+// TORCHKERN_EIGH_CUSOLVER=0 keeps every call on the Jacobi kernels (read per call: the tests reach them at any size).
+bool cusolver_allowed() {
+  const char* v = std::getenv("TORCHKERN_EIGH_CUSOLVER");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+Solver choose_solver(int64_t B, int64_t n, bool f64, bool warm) {
+  if (!cusolver_allowed()) return Solver::kJacobi;
+  const int64_t elems = B * n * n;
+  const int64_t max_n = f64 ? TORCHKERN_EIGH_SYEV_MAX_N_F64 : TORCHKERN_EIGH_SYEV_MAX_N_F32;
+  const bool batched_wins = warm ? !f64 && n <= max_n && elems >= TORCHKERN_EIGH_SYEV_WARM_MIN_ELEMS
+                                 : n <= max_n || elems >= TORCHKERN_EIGH_SYEV_MIN_ELEMS;
+  if (n >= TORCHKERN_EIGH_SYEV_MIN_N && batched_wins && syev_batched_available()) return Solver::kSyevBatched;
+  const bool loop_wins = kTorchFromN > 0 && n >= kTorchFromN &&
+                         (B < TORCHKERN_EIGH_BLOCK_MIN_BATCH || n > TORCHKERN_EIGH_BLOCK_MAX_N);
+  return !warm && loop_wins ? Solver::kSyevdLoop : Solver::kJacobi;
 }
 
 // 2^(k) for an int tensor k, applied in two halves so that neither factor overflows the dtype.
@@ -691,9 +713,9 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   const int64_t B = A.numel() / (n * n);
   const bool f64 = A.scalar_type() == at::kDouble;
   const double tol = f64 ? TORCHKERN_EIGH_TOL_F64 : TORCHKERN_EIGH_TOL_F32;
-  // the in-block path computes in float32 (float64 for float64 input); the block method in float64
+  // the in-block kernel and cuSOLVER compute in float32 (float64 for float64 input); the block method in float64
   const bool small = n <= kSmallMaxN && (f64 ? jacobi::fits<double>(n) : jacobi::fits<float>(n));
-  const at::ScalarType cdt = (f64 || !small) ? at::kDouble : at::kFloat;
+  const at::ScalarType cdt = f64 ? at::kDouble : at::kFloat;
   const auto solve_small = [&](const at::Tensor& X, at::Tensor& w, at::Tensor& V) {
     w = at::empty({B, n}, X.options());
     V = at::empty({B, n, n}, X.options());
@@ -718,18 +740,21 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   const auto finish = [&](const at::Tensor& w, const at::Tensor& V) -> std::tuple<at::Tensor, at::Tensor> {
     return {w.to(A.scalar_type()).reshape(w_shape), V.to(A.scalar_type()).reshape(A.sizes()).contiguous()};
   };
-  if (!small && (warm_start.has_value() || !cold_start_to_cusolver(B, n))) {  // the block method, in X's dtype
-    const at::Tensor Q = warm_start.has_value() ? warm_start->reshape({B, n, n}).contiguous() : at::Tensor();
+  const Solver solver = choose_solver(B, n, f64, warm_start.has_value());
+  // From here on a warm start is one that the Jacobi kernels take.
+  const bool warm = warm_start.has_value() && solver == Solver::kJacobi;
+  if (!small && solver == Solver::kJacobi) {  // the block method, in X's dtype
+    const at::Tensor Q = warm ? warm_start->reshape({B, n, n}).contiguous() : at::Tensor();
     const auto [w, V] = block_method(A.reshape({B, n, n}).contiguous(), Q, tol, /*polish=*/f64);
     return {w.reshape(w_shape), V.reshape(A.sizes())};
   }
   at::Tensor X = A.reshape({B, n, n}).to(cdt);
   at::Tensor w, V;
-  if (small && !warm_start.has_value()) {  // the kernel itself flags non-finite matrices, scales and symmetrizes
+  if (small && solver == Solver::kJacobi && !warm) {  // the kernel flags non-finite matrices, scales, symmetrizes
     solve_small(X, w, V);
     return finish(w, V);
   }
-  if (small && !f64) {
+  if (small && solver == Solver::kJacobi && !f64) {
     // A warm start of float32 (or half) input: Q0^T A Q0 in float64 can neither overflow nor underflow, and the
     // kernel scales, symmetrizes ((Q0^T A Q0 + Q0^T A^T Q0) / 2 = Q0^T A_sym Q0) and flags non-finite entries
     // itself (a NaN or Inf in A or Q0 makes the product's matrix non-finite), so the rotations are all there is
@@ -745,8 +770,8 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
     solve_small(at::matmul(Q.transpose(1, 2), at::matmul(X.to(at::kDouble), Q)).to(at::kFloat), w, V);
     return finish(w, at::matmul(Q, V.to(at::kDouble)));
   }
-  // A float64 warm start on the in-block path, or a cold start for cuSOLVER: zero the non-finite matrices, scale
-  // by 2^-e (max |x| in [0.5, 1)), symmetrize (as the twin does)
+  // A float64 warm start on the in-block path, or a call for cuSOLVER: zero the non-finite matrices, scale by 2^-e
+  // (max |x| in [0.5, 1)), symmetrize (as the twin does)
   const at::Tensor zero = at::scalar_tensor(0.0, X.options());
   at::Tensor bad = at::isfinite(X).flatten(1).all(1).logical_not();
   X = at::where(bad.view({B, 1, 1}), zero, X);
@@ -754,7 +779,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   X = times_pow2(X, at::neg(e).view({B, 1, 1}));
   X = at::add(at::mul(X, 0.5), at::mul(X.transpose(1, 2), 0.5));
   at::Tensor Q;
-  if (warm_start.has_value()) {
+  if (warm) {
     // the rotations in float64: float32 products would follow torch's global TF32 flag (1e-3 accuracy when a
     // training script turns it on), far from the 1e-5 residual
     Q = warm_start->reshape({B, n, n}).to(at::kDouble);
@@ -762,19 +787,18 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
     const at::Tensor bad_q = at::isfinite(X).flatten(1).all(1).logical_not();  // a non-finite Q0
     X = at::where(bad_q.view({B, 1, 1}), zero, X);
     bad = at::logical_or(bad, bad_q);
+  } else if (warm_start.has_value()) {  // Q0 unused; a non-finite one still flags its matrix, as on every path
+    bad = at::logical_or(bad, at::isfinite(*warm_start).reshape({B, n * n}).all(1).logical_not());
   }
-  if (small) {
+  if (solver == Solver::kJacobi) {  // a float64 warm start on the in-block path
     solve_small(X, w, V);
     V = at::matmul(Q, V.to(at::kDouble));
-  } else {
-    std::tie(w, V) = at::linalg_eigh(X.to(f64 ? at::kDouble : at::kFloat));  // in the input's precision
-    w = w.to(at::kDouble);
-    V = V.to(at::kDouble);
+  } else {  // cuSOLVER
+    std::tie(w, V) = solver == Solver::kSyevBatched ? syev_batched(std::move(X)) : at::linalg_eigh(X);
   }
-  w = times_pow2(w, e.view({B, 1}));
-  const at::Tensor nan = at::scalar_tensor(NAN, w.options());
-  w = at::where(bad.view({B, 1}), nan, w);
-  V = at::where(bad.view({B, 1, 1}), nan, V);
+  w = times_pow2(w.to(at::kDouble), e.view({B, 1}));  // in float64: no intermediate over- or underflow
+  w = at::where(bad.view({B, 1}), at::scalar_tensor(NAN, w.options()), w);
+  V = at::where(bad.view({B, 1, 1}), at::scalar_tensor(NAN, V.options()), V);  // V needs no scaling back
   return finish(w, V);
 }
 
