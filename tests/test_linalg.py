@@ -601,16 +601,14 @@ def check_eigh(A: torch.Tensor, w: torch.Tensor, V: torch.Tensor, dtype: torch.d
 
 
 EIGH_KINDS = ["random", "clustered", "repeated", "rank_deficient", "cond1e8", "zero", "diagonal"]
-# CUDA eigh's solvers: "auto" (cuSOLVER where it is faster, linalg/constants.py) or "jacobi"
-# (TORCHKERN_EIGH_CUSOLVER=0: the Jacobi kernels at every size)
-EIGH_SOLVERS = ["auto", "jacobi"]
+# CUDA eigh's solvers: "auto" (cuSOLVER where it is faster, linalg/constants.py) or "jacobi" (the Jacobi kernels
+# at every size)
+EIGH_SOLVERS = list(twins.EIGH_SOLVERS)
 
 
-def use_solver(monkeypatch, solver: str, device: str = "cuda") -> None:
-    if solver == "jacobi":
-        if device == "cpu":
-            pytest.skip("the solver choice is CUDA's")
-        monkeypatch.setenv("TORCHKERN_EIGH_CUSOLVER", "0")
+def skip_cpu_jacobi(device: str, solver: str) -> None:
+    if device == "cpu" and solver == "jacobi":
+        pytest.skip("the solver choice is CUDA's (the CPU runs LAPACK either way)")
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -629,12 +627,11 @@ def test_eigh_spectra(device, kind, dtype):
 @pytest.mark.parametrize("n", [127, 128, 136, 137, 200, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
-def test_eigh_kernel_sizes(kind, n, dtype, solver, monkeypatch):
+def test_eigh_kernel_sizes(kind, n, dtype, solver):
     # around the in-block kernel's limit (136 float32, 118 float64) and the block method above it (padding:
     # 137 and 200 are not multiples of 64); "auto": cuSOLVER's batched solver for these cold starts (float64 to 128)
-    use_solver(monkeypatch, solver)
     A = spectrum(kind, n, batch=(2,))
-    w, V = linalg.eigh(A.to(dtype).cuda())
+    w, V = linalg.eigh(A.to(dtype).cuda(), solver=solver)
     check_eigh(A, w, V, dtype)
 
 
@@ -652,15 +649,14 @@ def test_eigh_block_method_mixed_batch(dtype):
 
 @requires_cuda
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
-def test_eigh_block_method_noncontiguous(solver, monkeypatch):
+def test_eigh_block_method_noncontiguous(solver):
     # the block method's preparation reads A and Q0 in its own layout (and cuSOLVER's path copies them): strided
     # views give the same decomposition
-    use_solver(monkeypatch, solver)
     A = spectrum("random", 150, batch=(3,)).float().cuda()
     Q0 = torch.linalg.eigh(A.double())[1].float()
     for warm in (None, Q0):
-        w, _ = linalg.eigh(A, warm)
-        w2, V2 = linalg.eigh(noncontiguous(A), None if warm is None else noncontiguous(warm))
+        w, _ = linalg.eigh(A, warm, solver=solver)
+        w2, V2 = linalg.eigh(noncontiguous(A), None if warm is None else noncontiguous(warm), solver=solver)
         check_eigh(A, w2, V2, torch.float32)
         torch.testing.assert_close(w2, w, rtol=0, atol=1e-5 * A.abs().max().item())
 
@@ -677,16 +673,16 @@ def test_eigh_large_cold_starts(batch):
 
 @requires_cuda
 @pytest.mark.parametrize("n", [7, 102, 128])
-def test_eigh_row_slices_agree(n, monkeypatch):
+def test_eigh_row_slices_agree(n):
     # A batch too small to fill the GPU splits each matrix's eigenvectors over several blocks (jacobi.cuh, "Row
     # slices"), a batch of 300 does not: the same matrices alone and within the batch meet the bars and agree to
     # the float32 floor. n = 102: an odd number of rotation pairs; n = 7 alone: seven blocks of one row each.
-    use_solver(monkeypatch, "jacobi")  # the in-block kernel's cold starts (cuSOLVER's from n = 96)
+    # (solver="jacobi": the in-block kernel's cold starts; cuSOLVER's from n = 96)
     A = spectrum("random", n, batch=(300,))
     X = A.float().cuda()
-    w_all, V_all = linalg.eigh(X)
+    w_all, V_all = linalg.eigh(X, solver="jacobi")
     for i in (0, 1, 299):
-        w, V = linalg.eigh(X[i])
+        w, V = linalg.eigh(X[i], solver="jacobi")
         check_eigh(A[i], w, V, torch.float32)
         scale = torch.linalg.matrix_norm(A[i]).item()
         assert (w - w_all[i]).abs().max().item() <= EIGH_VALUES[torch.float32] * scale
@@ -696,12 +692,11 @@ def test_eigh_row_slices_agree(n, monkeypatch):
 @requires_cuda
 @pytest.mark.parametrize("n", [16, 64, 96, 120, 160])
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
-def test_eigh_kernel_float64_paths(n, solver, monkeypatch):
+def test_eigh_kernel_float64_paths(n, solver):
     # float64: the in-block kernel up to 118, the block method above (cuSOLVER's batched solver for 96 and 120),
     # all at float64 accuracy
-    use_solver(monkeypatch, solver)
     A = spectrum("cond1e8", n, batch=(3,))
-    w, V = linalg.eigh(A.cuda())
+    w, V = linalg.eigh(A.cuda(), solver=solver)
     check_eigh(A, w, V, torch.float64)
 
 
@@ -725,15 +720,15 @@ def test_eigh_batch_shapes_and_layouts(device, batch):
 @pytest.mark.parametrize("exponent", [-100, 100])
 @pytest.mark.parametrize("n", [24, 150])  # CUDA: the in-block kernel; 150: cuSOLVER, or the block method's preparation
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
-def test_eigh_extreme_scales(device, dtype, exponent, n, solver, monkeypatch):
+def test_eigh_extreme_scales(device, dtype, exponent, n, solver):
     # tiny and huge matrices (2^-100 ... 2^100 in float32, 2^-1000 ... 2^1000 in float64; powers of two, so the
     # scaled input is exactly the scaled rounded matrix): no under- or overflow, the eigenvalues scale. The twin
     # (LAPACK) rescales by factors of its own, so the comparison allows the dtype's floor, a few eps * ||A||.
-    use_solver(monkeypatch, solver, device)
+    skip_cpu_jacobi(device, solver)
     scale = 2.0 ** (exponent * (10 if dtype == torch.float64 else 1))
     A = spectrum("random", n, batch=(2,)).to(dtype)
-    w, V = linalg.eigh((A.double() * scale).to(dtype).to(device))
-    w1, _ = linalg.eigh(A.to(device))
+    w, V = linalg.eigh((A.double() * scale).to(dtype).to(device), solver=solver)
+    w1, _ = linalg.eigh(A.to(device), solver=solver)
     check_eigh(A, w / scale, V, dtype)
     floor = 8 * torch.finfo(dtype).eps * w1.abs().max().item()
     torch.testing.assert_close((w / scale).cpu(), w1.cpu(), rtol=0, atol=floor)
@@ -743,12 +738,12 @@ def test_eigh_extreme_scales(device, dtype, exponent, n, solver, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
 @pytest.mark.parametrize("n", [12, 150])  # CUDA: the in-block kernel; 150: cuSOLVER, or the block method's casts
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
-def test_eigh_half_types_compute_in_float32(device, dtype, n, solver, monkeypatch):
-    use_solver(monkeypatch, solver, device)
+def test_eigh_half_types_compute_in_float32(device, dtype, n, solver):
+    skip_cpu_jacobi(device, solver)
     A = spectrum("random", n, batch=(2,)).to(dtype)
-    w, V = linalg.eigh(A.to(device))
+    w, V = linalg.eigh(A.to(device), solver=solver)
     assert w.dtype == dtype and V.dtype == dtype
-    w32, V32 = linalg.eigh(A.float().to(device))  # the same rounded input, in float32: the result rounded to dtype
+    w32, V32 = linalg.eigh(A.float().to(device), solver=solver)  # the same rounded input, in float32: the result rounded to dtype
     torch.testing.assert_close(w.cpu(), w32.to(dtype).cpu(), rtol=0, atol=0)
     torch.testing.assert_close(V.abs().cpu(), V32.abs().to(dtype).cpu(), rtol=0,
                                atol=2 * torch.finfo(dtype).eps)  # float32 eigenvector signs may differ
@@ -814,12 +809,13 @@ def test_eigh_opcheck(device):
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A,))
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A[0], Q0[0]))
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A.double().requires_grad_(True), None))
+    torch.library.opcheck(torch.ops.torchkern.eigh.default, (A, None, "jacobi"))
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
-def test_eigh_nan_names_the_matrices(device, solver, monkeypatch):
-    use_solver(monkeypatch, solver, device)
+def test_eigh_nan_names_the_matrices(device, solver):
+    skip_cpu_jacobi(device, solver)
     A = spectrum("random", 6, batch=(2, 3)).float().to(device)
     A[0, 2, 1, 1] = float("nan")
     A[1, 0, 3, 4] = float("inf")
@@ -841,7 +837,7 @@ def test_eigh_nan_names_the_matrices(device, solver, monkeypatch):
         Q0 = torch.linalg.qr(torch.randn(6, n, n, generator=_GEN, dtype=torch.float64))[0].float().to(device)
         Q0[4, 2, 0] = float("nan")
         for warm, bad in ((None, [2, 3]), (Q0, [2, 3, 4])):
-            w, V = torch.ops.torchkern.eigh(A.flatten(0, 1), warm)
+            w, V = torch.ops.torchkern.eigh(A.flatten(0, 1), warm, solver)
             bad = torch.isin(torch.arange(6), torch.tensor(bad))
             assert torch.isnan(w[bad]).all() and torch.isnan(V[bad]).all()
             check_eigh(A.flatten(0, 1)[~bad], w[~bad], V[~bad], torch.float32)
@@ -879,6 +875,9 @@ def test_eigh_bad_inputs():
         linalg.eigh(A, torch.eye(3))
     with _raises("torchkern.eigh: Q0 must have dtype float32 like A, got float64"):
         linalg.eigh(A, torch.eye(4, dtype=torch.float64))
+    for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():  # the twin's message and the kernel's
+        with _raises("torchkern.eigh: solver must be 'auto' or 'jacobi', got 'qr'"):
+            linalg.eigh(A.to(device), solver="qr")
     if torch.cuda.is_available():
         with _raises("torchkern.eigh: Q0 must be on cuda:0 like A, got cpu"):
             linalg.eigh(A.cuda(), torch.eye(4))

@@ -10,8 +10,9 @@ Kernels behind them (``csrc/linalg/``): ``eigh`` runs cyclic Jacobi with the mat
 thread block's shared memory (jacobi.cuh; n <= 136 in float32, 118 in float64; a batch too small to fill the GPU
 spreads each matrix's eigenvector rows over up to 8 blocks), and above that a block Jacobi method in float64 whose
 64 x 64 subproblems get a sweep each in 4 x 4 groups (jacobi_tiles.cuh) and whose rotations are one launch per round
-of 64 x 64 tiles on the float64 tensor cores (eigh.cu); cold starts of fewer than 8 matrices from n = 704, and of
-any batch above n = 1024, go to cuSOLVER, which is faster there. The coupled Newton iteration of the roots runs, for
+of 64 x 64 tiles on the float64 tensor cores (eigh.cu); cuSOLVER takes the calls where it is faster: its batched
+solver (syev_batched.cpp) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and large
+float32 warm starts up to n = 256, its one-matrix solver the cold starts of fewer than 8 matrices from n = 704. The coupled Newton iteration of the roots runs, for
 n <= 128 (float32, half types computed in float32; n <= 64 in float64), the whole iteration of one matrix inside one
 thread block with the matrices in shared memory (or, for 64 < n <= 128 on sm_90 when the batch leaves SMs idle, a
 cluster of two blocks per matrix); larger matrices use cuBLAS batched products with fused elementwise steps and a
@@ -53,7 +54,7 @@ def _raise_nonfinite(G: torch.Tensor, bad: torch.Tensor, op: str = "matrix_inver
     fail(op, f"{name} contains NaN or Inf in the matrices at batch indices {_batch_indices(bad, batch)}")
 
 
-def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Eigendecomposition of symmetric matrices: ``A = V diag(w) V^T``, returns ``(w, V)``.
 
     Same contract as ``torch.linalg.eigh``: eigenvalues ``w`` (..., n) in ascending order, orthonormal
@@ -70,15 +71,19 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor,
             (``V = Q0 V'``). The result is the same as without it (up to rounding, signs and the
             basis of repeated eigenvalues); the work is less. Q0 must be orthogonal to working precision
             (the eigenvectors inherit its error). Same shape, dtype and device as A; not differentiated.
+            Where cuSOLVER's batched solver takes the call (below) Q0 goes unused: a direct method gains
+            nothing from it.
+        solver: ``"auto"`` (the fastest of the solvers below for the shape, measured) or ``"jacobi"`` (the
+            Jacobi kernels at every size, e.g. to compare them). CPU: LAPACK either way.
 
     Returns:
         ``(w, V)`` with A's dtype; V is contiguous.
 
     Raises:
-        RuntimeError: non-square or non-floating A, Q0 of another shape, dtype or device, or NaN/Inf in A
-            (the message lists the batch indices of those matrices; checking costs one host sync, as
-            torch.linalg.eigh's own error check does; ``torch.ops.torchkern.eigh`` is the op without
-            it, which returns NaN for those matrices).
+        RuntimeError: non-square or non-floating A, Q0 of another shape, dtype or device, an unknown solver,
+            or NaN/Inf in A (the message lists the batch indices of those matrices; checking costs one host
+            sync, as torch.linalg.eigh's own error check does; ``torch.ops.torchkern.eigh`` is the op
+            without it, which returns NaN for those matrices).
 
     Differentiable in A by the standard formula (``twins.eigh_backward``); like torch.linalg.eigh's, the
     gradient through V is not finite when eigenvalues coincide.
@@ -87,11 +92,13 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor,
     thread block per matrix (up to 8 for a batch too small to fill the GPU, each with a slice of the
     eigenvectors' rows), every sweep in one launch (n <= 136 in float32, n <= 118 in float64 on sm_90's
     shared memory), and a block Jacobi method above, whose 64 x 64 subproblems get one sweep each and whose
-    rotations are one launch per round of 64 x 64 tiles on the float64 tensor cores; cuSOLVER for cold starts
-    where it is faster (fewer than 8 matrices from n = 704, any batch above n = 1024; docs/design.md,
-    "Symmetric eigensolver").
+    rotations are one launch per round of 64 x 64 tiles on the float64 tensor cores. cuSOLVER where it is faster
+    (``solver="auto"``): its batched solver (cusolverDnXsyevBatched, which torch.linalg.eigh calls only up to
+    n = 32) for 96 <= n <= 256 (float64: 128) and for large batches above, and for the float32 warm starts of
+    large batches up to n = 256; its one-matrix solver for cold starts of fewer than 8 matrices from n = 704
+    (docs/design.md, "Symmetric eigensolver").
     """
-    w, V = torch.ops.torchkern.eigh(A, Q0)
+    w, V = torch.ops.torchkern.eigh(A, Q0, solver)
     if w.numel() and bool(torch.isnan(w).any()):  # the one sync; only on this rare path is A looked at
         for name, X in (("A", A), ("Q0", Q0)):
             bad = ~torch.isfinite(X).flatten(-2).all(-1) if X is not None else None

@@ -279,8 +279,12 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
 # ----------------------------------------------------------------------------- eigh
 
 
-def check_eigh_args(A: torch.Tensor, Q0: torch.Tensor | None) -> None:
+EIGH_SOLVERS = ("auto", "jacobi")
+
+
+def check_eigh_args(A: torch.Tensor, Q0: torch.Tensor | None, solver: str = "auto") -> None:
     op = "eigh"
+    check(solver in EIGH_SOLVERS, op, f"solver must be 'auto' or 'jacobi', got {solver!r}")
     check_float(op, "A", A)
     check(A.dim() >= 2 and A.shape[-1] == A.shape[-2], op,
           f"A must have shape [..., n, n] (square matrices), got {shape(A)}")
@@ -311,7 +315,7 @@ def pow2_scale(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return times_pow2(X, -e[..., None, None]), e
 
 
-def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, solver: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``torchkern::eigh``: (eigenvalues ascending, eigenvectors as columns) of the symmetric part of A.
 
     The same preparation as the kernels: a matrix with a NaN or Inf entry is replaced by zeros (its outputs
@@ -319,8 +323,9 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor,
     a power of two (max |a| in [0.5, 1)) and symmetrized; with ``Q0``, ``Q0^T A Q0`` is decomposed and its
     eigenvectors rotated back by ``Q0`` (NaN outputs where that product is not finite). Then torch.linalg.eigh
     in the compute dtype (float32 for the half types). Outputs have A's dtype; the eigenvectors are contiguous.
+    ``solver`` chooses among the CUDA kernel's solvers; here it is only checked.
     """
-    check_eigh_args(A, Q0)
+    check_eigh_args(A, Q0, solver)
     if A.numel() == 0:
         return A.new_empty(A.shape[:-1]), torch.empty_like(A, memory_format=torch.contiguous_format)
     cdt = opmath_dtype(A.dtype)

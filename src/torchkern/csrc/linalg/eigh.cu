@@ -57,8 +57,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -89,14 +88,7 @@ constexpr int kTorchFromN = TORCHKERN_EIGH_TORCH_FROM_N;  // 0: never
 // has the measurements behind the thresholds.
 enum class Solver { kJacobi, kSyevBatched, kSyevdLoop };
 
-// TORCHKERN_EIGH_CUSOLVER=0 keeps every call on the Jacobi kernels (read per call: the tests reach them at any size).
-bool cusolver_allowed() {
-  const char* v = std::getenv("TORCHKERN_EIGH_CUSOLVER");
-  return v == nullptr || std::strcmp(v, "0") != 0;
-}
-
 Solver choose_solver(int64_t B, int64_t n, bool f64, bool warm) {
-  if (!cusolver_allowed()) return Solver::kJacobi;
   const int64_t elems = B * n * n;
   const int64_t max_n = f64 ? TORCHKERN_EIGH_SYEV_MAX_N_F64 : TORCHKERN_EIGH_SYEV_MAX_N_F32;
   const bool batched_wins = warm ? !f64 && n <= max_n && elems >= TORCHKERN_EIGH_SYEV_WARM_MIN_ELEMS
@@ -692,8 +684,12 @@ std::tuple<at::Tensor, at::Tensor> block_method(const at::Tensor& X, const at::T
   return {w, V};
 }
 
-std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::optional<at::Tensor>& warm_start) {
+std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::optional<at::Tensor>& warm_start,
+                                             c10::string_view solver_choice) {
   TORCHKERN_OP("eigh");
+  const bool jacobi_only = solver_choice == "jacobi";
+  TORCHKERN_CHECK(jacobi_only || solver_choice == "auto", "solver must be 'auto' or 'jacobi', got '",
+                  std::string(solver_choice), "'");
   TORCHKERN_CHECK_FLOAT(A);
   TORCHKERN_CHECK(A.dim() >= 2 && A.size(-1) == A.size(-2), "A must have shape [..., n, n] (square matrices), got ",
                   A.sizes());
@@ -740,7 +736,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   const auto finish = [&](const at::Tensor& w, const at::Tensor& V) -> std::tuple<at::Tensor, at::Tensor> {
     return {w.to(A.scalar_type()).reshape(w_shape), V.to(A.scalar_type()).reshape(A.sizes()).contiguous()};
   };
-  const Solver solver = choose_solver(B, n, f64, warm_start.has_value());
+  const Solver solver = jacobi_only ? Solver::kJacobi : choose_solver(B, n, f64, warm_start.has_value());
   // From here on a warm start is one that the Jacobi kernels take.
   const bool warm = warm_start.has_value() && solver == Solver::kJacobi;
   if (!small && solver == Solver::kJacobi) {  // the block method, in X's dtype
