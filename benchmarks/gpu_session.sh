@@ -9,9 +9,9 @@
 # (TEST_ARGS is split at spaces; a -k expression with spaces goes in TEST_K.)
 #   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_session.sh
 #
-# The whole suite takes about 430 s on an H100 and a cold build 70-110 s: with the device tool's 600 s a call, build
-# first (STAGES="env build") and run STAGES="tests" TEST_SECONDS=560 in the next call on the warm machine (the
-# ninth session's single call, TEST_SECONDS=470 after a 69 s build, was cut inside the last test).
+# The whole suite takes 410-530 s (2700 tests since the thirteenth session, whose single call, 525 s after a 65 s
+# build, was cut inside the last file) and a cold build 50-110 s: with the device tool's 600 s a call, build first
+# (STAGES="env build") and run STAGES="tests" TEST_SECONDS=580 in the next call on the warm machine.
 #
 # Benchmark-only peers (opacus) travel as wheels in .whl/ (ignored by git) and are installed into /tmp/site.
 set -uo pipefail
