@@ -5,9 +5,13 @@
 // up at the first call: in the process, else in the already-loaded libcusolver.so.<major> (after one tiny
 // torch.linalg.eigh, which makes torch load it, if it has not been loaded yet). A cuSOLVER without the routine
 // (before CUDA 12.6.2) leaves syev_batched_available() false and eigh.cu on its other paths.
+//
+// Nor does it include cuSOLVER's headers: torch's wheels ship the library without them, and a toolkit may lack them
+// too (this project's CI toolkit has no cusolverDn.h, cublas_api.h or cusparse.h). The interface used here is a few
+// opaque pointers and enums, declared below with the values of cusolver_common.h, cublas_api.h and
+// library_types.h.
 #include "syev_batched.h"
 
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/eye.h>
 #include <ATen/ops/gather.h>
@@ -16,13 +20,11 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/sort.h>
 #include <ATen/ops/where.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <cusolverDn.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <dlfcn.h>
 
 #include <algorithm>
 #include <cmath>
-#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -32,27 +34,37 @@
 namespace torchkern {
 namespace {
 
-using CreateFn = cusolverStatus_t (*)(cusolverDnHandle_t*);
-using SetStreamFn = cusolverStatus_t (*)(cusolverDnHandle_t, cudaStream_t);
-using CreateParamsFn = cusolverStatus_t (*)(cusolverDnParams_t*);
-using BufferSizeFn = cusolverStatus_t (*)(cusolverDnHandle_t, cusolverDnParams_t, cusolverEigMode_t,
-                                          cublasFillMode_t, int64_t, cudaDataType, const void*, int64_t,
-                                          cudaDataType, const void*, cudaDataType, size_t*, size_t*, int64_t);
-using SolveFn = cusolverStatus_t (*)(cusolverDnHandle_t, cusolverDnParams_t, cusolverEigMode_t, cublasFillMode_t,
-                                     int64_t, cudaDataType, void*, int64_t, cudaDataType, void*, cudaDataType, void*,
-                                     size_t, void*, size_t, int*, int64_t);
+using Status = int;                  // cusolverStatus_t
+constexpr Status kSuccess = 0;       // CUSOLVER_STATUS_SUCCESS
+using Handle = void*;                // cusolverDnHandle_t
+using Params = void*;                // cusolverDnParams_t
+constexpr int kEigModeVector = 1;    // cusolverEigMode_t CUSOLVER_EIG_MODE_VECTOR
+constexpr int kFillModeLower = 0;    // cublasFillMode_t CUBLAS_FILL_MODE_LOWER
+constexpr int kR32F = 0, kR64F = 1;  // cudaDataType CUDA_R_32F, CUDA_R_64F
+// The sonames torch's CUDA 13 and CUDA 12 builds load.
+constexpr const char* kSonames[] = {"libcusolver.so.12", "libcusolver.so.11"};
+
+using CreateFn = Status (*)(Handle*);
+using SetStreamFn = Status (*)(Handle, cudaStream_t);
+using CreateParamsFn = Status (*)(Params*);
+using BufferSizeFn = Status (*)(Handle, Params, int, int, int64_t, int, const void*, int64_t, int, const void*, int,
+                                size_t*, size_t*, int64_t);
+using SolveFn = Status (*)(Handle, Params, int, int, int64_t, int, void*, int64_t, int, void*, int, void*, size_t,
+                           void*, size_t, int*, int64_t);
 
 struct Api {
   CreateFn create = nullptr;
   SetStreamFn set_stream = nullptr;
   BufferSizeFn buffer_size = nullptr;
   SolveFn solve = nullptr;
-  cusolverDnParams_t params = nullptr;  // default algorithm choice; read-only once made, shared by every call
+  Params params = nullptr;  // default algorithm choice; read-only once made, shared by every call
 };
 
 void* loaded_cusolver() {
-  const std::string soname = "libcusolver.so." + std::to_string(CUSOLVER_VER_MAJOR);
-  return dlopen(soname.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  for (const char* soname : kSonames) {
+    if (void* lib = dlopen(soname, RTLD_NOW | RTLD_NOLOAD)) return lib;
+  }
+  return nullptr;
 }
 
 void* find_symbol(void* lib, const char* name) {
@@ -74,23 +86,22 @@ const Api& api() {
     a.solve = reinterpret_cast<SolveFn>(find_symbol(lib, "cusolverDnXsyevBatched"));
     const auto create_params = reinterpret_cast<CreateParamsFn>(find_symbol(lib, "cusolverDnCreateParams"));
     const bool complete = a.create && a.set_stream && a.buffer_size && a.solve && create_params;
-    if (!complete || create_params(&a.params) != CUSOLVER_STATUS_SUCCESS) return Api{};
+    if (!complete || create_params(&a.params) != kSuccess) return Api{};
     return a;
   }();
   return found;
 }
 
 // One handle per thread and device (a handle carries its stream, so threads never share one), made on first use.
-cusolverDnHandle_t handle_for_current_device() {
+Handle handle_for_current_device() {
   TORCHKERN_OP("eigh");
-  thread_local std::unordered_map<int, cusolverDnHandle_t> handles;
+  thread_local std::unordered_map<int, Handle> handles;
   const int device = c10::cuda::current_device();
   auto it = handles.find(device);
   if (it == handles.end()) {
-    cusolverDnHandle_t h = nullptr;
-    const cusolverStatus_t status = api().create(&h);
-    TORCHKERN_CHECK(status == CUSOLVER_STATUS_SUCCESS, "cusolverDnCreate failed with status ",
-                    static_cast<int>(status));
+    Handle h = nullptr;
+    const Status status = api().create(&h);
+    TORCHKERN_CHECK(status == kSuccess, "cusolverDnCreate failed with status ", status);
     it = handles.emplace(device, h).first;
   }
   return it->second;
@@ -104,29 +115,26 @@ std::tuple<at::Tensor, at::Tensor> syev_batched(at::Tensor X) {
   TORCHKERN_OP("eigh");
   const Api& a = api();
   const int64_t B = X.size(0), n = X.size(1);
-  const cudaDataType type = X.scalar_type() == at::kDouble ? CUDA_R_64F : CUDA_R_32F;
+  const int type = X.scalar_type() == at::kDouble ? kR64F : kR32F;
   // Symmetric and row-major: the column-major matrix cuSOLVER reads is the same one; it overwrites it with the
   // eigenvectors as columns of the column-major matrix, i.e. as rows of V.
   at::Tensor V = X.contiguous();
   at::Tensor w = at::empty({B, n}, X.options());
   at::Tensor info = at::empty({B}, X.options().dtype(at::kInt));
-  const cusolverDnHandle_t h = handle_for_current_device();
+  const Handle h = handle_for_current_device();
   a.set_stream(h, current_stream());
   size_t device_bytes = 0, host_bytes = 0;
-  cusolverStatus_t status =
-      a.buffer_size(h, a.params, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n, type, V.const_data_ptr(), n,
-                    type, w.const_data_ptr(), type, &device_bytes, &host_bytes, B);
-  TORCHKERN_CHECK(status == CUSOLVER_STATUS_SUCCESS, "cusolverDnXsyevBatched_bufferSize failed with status ",
-                  static_cast<int>(status));
+  Status status = a.buffer_size(h, a.params, kEigModeVector, kFillModeLower, n, type, V.const_data_ptr(), n, type,
+                                w.const_data_ptr(), type, &device_bytes, &host_bytes, B);
+  TORCHKERN_CHECK(status == kSuccess, "cusolverDnXsyevBatched_bufferSize failed with status ", status);
   // device workspace from the caching allocator, ordered on the current stream like every other tensor here
   at::Tensor work = at::empty({static_cast<int64_t>(std::max<size_t>(device_bytes, 1))},
                               X.options().dtype(at::kByte));
   std::vector<char> host_work(std::max<size_t>(host_bytes, 1));
-  status = a.solve(h, a.params, CUSOLVER_EIG_MODE_VECTOR, CUBLAS_FILL_MODE_LOWER, n, type, V.mutable_data_ptr(), n,
-                   type, w.mutable_data_ptr(), type, work.mutable_data_ptr(), device_bytes, host_work.data(),
-                   host_bytes, info.mutable_data_ptr<int>(), B);
-  TORCHKERN_CHECK(status == CUSOLVER_STATUS_SUCCESS, "cusolverDnXsyevBatched failed with status ",
-                  static_cast<int>(status));
+  status = a.solve(h, a.params, kEigModeVector, kFillModeLower, n, type, V.mutable_data_ptr(), n, type,
+                   w.mutable_data_ptr(), type, work.mutable_data_ptr(), device_bytes, host_work.data(), host_bytes,
+                   info.mutable_data_ptr<int>(), B);
+  TORCHKERN_CHECK(status == kSuccess, "cusolverDnXsyevBatched failed with status ", status);
   // Sorted again: the routine can leave the copies of a repeated eigenvalue out of order by an ulp (seen on an
   // H200, cuSOLVER 12.0 of CUDA 13.0), and the contract is ascending. The rows of V follow.
   const auto [sorted, order] = at::sort(w, /*dim=*/1);
