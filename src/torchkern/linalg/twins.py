@@ -134,7 +134,8 @@ def smallest_ritz_value(A: torch.Tensor) -> torch.Tensor:
         alpha = (w * v).sum(-1)
         w = w - alpha[:, None] * v - beta[:, None] * v_prev
         beta_next = w.norm(dim=-1)
-        scale = torch.where(going, torch.maximum(scale, alpha.double().abs() + beta.double() + beta_next.double()), scale)
+        bound = alpha.double().abs() + beta.double() + beta_next.double()
+        scale = torch.where(going, torch.maximum(scale, bound), scale)
         # after a stop: diagonal entries at the (final) scale, decoupled, so above the estimate
         alphas.append(torch.where(going, alpha.double(), scale))
         going = going & (beta_next.double() > tiny * scale)
