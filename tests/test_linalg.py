@@ -743,7 +743,8 @@ def test_eigh_half_types_compute_in_float32(device, dtype, n, solver):
     A = spectrum("random", n, batch=(2,)).to(dtype)
     w, V = linalg.eigh(A.to(device), solver=solver)
     assert w.dtype == dtype and V.dtype == dtype
-    w32, V32 = linalg.eigh(A.float().to(device), solver=solver)  # the same rounded input, in float32: the result rounded to dtype
+    # the same rounded input, in float32: the result rounded to dtype
+    w32, V32 = linalg.eigh(A.float().to(device), solver=solver)
     torch.testing.assert_close(w.cpu(), w32.to(dtype).cpu(), rtol=0, atol=0)
     torch.testing.assert_close(V.abs().cpu(), V32.abs().to(dtype).cpu(), rtol=0,
                                atol=2 * torch.finfo(dtype).eps)  # float32 eigenvector signs may differ

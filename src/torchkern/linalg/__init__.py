@@ -8,17 +8,18 @@ roots", "Kronecker preconditioning"); the twins are in ``torchkern.linalg.twins`
 
 Kernels behind them (``csrc/linalg/``): ``eigh`` runs cyclic Jacobi with the matrix and its eigenvectors in one
 thread block's shared memory (jacobi.cuh; n <= 136 in float32, 118 in float64; a batch too small to fill the GPU
-spreads each matrix's eigenvector rows over up to 8 blocks), and above that a block Jacobi method in float64 whose
-64 x 64 subproblems get a sweep each in 4 x 4 groups (jacobi_tiles.cuh) and whose rotations are one launch per round
-of 64 x 64 tiles on the float64 tensor cores (eigh.cu); cuSOLVER takes the calls where it is faster: its batched
-solver (syev_batched.cpp) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and large
-float32 warm starts up to n = 256, its one-matrix solver the cold starts of fewer than 8 matrices from n = 704. The coupled Newton iteration of the roots runs, for
-n <= 128 (float32, half types computed in float32; n <= 64 in float64), the whole iteration of one matrix inside one
-thread block with the matrices in shared memory (or, for 64 < n <= 128 on sm_90 when the batch leaves SMs idle, a
-cluster of two blocks per matrix); larger matrices use cuBLAS batched products with fused elementwise steps and a
-per-matrix "done" mask. For n >= 64 both start the iteration's scaling from a Lanczos estimate of each matrix's
-smallest eigenvalue (``twins.py``: about 2 of 10 steps saved on moderately conditioned matrices). A matrix whose
-iteration does not converge falls back to a float64 ``eigh`` root. ``kron`` is one write-bound kernel.
+spreads each matrix's eigenvector rows over up to 8 blocks), and above that a block Jacobi method in float64 whose 64
+x 64 subproblems get a sweep each in 4 x 4 groups (jacobi_tiles.cuh) and whose rotations are one launch per round of
+64 x 64 tiles on the float64 tensor cores (eigh.cu); cuSOLVER takes the calls where it is faster: its batched solver
+(syev_batched.cpp) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and large float32
+warm starts up to n = 256, its one-matrix solver the cold starts of fewer than 8 matrices from n = 704. The coupled
+Newton iteration of the roots runs, for n <= 128 (float32, half types computed in float32; n <= 64 in float64), the
+whole iteration of one matrix inside one thread block with the matrices in shared memory (or, for 64 < n <= 128 on
+sm_90 when the batch leaves SMs idle, a cluster of two blocks per matrix); larger matrices use cuBLAS batched
+products with fused elementwise steps and a per-matrix "done" mask. For n >= 64 both start the iteration's scaling
+from a Lanczos estimate of each matrix's smallest eigenvalue (``twins.py``: about 2 of 10 steps saved on moderately
+conditioned matrices). A matrix whose iteration does not converge falls back to a float64 ``eigh`` root. ``kron`` is
+one write-bound kernel.
 """
 
 from __future__ import annotations

@@ -55,16 +55,17 @@ EIGH_SMALL_MAX_N = 168
 EIGH_TORCH_FROM_N = 704
 EIGH_BLOCK_MIN_BATCH = 8
 EIGH_BLOCK_MAX_N = 1024
-# cuSOLVER's batched solver (cusolverDnXsyevBatched, where the loaded cuSOLVER has it; torch.linalg.eigh calls it
-# only for n <= 32) takes the cold starts with EIGH_SYEV_MIN_N <= n <= EIGH_SYEV_MAX_N_F32 (float32 and half
-# input; float64: EIGH_SYEV_MAX_N_F64), and above those when the batch holds at least EIGH_SYEV_MIN_ELEMS entries
-# (B n^2: sixteen 768^2 matrices), and the warm starts of float32 with n <= EIGH_SYEV_MAX_N_F32 and at least EIGH_SYEV_WARM_MIN_ELEMS (it
-# ignores Q0: it is a direct method, as fast on nearly diagonal matrices as on others, and there faster than the
-# Jacobi kernels' warm start). Measured (H200, 2026-11-27, probes/syev_batched_probe.py --grid and --streams, ms,
-# batched / Jacobi cold / Jacobi warm), float32: 64 x 128^2 0.94 / 2.10 / 1.05, 64 x 256^2 3.65 / 8.76 / 4.15,
-# 256 x 256^2 9.1 / 30.7 / 13.6, 16 x 256^2 2.85 / 5.29 / 2.15, 64 x 64^2 0.38 / 0.37 / 0.27, 64 x 512^2 27.1 /
-# 52.9 / 21.5, 16 x 512^2 20.5 / 18.4 / 7.7, 16 x 1024^2 57-81 / 95.5 / 38.7, 8 x 1025^2 76-114 / 86-91 (the
-# syevd loop) / 28; float64: 64 x 128^2 1.24 / 2.51, 64 x 256^2 10.1 / 10.5, 256 x 256^2 22.1 / 35.7, 64 x 512^2 36.9 / 62.6.
+# cuSOLVER's batched solver (cusolverDnXsyevBatched, where the loaded cuSOLVER has it; torch.linalg.eigh calls it only
+# for n <= 32) takes the cold starts with EIGH_SYEV_MIN_N <= n <= EIGH_SYEV_MAX_N_F32 (float32 and half input;
+# float64: EIGH_SYEV_MAX_N_F64), and above those when the batch holds at least EIGH_SYEV_MIN_ELEMS entries (B n^2:
+# sixteen 768^2 matrices), and the warm starts of float32 with n <= EIGH_SYEV_MAX_N_F32 and at least
+# EIGH_SYEV_WARM_MIN_ELEMS (it ignores Q0: it is a direct method, as fast on nearly diagonal matrices as on others,
+# and there faster than the Jacobi kernels' warm start). Measured (H200, 2026-11-27, probes/syev_batched_probe.py
+# --grid and --streams, ms, batched / Jacobi cold / Jacobi warm), float32: 64 x 128^2 0.94 / 2.10 / 1.05, 64 x 256^2
+# 3.65 / 8.76 / 4.15, 256 x 256^2 9.1 / 30.7 / 13.6, 16 x 256^2 2.85 / 5.29 / 2.15, 64 x 64^2 0.38 / 0.37 / 0.27, 64 x
+# 512^2 27.1 / 52.9 / 21.5, 16 x 512^2 20.5 / 18.4 / 7.7, 16 x 1024^2 57-81 / 95.5 / 38.7, 8 x 1025^2 76-114 / 86-91
+# (the syevd loop) / 28; float64: 64 x 128^2 1.24 / 2.51, 64 x 256^2 10.1 / 10.5, 256 x 256^2 22.1 / 35.7, 64 x 512^2
+# 36.9 / 62.6.
 EIGH_SYEV_MIN_N = 96
 EIGH_SYEV_MAX_N_F32 = 256
 EIGH_SYEV_MAX_N_F64 = 128

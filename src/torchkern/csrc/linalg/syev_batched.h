@@ -1,6 +1,6 @@
 // cuSOLVER's batched symmetric eigensolver (cusolverDnXsyevBatched, cuSOLVER >= 11.7.1 / CUDA 12.6.2), which
-// torch.linalg.eigh calls only for n <= 32 (above, it loops over syevd one matrix at a time). eigh.cu sends the
-// cold starts where it beats the Jacobi kernels to it (linalg/constants.py, EIGH_SYEV_*).
+// torch.linalg.eigh calls only for n <= 32 (above, it loops over syevd one matrix at a time). eigh.cu sends it the
+// calls where it beats the Jacobi kernels (linalg/constants.py, EIGH_SYEV_*).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,8 +14,9 @@ namespace torchkern {
 bool syev_batched_available();
 
 // Eigenvalues (ascending) and eigenvectors (columns) of X [B, n, n], symmetric, float32 or float64, on the
-// current stream. A contiguous X is overwritten (pass a temporary). A matrix the routine reports as not converged comes back NaN (never the case for the
-// scaled, symmetrized matrices eigh.cu passes; eigh's Python wrapper names it if it ever happens).
+// current stream. A contiguous X is overwritten (pass a temporary). A matrix the routine reports as not converged
+// comes back NaN (never the case for the scaled, symmetrized matrices eigh.cu passes; eigh's Python wrapper names
+// it if it ever happens).
 std::tuple<at::Tensor, at::Tensor> syev_batched(at::Tensor X);
 
 }  // namespace torchkern
