@@ -189,6 +189,7 @@ class StepGraph:
         self._key = None       # the captured key
         self._graph: torch.cuda.CUDAGraph | None = None
         self._grads: list[torch.Tensor] = []
+        self._inputs: list[torch.Tensor] = []  # static copies of run's inputs
         self._last = None      # the previous step's key
         self._warm = None      # the key last run on the side stream
         self._failed: set = set()
@@ -211,20 +212,26 @@ class StepGraph:
             return "warm"
         return "capture"
 
-    def run(self, key, params: list[torch.Tensor], body: Callable[[], None]) -> None:
+    def run(self, key, params: list[torch.Tensor], body: Callable[..., None],
+            inputs: list[torch.Tensor] | None = None) -> None:
+        """``inputs``: tensors besides the gradients that ``body`` reads and the caller makes anew every step (K-FAC's
+        factor contributions): ``body(inputs)`` gets them, a replay static copies refilled like the gradients'
+        (``key`` must hold their shapes and dtypes); without inputs, ``body()``."""
         from .._cuda_graph import capture, follow
 
         if key is not None and (sum(p.numel() for p in params) > GRAPH_MAX_ELEMENTS  # before asking CUDA
                                 or torch.cuda.is_current_stream_capturing()):  # the caller's own capture
             key = None
+        fresh = [] if inputs is None else list(inputs)
+        call = body if inputs is None else (lambda: body(fresh))
         action = self.next_action(key)  # (key None on the CPU: nothing asks CUDA)
         if action == "eager":
-            body()
+            call()
             return
         device = params[0].device
         if action == "replay":
             self._stream = follow(self._stream, device)
-            torch._foreach_copy_(self._grads, [p.grad for p in params])
+            torch._foreach_copy_(self._grads + self._inputs, [p.grad for p in params] + fresh)
             self._graph.replay()
             self.replays += 1
             return
@@ -234,17 +241,19 @@ class StepGraph:
         if action == "warm":
             self._side.wait_stream(current)
             with torch.cuda.stream(self._side):
-                body()
+                call()
             current.wait_stream(self._side)
             return
         self._key, self._graph = None, None  # the old graph's pool is freed before the new capture
         grads = [torch.empty_like(p.grad) for p in params]
-        torch._foreach_copy_(grads, [p.grad for p in params])
+        statics = [torch.empty_like(x) for x in fresh]
+        torch._foreach_copy_(grads + statics, [p.grad for p in params] + fresh)
         saved = [p.grad for p in params]
         try:
             for p, g in zip(params, grads):
                 p.grad = g
-            graph, _ = capture(body, device, warmup=lambda: None, error_mode="thread_local", stream=self._side)
+            graph, _ = capture(body if inputs is None else (lambda: body(statics)), device, warmup=lambda: None,
+                               error_mode="thread_local", stream=self._side)
         except RuntimeError as exc:
             self._failed.add(key)
             causes = [exc] + [e for e in (exc.__context__, exc.__cause__) if e is not None]
@@ -257,9 +266,9 @@ class StepGraph:
             for p, g in zip(params, saved):
                 p.grad = g
         if graph is None:
-            body()
+            call()
             return
-        self._key, self._graph, self._grads = key, graph, grads
+        self._key, self._graph, self._grads, self._inputs = key, graph, grads, statics
         self._stream = follow(None, device)
         graph.replay()
         self.replays += 1

@@ -33,6 +33,7 @@ which it keeps apart and last. The preconditioning products of same-shape layers
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -41,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import opmath_dtype
-from ._common import (GuardedOptimizer, check_arg, check_state_dict, eigh, is_int, is_real,
-                      load_state_dict_keeping_dtypes, no_autocast)
+from ._common import (GuardedOptimizer, StepGraph, UpdateScalars, bmm, check_arg, check_state_dict, eigh, is_int,
+                      is_real, load_state_dict_keeping_dtypes, no_autocast)
 from .soap import power_step, rayleigh_quotients
 
 _STAT_KEYS = frozenset({"A", "G", "QA", "dA", "QG", "dG", "momentum_buffer"})
@@ -109,6 +110,13 @@ class KFAC(GuardedOptimizer):
             output gradients carry the loss scale, which ``scaler.unscale_`` does not see; K-FAC
             divides it out of G with this scaler's current scale. Required for correct G under
             GradScaler.
+        precision: ``"bf16"`` (the default: the factors' products ``a^T a``, ``g^T g`` and the preconditioning's
+            four rotations with bfloat16 operands, float32 accumulation and results) or ``"fp32"`` (float32
+            products, e.g. for exactness checks; they follow torch's global TF32 switch, never touched here).
+            Float64 parameters ignore it. The eigendecompositions are float32 (float64) either way.
+        cuda_graph: on CUDA, replay the steps between refreshes (fold, preconditioning, update) as one CUDA graph
+            once the same layers have stepped three times in a row (``_common.StepGraph``; docs/design.md,
+            "The update as a CUDA graph"); False runs every step eagerly.
 
     Factors and their captured contributions are kept in float32 (float64 for float64 weights)
     with autocast off. Captured contributions are folded into A and G inside ``step`` (never
@@ -135,7 +143,8 @@ class KFAC(GuardedOptimizer):
     def __init__(self, model: nn.Module, lr: float, damping: float = 1e-3, factor_decay: float = 0.95,
                  factor_update_freq: int = 1, inv_update_freq: int = 10, kl_clip: float | None = 1e-3,
                  momentum: float = 0.0, weight_decay: float = 0.0, batch_averaged: bool = True,
-                 grad_scaler: torch.amp.GradScaler | None = None, refresh: str = "eigh"):
+                 grad_scaler: torch.amp.GradScaler | None = None, refresh: str = "eigh", precision: str = "bf16",
+                 cuda_graph: bool = True):
         name = self._name
         check_arg(name, "model", type(model).__name__, isinstance(model, nn.Module), "must be a torch.nn.Module")
         check_arg(name, "lr", lr, is_real(lr) and lr > 0, "must be a finite number > 0")
@@ -155,6 +164,8 @@ class KFAC(GuardedOptimizer):
                   "must be a finite number >= 0")
         check_arg(name, "batch_averaged", batch_averaged, isinstance(batch_averaged, bool), "must be True or False")
         check_arg(name, "refresh", refresh, refresh in ("eigh", "qr"), "must be 'eigh' or 'qr'")
+        check_arg(name, "precision", precision, precision in ("bf16", "fp32"), "must be 'bf16' or 'fp32'")
+        check_arg(name, "cuda_graph", cuda_graph, isinstance(cuda_graph, bool), "must be True or False")
         check_arg(name, "grad_scaler", grad_scaler, grad_scaler is None or hasattr(grad_scaler, "get_scale"),
                   "must be a torch.amp.GradScaler or None")
         params = [p for p in model.parameters() if p.requires_grad]
@@ -165,6 +176,8 @@ class KFAC(GuardedOptimizer):
         self.factor_update_freq = factor_update_freq
         self.inv_update_freq = inv_update_freq
         self.refresh = refresh
+        self.precision = precision
+        self.cuda_graph = cuda_graph
         self.batch_averaged = batch_averaged
         self.grad_scaler = grad_scaler
         self.steps = 0  # completed K-FAC steps; saved in state_dict
@@ -183,6 +196,9 @@ class KFAC(GuardedOptimizer):
     def _init_caches(self) -> None:
         super()._init_caches()
         self._eigen_stacks: dict = {}  # see _stacked_eigen
+        self._stack_serial = 0  # counts the stacks made anew (a graph key holds it)
+        self._scalars = UpdateScalars()
+        self._graph = StepGraph(self._name)
 
     def _capturing(self, module: nn.Module) -> bool:
         self._guard.settle(wait=False)  # a skip already known takes its step back before the schedule is read
@@ -202,7 +218,7 @@ class KFAC(GuardedOptimizer):
                     a = x.reshape(-1, x.shape[-1])
                 if layer.bias is not None:
                     a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-                contrib = a.T @ a / a.shape[0]  # E[a a^T] over all rows (samples x positions)
+                contrib = bmm(a.T, a, self.precision, a.dtype) / a.shape[0]  # E[a a^T] over all rows
                 layer.A_sum = contrib if layer.A_sum is None else layer.A_sum + contrib
                 layer.A_count += 1
 
@@ -227,7 +243,7 @@ class KFAC(GuardedOptimizer):
                 g = g.reshape(batch, g.shape[-3], -1).transpose(1, 2)  # (B, T, out)
             g = g.reshape(-1, g.shape[-1])
             # G = T E[ds ds^T] with ds the per-sample loss's gradient: B g^T g for a batch-mean loss.
-            contrib = g.T @ g * (batch if self.batch_averaged else 1.0 / batch)
+            contrib = bmm(g.T, g, self.precision, g.dtype) * (batch if self.batch_averaged else 1.0 / batch)
             layer.G_sum = contrib if layer.G_sum is None else layer.G_sum + contrib
             layer.G_count += 1
 
@@ -271,23 +287,68 @@ class KFAC(GuardedOptimizer):
         state_dict.pop("kfac_steps", None)
         load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
         self.steps = steps
-        self._eigen_stacks.clear()
+        self._drop_stacks()
+        self._graph = StepGraph(self._name)  # its graphs read the old state's storage
         for layer in self._layers:
             layer.clear()
 
     # ------------------------------------------------------------------ step
 
     def _step(self) -> None:
-        """Fold captured factors, refresh eigendecompositions when due, precondition, clip, update."""
+        """Fold captured factors, refresh eigendecompositions when due, precondition, clip, update. The steps between
+        refreshes run as one CUDA graph once their key repeats (``_graph_key``)."""
         params = self._params_with_grads()
         fresh = [layer for layer in self._layers if "A" not in self.state[layer.weight]]
         ok, _ = self._guard.check([p.grad for p in params], lambda: self._undo(fresh))
-        self._fold_factors(ok)
-        self._update_eigen(self.steps % self.inv_update_freq == 0, ok)
-        updates = self._preconditioned(ok)
-        self._apply(updates, ok)
+        self._scalars.refresh(self.param_groups)
+        folding = [layer for layer in self._layers if layer.A_count and layer.G_count]
+        contribs = [layer.A_sum for layer in folding] + [layer.G_sum for layer in folding]
+        states = [self.state[layer.weight] for layer in self._layers]
+        refresh = (self.steps % self.inv_update_freq == 0 or any("A" in st and "QA" not in st for st in states)
+                   or any("A" not in self.state[layer.weight] for layer in folding))
+        body = functools.partial(self._update, folding, ok, refresh)
+        if params:
+            self._graph.run(None if refresh else self._graph_key(params, folding), params, body, inputs=contribs)
+        else:
+            body(contribs)
+        for layer in self._layers:
+            layer.clear()
         self.steps += 1
         self._guard.settle(wait=False)
+
+    def _update(self, folding: list, ok: dict, refresh: bool, contribs: list) -> None:
+        """The step's kernels: fold ``contribs`` (the A then the G contributions of the layers ``folding``), the
+        eigendecompositions when ``refresh``, preconditioning and update. Without a refresh (``StepGraph``'s
+        body) it reads the gradients, ``contribs``, the state and device scalars only, and changes no host
+        state but ``_stacked_eigen``'s cache."""
+        self._fold_factors(folding, contribs, ok)
+        if refresh:
+            self._update_eigen(self.steps % self.inv_update_freq == 0, ok)
+        self._apply(self._preconditioned(ok), ok)
+
+    def _graph_key(self, params: list, folding: list):
+        """What a step between refreshes bakes into a CUDA graph, or None where it cannot be replayed: which
+        parameters step and where their gradients and state live, which layers fold how many contributions of
+        which shapes, the hyperparameters but the learning rate (a device scalar), the loss scale's tensor and
+        the eigen stacks' generation."""
+        if not self.cuda_graph or not _on_one_cuda_device(params):
+            return None
+        scaler = self.grad_scaler
+        scale = scaler._get_scale_async() if scaler is not None and scaler.is_enabled() else None
+        groups = tuple((gi, tuple(v for k, v in sorted(group.items()) if k not in ("params", "lr")))
+                       for gi, group in enumerate(self.param_groups))
+        steps = []
+        for p in params:
+            buf = self.state[p].get("momentum_buffer") if p in self.state else None
+            steps.append((id(p), p.data_ptr(), p.grad.dtype, tuple(p.grad.shape),
+                          None if buf is None else buf.data_ptr()))
+        folds = []
+        for layer in folding:
+            state = self.state[layer.weight]
+            folds.append((id(layer), layer.A_count, layer.G_count, layer.A_sum.dtype, tuple(layer.A_sum.shape),
+                          tuple(layer.G_sum.shape), state["A"].data_ptr(), state["G"].data_ptr()))
+        return (self._stack_serial, self.factor_decay, self.precision, self.batch_averaged, groups, tuple(steps),
+                tuple(folds), None if scale is None else (scale.data_ptr(), scale.dtype))
 
     def _undo(self, fresh: list) -> None:
         """A skipped step: the step count goes back, and factors first created in that step are dropped."""
@@ -296,26 +357,31 @@ class KFAC(GuardedOptimizer):
             state = self.state[layer.weight]
             for key in _FACTOR_KEYS:
                 state.pop(key, None)
-        self._eigen_stacks.clear()
+        self._drop_stacks()
 
-    def _fold_factors(self, ok: dict) -> None:
-        """A <- lerp(A, A_new, 1 - factor_decay), G likewise, for the layers with contributions since the last step;
-        a layer whose contributions are not all finite, or any layer on a skipped step, keeps its factors. The
-        factors of one dtype and device fold in a handful of multi-tensor ops, not a dozen ops per layer."""
+    def _drop_stacks(self) -> None:
+        self._eigen_stacks.clear()
+        self._stack_serial += 1  # a graph that read the dropped stacks is never replayed
+
+    def _fold_factors(self, folding: list, contribs: list, ok: dict) -> None:
+        """A <- lerp(A, A_new, 1 - factor_decay), G likewise, for the layers ``folding`` with contributions
+        ``contribs`` (their A sums, then their G sums) since the last step; a layer whose contributions are not
+        all finite, or any layer on a skipped step, keeps its factors. The factors of one dtype and device fold
+        in a handful of multi-tensor ops, not a dozen ops per layer."""
         inv_scale2 = None
         if self.grad_scaler is not None and self.grad_scaler.is_enabled():
             scale = self.grad_scaler._get_scale_async()  # the scale of this iteration's backward (no sync)
             if scale is not None:
                 inv_scale2 = scale.double().reciprocal().square()
+        k_all = len(folding)
         groups: dict[tuple, list] = defaultdict(list)
-        for layer in self._layers:
-            if layer.A_count and layer.G_count:
-                groups[(layer.A_sum.dtype, layer.A_sum.device)].append(layer)
-        for (dtype, device), layers in groups.items():
-            k = len(layers)
-            news = torch._foreach_div([layer.A_sum for layer in layers] + [layer.G_sum for layer in layers],
-                                      [float(layer.A_count) for layer in layers] + [float(layer.G_count)
-                                                                                    for layer in layers])
+        for i, layer in enumerate(folding):
+            groups[(contribs[i].dtype, contribs[i].device)].append(i)
+        for (dtype, device), idx in groups.items():
+            k = len(idx)
+            news = torch._foreach_div([contribs[i] for i in idx] + [contribs[k_all + i] for i in idx],
+                                      [float(folding[i].A_count) for i in idx] + [float(folding[i].G_count)
+                                                                                 for i in idx])
             if inv_scale2 is not None:
                 torch._foreach_mul_(news[k:], inv_scale2.to(device=device, dtype=dtype))
             # max |x| per factor: NaN propagates through it, and inf/NaN fail "< inf"
@@ -324,20 +390,18 @@ class KFAC(GuardedOptimizer):
             if device in ok:
                 good = good & ok[device]
             olds, targets = [], []
-            for i, layer in enumerate(layers):
-                state = self.state[layer.weight]
-                for key, new in (("A", news[i]), ("G", news[k + i])):
+            for j, i in enumerate(idx):
+                state = self.state[folding[i].weight]
+                for key, new in (("A", news[j]), ("G", news[k + j])):
                     old = state.get(key)
                     if old is None:  # first fold: no bias towards an arbitrary start
                         eye = torch.eye(new.shape[0], dtype=new.dtype, device=new.device)
-                        state[key] = torch.where(good[i], new, eye)
+                        state[key] = torch.where(good[j], new, eye)
                     else:  # lerp towards the old factor itself where the contribution is dropped: no change
                         olds.append(old)
-                        targets.append(torch.where(good[i], new, old))
+                        targets.append(torch.where(good[j], new, old))
             if olds:
                 torch._foreach_lerp_(olds, targets, 1.0 - self.factor_decay)
-        for layer in self._layers:
-            layer.clear()
 
     def _update_eigen(self, force: bool, ok: dict) -> None:
         """Eigendecompositions of the factors due: one warm-started call per batch of about one size."""
@@ -354,8 +418,6 @@ class KFAC(GuardedOptimizer):
                 batch = [e for e in entries if e[0][e[1]].shape[0] >= top - max(1, int(_PAD_FRACTION * top))]
                 entries = entries[len(batch):]
                 self._eigen_batch(batch, top, ok.get(device), self.refresh)
-        if due:
-            self._eigen_stacks.clear()
 
     @staticmethod
     def _eigen_batch(entries: list, n: int, ok: torch.Tensor | None, refresh: str) -> None:
@@ -384,12 +446,21 @@ class KFAC(GuardedOptimizer):
             state["d" + key] = torch.where(good[i], new_d, old_d)
 
     def _stacked_eigen(self, key: tuple, layers: list) -> tuple:
-        """The eigen factors of same-shape layers stacked, kept until the next eigen update or load."""
+        """The eigen factors of same-shape layers stacked: restacked in place after a refresh (a step replayed as a
+        CUDA graph reads the stacks' storage), made anew when the layers change or after a load."""
         states = [self.state[layer.weight] for layer in layers]
         tensors = [s[k] for s in states for k in ("QG", "dG", "QA", "dA")]
         hit = self._eigen_stacks.get(key)
-        if hit is None or len(hit[0]) != len(tensors) or not all(a is b for a, b in zip(hit[0], tensors)):
-            hit = self._eigen_stacks[key] = (tensors, tuple(torch.stack(tensors[i::4]) for i in range(4)))
+        if hit is not None and len(hit[0]) == len(tensors) and all(a is b for a, b in zip(hit[0], tensors)):
+            return hit[1]
+        if hit is not None and len(hit[0]) == len(tensors) and all(
+                a.shape == b.shape and a.dtype == b.dtype for a, b in zip(hit[0], tensors)):
+            for i, out in enumerate(hit[1]):
+                torch.stack(tensors[i::4], out=out)
+            hit[0][:] = tensors
+            return hit[1]
+        self._stack_serial += 1
+        hit = self._eigen_stacks[key] = (tensors, tuple(torch.stack(tensors[i::4]) for i in range(4)))
         return hit[1]
 
     def _preconditioned(self, ok: dict) -> dict[torch.Tensor, torch.Tensor]:
@@ -428,8 +499,14 @@ class KFAC(GuardedOptimizer):
             if key[2] in ok:  # a skipped step's gradients may hold NaN/Inf: zeroed, its update is dropped anyway
                 grads = torch.where(ok[key[2]], grads, 0.0)
             QG, dG, QA, dA = self._stacked_eigen(key, [layer for layer, _ in items])
-            V = linalg.kron_precondition(grads, (QG, dG), (QA, dA), group["damping"])
-            vg = (V * grads).sum() * group["lr"] ** 2
+            if self.precision == "fp32" or key[1] == torch.float64:
+                V = linalg.kron_precondition(grads, (QG, dG), (QA, dA), group["damping"])
+            else:  # kron_precondition's four rotations with bfloat16 operands
+                V = bmm(bmm(QG.mT, grads, "bf16", key[1]), QA, "bf16", key[1])
+                V = bmm(bmm(QG, V / (dG[:, :, None] * dA[:, None, :] + group["damping"]), "bf16", key[1]), QA.mT,
+                        "bf16", key[1])
+            neg_lr = self._scalars.get(key[3], group, key[2], key[1])[0]
+            vg = (V * grads).sum() * neg_lr.square()
             vg_sums[key[3]] = vg if key[3] not in vg_sums else vg_sums[key[3]] + vg
             results.append((key[3], group, items, V))
         nus = {}
@@ -450,8 +527,9 @@ class KFAC(GuardedOptimizer):
         return updates
 
     def _apply(self, updates: dict[torch.Tensor, torch.Tensor], ok: dict) -> None:
-        for group in self.param_groups:
-            lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
+        """param <- param - lr d, the learning rate read on the device (``UpdateScalars``)."""
+        for gi, group in enumerate(self.param_groups):
+            mom, wd = group["momentum"], group["weight_decay"]
             params, dirs = [], []
             for p in group["params"]:
                 if p.grad is None:
@@ -464,9 +542,13 @@ class KFAC(GuardedOptimizer):
                 dirs.append(d)
             if not params:
                 continue
-            if mom == 0 and wd == 0:  # every direction is zero on a skipped step: one multi-tensor update
-                torch._foreach_add_(params, [d if d.dtype == p.dtype else d.to(p.dtype) for p, d in zip(params, dirs)],
-                                    alpha=-lr)
+            if mom == 0 and wd == 0:  # every direction is zero on a skipped step: multi-tensor updates
+                kinds: dict[tuple, list] = defaultdict(list)
+                for p, d in zip(params, dirs):
+                    kinds[(p.device, p.dtype)].append((p, d))
+                for (device, dtype), pairs in kinds.items():
+                    steps = torch._foreach_mul([d for _, d in pairs], self._scalars.get(gi, group, device, dtype)[0])
+                    torch._foreach_add_([p for p, _ in pairs], [d if d.dtype == dtype else d.to(dtype) for d in steps])
                 continue
             for p, d in zip(params, dirs):
                 flag = ok[p.device]
@@ -480,7 +562,12 @@ class KFAC(GuardedOptimizer):
                     else:
                         buf.copy_(torch.where(flag, buf * mom + d, buf))
                     d = buf
-                p.add_(torch.where(flag, d, 0.0).to(p.dtype), alpha=-lr)
+                neg_lr = self._scalars.get(gi, group, p.device, p.dtype)[0]
+                p.add_((torch.where(flag, d, 0.0) * neg_lr).to(p.dtype))
+
+
+def _on_one_cuda_device(params: list) -> bool:
+    return params[0].is_cuda and all(p.device == params[0].device for p in params)
 
 
 def _pad(S: torch.Tensor, n: int, diagonal: float | None = None) -> torch.Tensor:
