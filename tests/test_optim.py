@@ -627,7 +627,9 @@ def _make(opt_name, model, scaler=None):
         return Shampoo(model.parameters(), lr=0.03, precondition_frequency=2, start_preconditioning_step=1)
     if opt_name == "soap":
         return SOAP(model.parameters(), lr=0.05, precondition_frequency=2)
-    return KFAC(model, lr=0.05, inv_update_freq=2, grad_scaler=scaler)
+    # float32 products: the scaled and unscaled runs' float16 gradients differ by their rounding, which bfloat16
+    # products would round apart further than the tolerance below
+    return KFAC(model, lr=0.05, inv_update_freq=2, grad_scaler=scaler, precision="fp32")
 
 
 def _stats(opt):

@@ -26,9 +26,10 @@ makers = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
           "kfac_fp32_eager": lambda m: KFAC(m, lr=1e-3, precision="fp32", cuda_graph=False),
           "kfac_bf16_eager": lambda m: KFAC(m, lr=1e-3, cuda_graph=False),
           "kfac_norefresh": lambda m: KFAC(m, lr=1e-3, inv_update_freq=10 ** 6),
+          "kfac_fp32_norefresh": lambda m: KFAC(m, lr=1e-3, inv_update_freq=10 ** 6, precision="fp32"),
           "kfac_qr": lambda m: KFAC(m, lr=1e-3, refresh="qr")}
 opts = {}
-for rnd in range(2):
+for rnd in range(int(os.environ.get("ROUNDS", 2))):
     line = []
     for name, make in makers.items():
         if name not in opts:
@@ -50,6 +51,8 @@ for i in range(20):
 print("kfac synchronized steps (ms):", " ".join(f"{t:.2f}" for t in times), "| steps mod 10 at the first:",
       (opt.steps - 20) % 10, flush=True)
 
+if not os.environ.get("TRACE"):
+    sys.exit(0)
 from torch.profiler import ProfilerActivity, profile
 
 while opt.steps % 10 != 9:

@@ -42,8 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import opmath_dtype
-from ._common import (GuardedOptimizer, StepGraph, UpdateScalars, bmm, check_arg, check_state_dict, eigh, is_int,
-                      is_real, load_state_dict_keeping_dtypes, no_autocast)
+from ._common import (GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg, check_state_dict,
+                      eigh, is_int, is_real, load_state_dict_keeping_dtypes, no_autocast)
 from .soap import power_step, rayleigh_quotients
 
 _STAT_KEYS = frozenset({"A", "G", "QA", "dA", "QG", "dG", "momentum_buffer"})
@@ -218,7 +218,8 @@ class KFAC(GuardedOptimizer):
                     a = x.reshape(-1, x.shape[-1])
                 if layer.bias is not None:
                     a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-                contrib = bmm(a.T, a, self.precision, a.dtype) / a.shape[0]  # E[a a^T] over all rows
+                dtype, a = a.dtype, as_operand(a, self.precision)  # rounded once for both operands
+                contrib = bmm(a.T, a, self.precision, dtype) / a.shape[0]  # E[a a^T] over all rows
                 layer.A_sum = contrib if layer.A_sum is None else layer.A_sum + contrib
                 layer.A_count += 1
 
@@ -243,7 +244,8 @@ class KFAC(GuardedOptimizer):
                 g = g.reshape(batch, g.shape[-3], -1).transpose(1, 2)  # (B, T, out)
             g = g.reshape(-1, g.shape[-1])
             # G = T E[ds ds^T] with ds the per-sample loss's gradient: B g^T g for a batch-mean loss.
-            contrib = bmm(g.T, g, self.precision, g.dtype) * (batch if self.batch_averaged else 1.0 / batch)
+            dtype, g = g.dtype, as_operand(g, self.precision)
+            contrib = bmm(g.T, g, self.precision, dtype) * (batch if self.batch_averaged else 1.0 / batch)
             layer.G_sum = contrib if layer.G_sum is None else layer.G_sum + contrib
             layer.G_count += 1
 
@@ -440,8 +442,10 @@ class KFAC(GuardedOptimizer):
         for i, ((state, key), f) in enumerate(zip(entries, factors)):
             k, pad = f.shape[0], first[i]
             new_Q, new_d = Q[i, :k, pad:pad + k], d[i, pad:pad + k].clamp_min(0.0)
-            old_Q = state.get("Q" + key, torch.eye(k, dtype=f.dtype, device=f.device))
-            old_d = state.get("d" + key, torch.zeros(k, dtype=f.dtype, device=f.device))
+            old_Q, old_d = state.get("Q" + key), state.get("d" + key)
+            if old_Q is None:  # a factor's first decomposition
+                old_Q = torch.eye(k, dtype=f.dtype, device=f.device)
+                old_d = torch.zeros(k, dtype=f.dtype, device=f.device)
             state["Q" + key] = torch.where(good[i], new_Q, old_Q)
             state["d" + key] = torch.where(good[i], new_d, old_d)
 
