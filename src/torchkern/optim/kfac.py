@@ -29,6 +29,10 @@ by a few percent at most (a layer's A with its bias column, n + 1, next to anoth
 is padded to the largest size, for ``eigh`` with a diagonal block far below its spectrum (minus its trace), whose
 eigenpairs come first in ascending order and are dropped, for the power step with zeros and an identity basis,
 which it keeps apart and last. The preconditioning products of same-shape layers are batched.
+
+The factors' products and the preconditioning's rotations take bfloat16 operands by default (``precision``), and
+on CUDA the steps between refreshes (fold, preconditioning, update) replay as one CUDA graph
+(``_common.StepGraph``; docs/design.md, "Kronecker preconditioning and K-FAC").
 """
 
 from __future__ import annotations
