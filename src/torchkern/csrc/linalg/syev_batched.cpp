@@ -14,17 +14,11 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/eye.h>
-#include <ATen/ops/gather.h>
 #include <ATen/ops/linalg_eigh.h>
-#include <ATen/ops/ne.h>
-#include <ATen/ops/scalar_tensor.h>
-#include <ATen/ops/sort.h>
-#include <ATen/ops/where.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <cmath>
 #include <unordered_map>
 #include <vector>
 
@@ -111,7 +105,7 @@ Handle handle_for_current_device() {
 
 bool syev_batched_available() { return api().solve != nullptr; }
 
-std::tuple<at::Tensor, at::Tensor> syev_batched(at::Tensor X) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> syev_batched(at::Tensor X) {
   TORCHKERN_OP("eigh");
   const Api& a = api();
   const int64_t B = X.size(0), n = X.size(1);
@@ -135,15 +129,7 @@ std::tuple<at::Tensor, at::Tensor> syev_batched(at::Tensor X) {
                    w.mutable_data_ptr(), type, work.mutable_data_ptr(), device_bytes, host_work.data(), host_bytes,
                    info.mutable_data_ptr<int>(), B);
   TORCHKERN_CHECK(status == kSuccess, "cusolverDnXsyevBatched failed with status ", status);
-  // Sorted again: the routine can leave the copies of a repeated eigenvalue out of order by an ulp (seen on an
-  // H200, cuSOLVER 12.0 of CUDA 13.0), and the contract is ascending. The rows of V follow.
-  const auto [sorted, order] = at::sort(w, /*dim=*/1);
-  V = at::gather(V, 1, order.unsqueeze(2).expand({B, n, n}));
-  const at::Tensor failed = at::ne(info, 0);  // not converged: NaN, never a silent wrong answer
-  const at::Tensor nan = at::scalar_tensor(NAN, w.options());
-  w = at::where(failed.view({B, 1}), nan, sorted);
-  V = at::where(failed.view({B, 1, 1}), nan, V.transpose(1, 2));
-  return {w, V};
+  return {w, V, info};
 }
 
 }  // namespace torchkern

@@ -13,10 +13,12 @@ namespace torchkern {
 // loaded (torchkern does not link cuSOLVER itself: torch loads it lazily, under a soname that follows its CUDA).
 bool syev_batched_available();
 
-// Eigenvalues (ascending) and eigenvectors (columns) of X [B, n, n], symmetric, float32 or float64, on the
-// current stream. A contiguous X is overwritten (pass a temporary). A matrix the routine reports as not converged
-// comes back NaN (never the case for the scaled, symmetrized matrices eigh.cu passes; eigh's Python wrapper names
-// it if it ever happens).
-std::tuple<at::Tensor, at::Tensor> syev_batched(at::Tensor X);
+// cuSOLVER's decomposition of X [B, n, n], symmetric, float32 or float64, on the current stream: (w [B, n], the
+// eigenvalues as the routine leaves them, V [B, n, n] with the eigenvectors as its rows, info [B] int, nonzero for
+// a matrix that did not converge). A contiguous X is overwritten (pass a temporary). The caller sorts (the routine
+// can leave the copies of a repeated eigenvalue out of order by an ulp: seen on an H200, cuSOLVER 12.0 of CUDA
+// 13.0) and makes the matrices with info != 0 NaN (never the case for the scaled, symmetrized matrices eigh.cu
+// passes; eigh's Python wrapper names them if it ever happens).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> syev_batched(at::Tensor X);
 
 }  // namespace torchkern
