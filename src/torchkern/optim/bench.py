@@ -14,8 +14,8 @@ loop; over several periods that artifact weighs little.
 impls: ``torchkern`` (the case's optimizer at its defaults; Shampoo with Adam grafting), ``adam``/``adamw``
 (torch.optim.Adam/AdamW, their default foreach path), ``adam_fused``/``adamw_fused`` (``fused=True``, CUDA
 only), for Shampoo ``shampoo_bf16`` (``precision="bf16"``), for SOAP ``soap_fp32`` (``precision="fp32"``)
-and ``soap_eigh`` (``refresh="eigh"``), for K-FAC ``kfac_qr`` (``refresh="qr"``) and ``kfac_fp32``
-(``precision="fp32"``). Divide a row's time by 100 for the per-step time; ratio = impl time / torchkern time, so
+and ``soap_eigh`` (``refresh="eigh"``), for K-FAC ``kfac_qr`` (``refresh="qr"``) and ``kfac_bf16``
+(``precision="bf16"``). Divide a row's time by 100 for the per-step time; ratio = impl time / torchkern time, so
 the bars read: Shampoo <= 2x Adam as ratio >= 0.5 on shampoo_train's ``adam`` row, SOAP <= 2x AdamW as ratio >= 0.5
 on soap_train's ``adamw`` row, K-FAC <= 3x Adam as ratio >= 0.33 on kfac_train's ``adam`` row.
 """
@@ -63,7 +63,7 @@ def _optimizers(kind: str, device: str) -> dict:
         out["adam_fused"] = lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, fused=True)
     if kind == "kfac":
         out["kfac_qr"] = lambda m: KFAC(m, lr=1e-3, refresh="qr")
-        out["kfac_fp32"] = lambda m: KFAC(m, lr=1e-3, precision="fp32")
+        out["kfac_bf16"] = lambda m: KFAC(m, lr=1e-3, precision="bf16")
     if kind == "shampoo":
         out["shampoo_bf16"] = lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
                                                 precision="bf16")

@@ -30,7 +30,7 @@ is padded to the largest size, for ``eigh`` with a diagonal block far below its 
 eigenpairs come first in ascending order and are dropped, for the power step with zeros and an identity basis,
 which it keeps apart and last. The preconditioning products of same-shape layers are batched.
 
-The factors' products and the preconditioning's rotations take bfloat16 operands by default (``precision``), and
+The factors' products and the preconditioning's rotations can take bfloat16 operands (``precision="bf16"``), and
 on CUDA the steps between refreshes (fold, preconditioning, update) replay as one CUDA graph
 (``_common.StepGraph``; docs/design.md, "Kronecker preconditioning and K-FAC").
 """
@@ -114,10 +114,12 @@ class KFAC(GuardedOptimizer):
             output gradients carry the loss scale, which ``scaler.unscale_`` does not see; K-FAC
             divides it out of G with this scaler's current scale. Required for correct G under
             GradScaler.
-        precision: ``"bf16"`` (the default: the factors' products ``a^T a``, ``g^T g`` and the preconditioning's
-            four rotations with bfloat16 operands, float32 accumulation and results) or ``"fp32"`` (float32
-            products, e.g. for exactness checks; they follow torch's global TF32 switch, never touched here).
-            Float64 parameters ignore it. The eigendecompositions are float32 (float64) either way.
+        precision: ``"fp32"`` (the default: float32 products; they follow torch's global TF32 switch, never
+            touched here) or ``"bf16"`` (the factors' products ``a^T a``, ``g^T g`` and the preconditioning's four
+            rotations with bfloat16 operands, float32 accumulation and results: the quality suite's losses matched
+            float32's, but on the benchmark's MLP, whose bias columns make sizes of 1025, cuBLAS's bfloat16
+            kernels for such unaligned sizes were slower than float32's). Float64 parameters ignore it. The
+            eigendecompositions are float32 (float64) either way.
         cuda_graph: on CUDA, replay the steps between refreshes (fold, preconditioning, update) as one CUDA graph
             once the same layers have stepped three times in a row (``_common.StepGraph``; docs/design.md,
             "The update as a CUDA graph"); False runs every step eagerly.
@@ -147,7 +149,7 @@ class KFAC(GuardedOptimizer):
     def __init__(self, model: nn.Module, lr: float, damping: float = 1e-3, factor_decay: float = 0.95,
                  factor_update_freq: int = 1, inv_update_freq: int = 10, kl_clip: float | None = 1e-3,
                  momentum: float = 0.0, weight_decay: float = 0.0, batch_averaged: bool = True,
-                 grad_scaler: torch.amp.GradScaler | None = None, refresh: str = "eigh", precision: str = "bf16",
+                 grad_scaler: torch.amp.GradScaler | None = None, refresh: str = "eigh", precision: str = "fp32",
                  cuda_graph: bool = True):
         name = self._name
         check_arg(name, "model", type(model).__name__, isinstance(model, nn.Module), "must be a torch.nn.Module")
