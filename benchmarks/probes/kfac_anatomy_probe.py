@@ -7,7 +7,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from _timing import best_ms_per_step, mse_steps, per_call
+from _timing import bench_mlp_data, best_ms_per_step, mse_steps, per_call
 
 sys.path.insert(0, "../../src")
 from torchkern import linalg
@@ -16,9 +16,7 @@ from torchkern.optim.bench import _mlp
 
 dev = "cuda"
 print("torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
-g = torch.Generator(device=dev).manual_seed(1)
-x = torch.randn(1024, 1024, device=dev, generator=g)
-y = torch.randn(1024, 1024, device=dev, generator=g)
+x, y = bench_mlp_data(dev)
 
 makers = {"adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
           "kfac": lambda m: KFAC(m, lr=1e-3),
