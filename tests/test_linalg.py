@@ -790,6 +790,30 @@ def test_eigh_warm_start_decomposes_the_symmetric_part(device, n):
         assert (w.double() - w_cold.double()).abs().max().item() <= tol
 
 
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("n", [48, 100, 200])  # CUDA: the in-block kernel, its warm start's ATen rotations, blocks
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_eigh_tolerance(device, n, warm):
+    # a looser tol stops the Jacobi kernels sooner: the residual within it, orthogonality unchanged (the rotations
+    # are orthogonal however many there are), eigenvalues ascending; the default keeps the full accuracy. The CPU
+    # (LAPACK) and cuSOLVER ignore it: "jacobi" here, so that CUDA runs the kernels
+    A = spectrum("random", n, batch=(3,))
+    Q0 = torch.linalg.eigh(A + 1e-2 * torch.eye(n, dtype=A.dtype) * torch.randn(3, n, 1, generator=_GEN,
+                                                                                  dtype=A.dtype))[1]
+    eye = torch.eye(n, dtype=torch.float64)
+    for tol in (1e-2, 1e-4, None):
+        w, V = linalg.eigh(A.float().to(device), Q0.float().to(device) if warm else None,
+                           solver="jacobi" if device != "cpu" else "auto", tol=tol)
+        w, V = w.double().cpu(), V.double().cpu()
+        if tol is None:
+            check_eigh(A, w, V, torch.float32)
+            continue
+        norm = torch.linalg.matrix_norm(A)
+        res = (torch.linalg.matrix_norm(A @ V - V * w.unsqueeze(-2)) / norm).max().item()
+        orth = torch.linalg.matrix_norm(V.mT @ V - eye, 2).max().item()  # rotations stay orthogonal at any tol
+        assert res <= tol and orth <= 1e-5 and bool((w.diff(dim=-1) >= 0).all()), (tol, res, orth)
+
+
 def test_eigh_is_differentiable():
     # the symmetric part is decomposed, so gradcheck may perturb A freely; the gradient is symmetric
     A = spectrum("random", 5, batch=(2,)).requires_grad_(True)
@@ -811,6 +835,7 @@ def test_eigh_opcheck(device):
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A[0], Q0[0]))
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A.double().requires_grad_(True), None))
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A, None, "jacobi"))
+    torch.library.opcheck(torch.ops.torchkern.eigh.default, (A, Q0, "jacobi", 1e-4))
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -879,6 +904,12 @@ def test_eigh_bad_inputs():
     for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():  # the twin's message and the kernel's
         with _raises("torchkern.eigh: solver must be 'auto' or 'jacobi', got 'qr'"):
             linalg.eigh(A.to(device), solver="qr")
+        with _raises("torchkern.eigh: tol must be None or a number in [1e-06, 1) for float32 input, got 1e-09"):
+            linalg.eigh(A.to(device), tol=1e-9)
+        with _raises("torchkern.eigh: tol must be None or a number in [1e-13, 1) for float64 input, got 2"):
+            linalg.eigh(A.double().to(device), tol=2.0)
+        with _raises("torchkern.eigh: tol must be None or a number in [1e-06, 1) for float16 input, got nan"):
+            linalg.eigh(A.half().to(device), tol=float("nan"))
     if torch.cuda.is_available():
         with _raises("torchkern.eigh: Q0 must be on cuda:0 like A, got cpu"):
             linalg.eigh(A.cuda(), torch.eye(4))

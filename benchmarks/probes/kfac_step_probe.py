@@ -4,6 +4,7 @@ batch 1024), Adam beside it on the same host.
     python kfac_step_probe.py             # ROUNDS (2) rounds: bfloat16 / float32 products, CUDA graph / eager, without
                                           # refreshes, refresh="qr"; the synchronized cost of each step around a refresh;
                                           # TRACE=1: a torch.profiler trace of a refresh step ($OUT/kfac_refresh_trace.json)
+    python kfac_step_probe.py --tol       # the refresh's eigh at looser tolerances (sweeps, residual), K-FAC's step
     python kfac_step_probe.py --anatomy   # where the step goes: GPU busy time and top kernels per step, the refresh
                                           # alone, its eigh alone (sweeps from a profile), the every-step products at
                                           # float32 / TF32 / bfloat16 (call 1, on the thirteenth session's K-FAC)
@@ -166,5 +167,50 @@ def step_ab() -> None:
         print(f"   {k.self_device_time_total / 1e3:8.3f} ms {k.count:5d}x  {k.key[:90]}")
 
 
+def tolerance() -> None:
+    """The refresh's eigh at looser stopping tolerances: on the eight factors and bases of a real refresh (captured
+    from a K-FAC run), time, sweeps (from a profile) and residual per tol; then K-FAC's step with each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from torchkern.optim import kfac as kfac_module
+
+    m = _mlp(1024, 4, dev)
+    opt = KFAC(m, lr=1e-3)
+    run = mse_steps(m, opt, x, y, set_to_none=False)
+    run(95)
+    captured, real = [], kfac_module.eigh
+
+    def grab(S, Q0=None, tol=None):
+        if Q0 is not None:
+            captured.append((S.clone(), Q0.clone()))
+        return real(S, Q0, tol)
+
+    kfac_module.eigh = grab
+    while not captured:
+        run(1)
+    kfac_module.eigh = real
+    S, Q0 = captured[0]
+    norm = S.double().flatten(1).norm(dim=1)
+    for tol in (None, 1e-5, 1e-4, 1e-3, 1e-2):
+        ms = per_call(lambda: linalg.eigh(S, Q0, tol=tol), 3) * 1e3
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            w, V = linalg.eigh(S, Q0, tol=tol)
+            torch.cuda.synchronize()
+        sweeps = sum(k.count for k in prof.key_averages() if "offdiag_rows" in k.key)
+        Sd, Vd = S.double(), V.double()
+        res = ((Sd @ Vd - Vd * w.double().unsqueeze(-2)).flatten(1).norm(dim=1) / norm).max().item()
+        print(f"refresh eigh 8x1025 tol {tol}: {ms:.2f} ms, sweeps {sweeps}, residual {res:.1e}", flush=True)
+    ma = _mlp(1024, 4, dev)
+    oa = torch.optim.Adam(ma.parameters(), lr=1e-3)
+    for rnd in range(2):
+        line = [f"adam={best_ms_per_step(mse_steps(ma, oa, x, y, set_to_none=False), 100):.3f}"]
+        for tol in (None, 1e-4, 1e-3):
+            kfac_module._EIGH_TOL = tol
+            mk = _mlp(1024, 4, dev)
+            line.append(f"kfac tol {tol}={best_ms_per_step(mse_steps(mk, KFAC(mk, lr=1e-3), x, y, False), 100):.3f}")
+        kfac_module._EIGH_TOL = None
+        print(f"round {rnd} ms/step:", " ".join(line), flush=True)
+
+
 if __name__ == "__main__":
-    anatomy() if "--anatomy" in sys.argv else step_ab()
+    {"--anatomy": anatomy, "--tol": tolerance}.get(sys.argv[-1], step_ab)()

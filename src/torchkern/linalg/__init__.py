@@ -55,7 +55,8 @@ def _raise_nonfinite(G: torch.Tensor, bad: torch.Tensor, op: str = "matrix_inver
     fail(op, f"{name} contains NaN or Inf in the matrices at batch indices {_batch_indices(bad, batch)}")
 
 
-def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto",
+         tol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Eigendecomposition of symmetric matrices: ``A = V diag(w) V^T``, returns ``(w, V)``.
 
     Same contract as ``torch.linalg.eigh``: eigenvalues ``w`` (..., n) in ascending order, orthonormal
@@ -76,6 +77,11 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
             nothing from it.
         solver: ``"auto"`` (the fastest of the solvers below for the shape, measured) or ``"jacobi"`` (the
             Jacobi kernels at every size, e.g. to compare them). CPU: LAPACK either way.
+        tol: where the Jacobi kernels stop: a matrix is done once its off-diagonal norm is at most
+            ``tol * ||A||_F`` (residual and orthogonality then of that order). None: the smallest, and the
+            default, 1e-6 for float32 and the half types, 1e-13 for float64; a looser one saves sweeps where
+            less accuracy will do (an optimizer's preconditioner under its damping). cuSOLVER and LAPACK solve
+            to working precision whatever it is.
 
     Returns:
         ``(w, V)`` with A's dtype; V is contiguous.
@@ -99,7 +105,7 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
     large batches up to n = 256; its one-matrix solver for cold starts of fewer than 8 matrices from n = 704
     (docs/design.md, "Symmetric eigensolver").
     """
-    w, V = torch.ops.torchkern.eigh(A, Q0, solver)
+    w, V = torch.ops.torchkern.eigh(A, Q0, solver, tol)
     if w.numel() and bool(torch.isnan(w).any()):  # the one sync; only on this rare path is A looked at
         for name, X in (("A", A), ("Q0", Q0)):
             bad = ~torch.isfinite(X).flatten(-2).all(-1) if X is not None else None

@@ -38,8 +38,8 @@ define("kron(Tensor A, Tensor B) -> Tensor", twin=twins.kron, fake=_kron_fake,
        backward=_kron_backward, setup_context=save_inputs)
 
 
-def _eigh_fake(A, Q0=None, solver="auto"):
-    twins.check_eigh_args(A, Q0, solver)
+def _eigh_fake(A, Q0=None, solver="auto", tol=None):
+    twins.check_eigh_args(A, Q0, solver, tol)
     return A.new_empty(A.shape[:-1]), torch.empty_like(A, memory_format=torch.contiguous_format)
 
 
@@ -49,11 +49,12 @@ def _eigh_setup(ctx, inputs, output) -> None:
 
 def _eigh_backward(ctx, grad_w, grad_V):
     w, V = ctx.saved_tensors
-    return twins.eigh_backward(w, V, grad_w, grad_V), None, None
+    return twins.eigh_backward(w, V, grad_w, grad_V), None, None, None
 
 
 # Outputs: eigenvalues ascending (..., n) and eigenvectors as columns (..., n, n), of the symmetric part of A
 # (NaN for a matrix with a NaN or Inf entry). Q0: a previous eigenbasis to start from (not differentiated).
 # solver: "auto" (CUDA: cuSOLVER where it is faster, docs/design.md) or "jacobi" (the Jacobi kernels at every size).
-define("eigh(Tensor A, Tensor? Q0=None, str solver=\"auto\") -> (Tensor, Tensor)", twin=twins.eigh, fake=_eigh_fake,
-       backward=_eigh_backward, setup_context=_eigh_setup)
+# tol: the Jacobi kernels' stopping tolerance (off-diagonal norm relative to ||A||_F), None for the dtype's smallest.
+define("eigh(Tensor A, Tensor? Q0=None, str solver=\"auto\", float? tol=None) -> (Tensor, Tensor)", twin=twins.eigh,
+       fake=_eigh_fake, backward=_eigh_backward, setup_context=_eigh_setup)

@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import torch
 
-from .constants import (LANCZOS_MIN_N, LANCZOS_STEPS, NEWTON_ACCEPT, RITZ_HEDGE, SCALE_FLOOR, STALL_BELOW,
-                        STALL_RATIO)
+from .constants import (EIGH_TOL_F32, EIGH_TOL_F64, LANCZOS_MIN_N, LANCZOS_STEPS, NEWTON_ACCEPT, RITZ_HEDGE,
+                        SCALE_FLOOR, STALL_BELOW, STALL_RATIO)
 from .._checks import (check, check_float, check_same_device, check_same_dtype, check_same_shape, dtype_name, fail,
                        opmath_dtype, shape)
 
@@ -283,10 +283,14 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
 EIGH_SOLVERS = ("auto", "jacobi")
 
 
-def check_eigh_args(A: torch.Tensor, Q0: torch.Tensor | None, solver: str = "auto") -> None:
+def check_eigh_args(A: torch.Tensor, Q0: torch.Tensor | None, solver: str = "auto", tol: float | None = None) -> None:
     op = "eigh"
     check(solver in EIGH_SOLVERS, op, f"solver must be 'auto' or 'jacobi', got {solver!r}")
     check_float(op, "A", A)
+    if tol is not None:  # the Jacobi kernels' stopping rule: never below what the dtype resolves
+        low, number = EIGH_TOL_F64 if A.dtype == torch.float64 else EIGH_TOL_F32, isinstance(tol, (int, float))
+        check(number and low <= tol < 1, op, f"tol must be None or a number in [{low:g}, 1) for "
+              f"{dtype_name(A.dtype)} input, got {f'{tol:g}' if number else repr(tol)}")
     check(A.dim() >= 2 and A.shape[-1] == A.shape[-2], op,
           f"A must have shape [..., n, n] (square matrices), got {shape(A)}")
     if Q0 is not None:
@@ -316,7 +320,8 @@ def pow2_scale(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return times_pow2(X, -e[..., None, None]), e
 
 
-def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, solver: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, solver: str = "auto",
+         tol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Twin of ``torchkern::eigh``: (eigenvalues ascending, eigenvectors as columns) of the symmetric part of A.
 
     The same preparation as the kernels: a matrix with a NaN or Inf entry is replaced by zeros (its outputs
@@ -324,9 +329,10 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, solver: str = "auto") 
     a power of two (max |a| in [0.5, 1)) and symmetrized; with ``Q0``, ``Q0^T A Q0`` is decomposed and its
     eigenvectors rotated back by ``Q0`` (NaN outputs where that product is not finite). Then torch.linalg.eigh
     in the compute dtype (float32 for the half types). Outputs have A's dtype; the eigenvectors are contiguous.
-    ``solver`` chooses among the CUDA kernel's solvers; here it is only checked.
+    ``solver`` chooses among the CUDA kernel's solvers and ``tol`` sets their stopping rule; here both are only
+    checked (LAPACK solves to working precision).
     """
-    check_eigh_args(A, Q0, solver)
+    check_eigh_args(A, Q0, solver, tol)
     if A.numel() == 0:
         return A.new_empty(A.shape[:-1]), torch.empty_like(A, memory_format=torch.contiguous_format)
     cdt = opmath_dtype(A.dtype)

@@ -513,8 +513,10 @@ def no_autocast() -> contextlib.ExitStack:
 # ----------------------------------------------------------------------------- eigendecompositions
 
 
-def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eigenvalues (ascending) and eigenvectors of a batch of symmetric matrices (..., n, n).
+def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None,
+         tol: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues (ascending) and eigenvectors of a batch of symmetric matrices (..., n, n); ``tol``: the Jacobi
+    kernels' stopping tolerance (:func:`torchkern.linalg.eigh`).
 
     ``torch.ops.torchkern.eigh`` (:func:`torchkern.linalg.eigh` without its NaN check, so no host sync; a
     non-finite result is NaN, which the callers' guards drop), warm-started from the previous basis ``Q0``:
@@ -524,7 +526,7 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None) -> tuple[torch.Tensor,
     """
     try:
         if hasattr(torch.ops.torchkern, "eigh"):
-            return torch.ops.torchkern.eigh(A, Q0)
+            return torch.ops.torchkern.eigh(A, Q0, "auto", tol)
         return torch.linalg.eigh(A)
     except torch.linalg.LinAlgError:
         if A.dtype == torch.float64:

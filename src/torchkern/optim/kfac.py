@@ -55,6 +55,8 @@ _FACTOR_KEYS = ("A", "G", "QA", "dA", "QG", "dG")
 # Factors within this fraction of a batch's largest size (or one smaller) are padded into its eigh call (the
 # padding's cost, (1 / 0.95)^3 - 1 = 17% at most for one matrix, against a second call).
 _PAD_FRACTION = 0.05
+# The refreshes' eigh stopping tolerance (torchkern.linalg.eigh's tol; None: the dtype's smallest)
+_EIGH_TOL = None
 
 
 class _Layer:
@@ -440,7 +442,7 @@ class KFAC(GuardedOptimizer):
         else:
             S = torch.stack([_pad(f, n) for f in factors])
             Q0 = torch.stack([_pad_basis(state["Q" + key], n) for state, key in entries]) if warm else None
-            d, Q = eigh(S, Q0)
+            d, Q = eigh(S, Q0, _EIGH_TOL)
             first = [n - f.shape[0] for f in factors]  # the padding's pairs come first
         good = torch.isfinite(d).all(dim=-1) & torch.isfinite(Q).flatten(1).all(dim=1)
         if ok is not None:

@@ -751,12 +751,16 @@ std::tuple<at::Tensor, at::Tensor> eigh_syev_batched(const at::Tensor& X, const 
 }
 
 std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::optional<at::Tensor>& warm_start,
-                                             c10::string_view solver_choice) {
+                                             c10::string_view solver_choice, c10::optional<double> tol_choice) {
   TORCHKERN_OP("eigh");
   const bool jacobi_only = solver_choice == "jacobi";
   TORCHKERN_CHECK(jacobi_only || solver_choice == "auto", "solver must be 'auto' or 'jacobi', got '",
                   std::string(solver_choice), "'");
   TORCHKERN_CHECK_FLOAT(A);
+  const double min_tol = A.scalar_type() == at::kDouble ? TORCHKERN_EIGH_TOL_F64 : TORCHKERN_EIGH_TOL_F32;
+  TORCHKERN_CHECK(!tol_choice.has_value() || (*tol_choice >= min_tol && *tol_choice < 1.0),
+                  "tol must be None or a number in [", min_tol, ", 1) for ", A.scalar_type(), " input, got ",
+                  tol_choice.value_or(0.0));
   TORCHKERN_CHECK(A.dim() >= 2 && A.size(-1) == A.size(-2), "A must have shape [..., n, n] (square matrices), got ",
                   A.sizes());
   if (warm_start.has_value()) {
@@ -774,7 +778,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   if (A.numel() == 0) return {at::empty(w_shape, A.options()), at::empty(A.sizes(), A.options())};
   const int64_t B = A.numel() / (n * n);
   const bool f64 = A.scalar_type() == at::kDouble;
-  const double tol = f64 ? TORCHKERN_EIGH_TOL_F64 : TORCHKERN_EIGH_TOL_F32;
+  const double tol = tol_choice.value_or(min_tol);  // the Jacobi kernels' stopping rule; cuSOLVER has none
   // the in-block kernel and cuSOLVER compute in float32 (float64 for float64 input); the block method in float64
   const bool small = n <= kSmallMaxN && (f64 ? jacobi::fits<double>(n) : jacobi::fits<float>(n));
   const at::ScalarType cdt = f64 ? at::kDouble : at::kFloat;
