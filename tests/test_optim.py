@@ -627,9 +627,9 @@ def _make(opt_name, model, scaler=None):
         return Shampoo(model.parameters(), lr=0.03, precondition_frequency=2, start_preconditioning_step=1)
     if opt_name == "soap":
         return SOAP(model.parameters(), lr=0.05, precondition_frequency=2)
-    # float32 products: the scaled and unscaled runs' float16 gradients differ by their rounding, which bfloat16
-    # products would round apart further than the tolerance below
-    return KFAC(model, lr=0.05, inv_update_freq=2, grad_scaler=scaler, precision="fp32")
+    # float32 products and full-accuracy decompositions: the scaled and unscaled runs' float16 gradients differ by
+    # their rounding, which bfloat16 products or a looser eigh stop could carry further than the tolerance below
+    return KFAC(model, lr=0.05, inv_update_freq=2, grad_scaler=scaler, precision="fp32", eigh_tol=None)
 
 
 def _stats(opt):
@@ -847,7 +847,8 @@ def test_shampoo_bad_hyperparameters(kwargs, name):
                                                                                     "weight_decay"),
     (dict(factor_update_freq=0), "factor_update_freq"), (dict(inv_update_freq=-2), "inv_update_freq"),
     (dict(kl_clip=0.0), "kl_clip"), (dict(momentum=1.5), "momentum"), (dict(weight_decay=-1.0), "weight_decay"),
-    (dict(grad_scaler=3), "grad_scaler"), (dict(refresh="lu"), "refresh"),
+    (dict(grad_scaler=3), "grad_scaler"), (dict(refresh="lu"), "refresh"), (dict(eigh_tol=0.0), "eigh_tol"),
+    (dict(eigh_tol=1.0), "eigh_tol"), (dict(precision="tf32"), "precision"), (dict(cuda_graph=1), "cuda_graph"),
 ])
 def test_kfac_bad_hyperparameters(kwargs, name):
     kwargs = {"lr": 0.1, **kwargs}
@@ -1683,6 +1684,29 @@ def test_kfac_batches_factor_eigendecompositions_into_one_call(monkeypatch):
             assert Q.shape == (n, n) and d.shape == (n,)
             torch.testing.assert_close(Q.T @ Q, torch.eye(n), atol=1e-5, rtol=0)
             torch.testing.assert_close((Q * d) @ Q.T, state[key], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("eigh_tol, dtype, expected", [
+    ("default", torch.float32, 1e-4), (None, torch.float32, None), (1e-9, torch.float32, 1e-6),
+    (1e-9, torch.float64, 1e-9), (1e-3, torch.float64, 1e-3)])
+def test_kfac_eigh_tol_reaches_the_eigendecompositions(monkeypatch, eigh_tol, dtype, expected):
+    # the refreshes' stopping tolerance, never below what the factors' dtype resolves (eigh's smallest)
+    import torchkern.optim.kfac as kfac_module
+
+    tols, real = [], kfac_module.eigh
+
+    def recording(A, Q0=None, tol=None):
+        tols.append(tol)
+        return real(A, Q0, tol)
+
+    monkeypatch.setattr(kfac_module, "eigh", recording)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)
+    opt = KFAC(model, lr=0.05, inv_update_freq=1, **({} if eigh_tol == "default" else {"eigh_tol": eigh_tol}))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 6, dtype=dtype)).square().mean().backward()
+        opt.step()
+    assert tols and all(t == expected for t in tols), tols
 
 
 def test_kfac_padding_keeps_the_eigenpairs():
