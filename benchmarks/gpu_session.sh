@@ -11,7 +11,8 @@
 #
 # The whole suite takes 410-530 s (2700 tests since the thirteenth session, whose single call, 525 s after a 65 s
 # build, was cut inside the last file) and a cold build 50-110 s: with the device tool's 600 s a call, build first
-# (STAGES="env build") and run STAGES="tests" TEST_SECONDS=580 in the next call on the warm machine.
+# (STAGES="env build") and run STAGES="tests" TEST_SECONDS=580 in the next call on the warm machine, or split the
+# files: ebm + loader + per_sample took 360-394 s, linalg + optim + primitives + utils 76-80 s (fourteenth session).
 #
 # Benchmark-only peers (opacus) travel as wheels in .whl/ (ignored by git) and are installed into /tmp/site.
 set -uo pipefail
