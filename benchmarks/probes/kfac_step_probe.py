@@ -1,9 +1,10 @@
 """Device probe (2026-11-27, fourteenth session): K-FAC's training step on the optimizer benchmark's MLP (4 x 1024,
 batch 1024), Adam beside it on the same host.
 
-    python kfac_step_probe.py             # ROUNDS (2) rounds: bfloat16 / float32 products, CUDA graph / eager, without
-                                          # refreshes, refresh="qr"; the synchronized cost of each step around a refresh;
-                                          # TRACE=1: a torch.profiler trace of a refresh step ($OUT/kfac_refresh_trace.json)
+    python kfac_step_probe.py             # ROUNDS (2) rounds: bfloat16 / float32 products, CUDA graph / eager,
+                                          # without refreshes, refresh="qr"; the synchronized cost of each step
+                                          # around a refresh; TRACE=1: a torch.profiler trace of a refresh step
+                                          # ($OUT/kfac_refresh_trace.json)
     python kfac_step_probe.py --tol       # the refresh's eigh at looser tolerances (sweeps, residual), K-FAC's step
     python kfac_step_probe.py --anatomy   # where the step goes: GPU busy time and top kernels per step, the refresh
                                           # alone, its eigh alone (sweeps from a profile), the every-step products at
@@ -87,8 +88,8 @@ def anatomy() -> None:
         busy = sum(k.self_device_time_total for k in ka) / 1e3
         tiles = sum(k.self_device_time_total for k in ka if "tiles" in k.key or "tile" in k.key) / 1e3
         rounds = sum(k.self_device_time_total for k in ka if "block_round" in k.key) / 1e3
-        print(f"{label}: {ms:.2f} ms, GPU busy {busy:.2f}, sweeps {sweeps}, tile solves {tiles:.2f}, rounds {rounds:.2f}",
-              flush=True)
+        print(f"{label}: {ms:.2f} ms, GPU busy {busy:.2f}, sweeps {sweeps}, tile solves {tiles:.2f}, "
+              f"rounds {rounds:.2f}", flush=True)
     # off-diagonal of the warm-rotated matrix: how far from diagonal is a 10-step-old basis?
     R = Q0.double().mT @ S.double() @ Q0.double()
     off = (R - torch.diag_embed(R.diagonal(dim1=1, dim2=2))).flatten(1).norm(dim=1) / R.flatten(1).norm(dim=1)

@@ -283,12 +283,17 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
 EIGH_SOLVERS = ("auto", "jacobi")
 
 
+def eigh_min_tol(dtype: torch.dtype) -> float:
+    """The smallest (and default) ``tol`` of eigh for input of ``dtype``: what its compute type resolves."""
+    return EIGH_TOL_F64 if dtype == torch.float64 else EIGH_TOL_F32
+
+
 def check_eigh_args(A: torch.Tensor, Q0: torch.Tensor | None, solver: str = "auto", tol: float | None = None) -> None:
     op = "eigh"
     check(solver in EIGH_SOLVERS, op, f"solver must be 'auto' or 'jacobi', got {solver!r}")
     check_float(op, "A", A)
     if tol is not None:  # the Jacobi kernels' stopping rule: never below what the dtype resolves
-        low, number = EIGH_TOL_F64 if A.dtype == torch.float64 else EIGH_TOL_F32, isinstance(tol, (int, float))
+        low, number = eigh_min_tol(A.dtype), isinstance(tol, (int, float))
         check(number and low <= tol < 1, op, f"tol must be None or a number in [{low:g}, 1) for "
               f"{dtype_name(A.dtype)} input, got {f'{tol:g}' if number else repr(tol)}")
     check(A.dim() >= 2 and A.shape[-1] == A.shape[-2], op,
@@ -478,6 +483,6 @@ def kron_precondition(grad: torch.Tensor, left, right, damping: float = 0.0) -> 
 
 
 __all__ = ["check_eigh_args", "check_kron", "check_kron_precondition", "check_root_args", "eigen_scale", "eigh",
-           "eigh_backward", "inf_norm_residual", "kron", "kron_backward", "kron_precondition", "matrix_inverse_root",
-           "matrix_inverse_root_eigh", "matrix_inverse_root_newton", "newton_failed", "newton_scaling", "pow2_scale",
+           "eigh_backward", "eigh_min_tol", "inf_norm_residual", "kron", "kron_backward", "kron_precondition",
+           "matrix_inverse_root", "matrix_inverse_root_eigh", "matrix_inverse_root_newton", "newton_failed", "newton_scaling", "pow2_scale",
            "replace_failed", "root_from_eigh", "root_residual", "symmetric_part", "times_pow2", "dtype_name"]

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import opmath_dtype
-from ..linalg.constants import EIGH_TOL_F32, EIGH_TOL_F64
+from ..linalg.twins import eigen_scale, eigh_min_tol
 from ._common import (GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg, check_state_dict,
                       eigh, is_int, is_real, load_state_dict_keeping_dtypes, no_autocast)
 from .soap import power_step, rayleigh_quotients
@@ -450,8 +450,7 @@ class KFAC(GuardedOptimizer):
         else:
             S = torch.stack([_pad(f, n) for f in factors])
             Q0 = torch.stack([_pad_basis(state["Q" + key], n) for state, key in entries]) if warm else None
-            floor = EIGH_TOL_F64 if S.dtype == torch.float64 else EIGH_TOL_F32
-            d, Q = eigh(S, Q0, None if tol is None else max(tol, floor))
+            d, Q = eigh(S, Q0, None if tol is None else max(tol, eigh_min_tol(S.dtype)))
             first = [n - f.shape[0] for f in factors]  # the padding's pairs come first
         good = torch.isfinite(d).all(dim=-1) & torch.isfinite(Q).flatten(1).all(dim=1)
         if ok is not None:
@@ -524,8 +523,7 @@ class KFAC(GuardedOptimizer):
                 V = linalg.kron_precondition(grads, (QG, dG), (QA, dA), group["damping"])
             else:  # kron_precondition's four rotations with bfloat16 operands
                 V = bmm(bmm(QG.mT, grads, "bf16", key[1]), QA, "bf16", key[1])
-                V = bmm(bmm(QG, V / (dG[:, :, None] * dA[:, None, :] + group["damping"]), "bf16", key[1]), QA.mT,
-                        "bf16", key[1])
+                V = bmm(bmm(QG, eigen_scale(V, dG, dA, group["damping"]), "bf16", key[1]), QA.mT, "bf16", key[1])
             neg_lr = self._scalars.get(key[3], group, key[2], key[1])[0]
             vg = (V * grads).sum() * neg_lr.square()
             vg_sums[key[3]] = vg if key[3] not in vg_sums else vg_sums[key[3]] + vg
