@@ -23,8 +23,8 @@
 // (block_round_kernel). FLOPs per round about 8 B N^2 b (half for A's two sides, computed on and above the
 // diagonal only, half for W), per sweep about 8 B N^3. A matrix stops after the first sweep that leaves its
 // off-diagonal norm <= tol ||A||_F (summed from the matrix after the sweep: a sum of the tiles' norms as the
-// sweep reaches them learns of convergence one sweep late); the host reads the count of matrices still going
-// once per sweep.
+// sweep reaches them learns of convergence one sweep late); the sweeps loop on the device (a CUDA graph's WHILE
+// node), so the call returns without waiting for them.
 // cuSOLVER takes the calls where it is faster (linalg/constants.py, choose_solver below): its batched solver
 // (syev_batched.h) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and the large
 // float32 warm starts up to n = 256 (Q0 ignored: a direct method gains nothing from it); torch.linalg.eigh (syevd,
@@ -52,11 +52,13 @@
 #include <ATen/ops/sub.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -218,11 +220,11 @@ at::Tensor warm_rotate(const at::Tensor& X, const at::Tensor& Q) {
 constexpr int kOffRows = 16;  // divides N (a multiple of 2b)
 constexpr int kOffThreads = 256;
 __global__ void __launch_bounds__(kOffThreads)
-    offdiag_rows_kernel(const double* __restrict__ A, const int* __restrict__ active, double* __restrict__ partial,
-                        int N, int chunks) {
+    offdiag_rows_kernel(const jacobi::tiles::BlockBuffers* __restrict__ buf, int N, int chunks) {
   const int64_t b = blockIdx.x / chunks;
   const int chunk = static_cast<int>(blockIdx.x - b * chunks);
-  if (!active[b]) return;
+  if (!buf->active[b]) return;
+  const double* A = buf->a[1];  // a sweep's result
   double s = 0.0;
   for (int r = 0; r < kOffRows; ++r) {
     const int i = chunk * kOffRows + r;
@@ -234,30 +236,185 @@ __global__ void __launch_bounds__(kOffThreads)
   }
   __shared__ double scratch[kOffThreads / 32];
   s = block_reduce<kOffThreads>(s, scratch);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+  if (threadIdx.x == 0) buf->off_partial[blockIdx.x] = s;
 }
 
-// sweep end, one thread per matrix: a matrix goes on while its off-diagonal norm after the sweep (the sum of its
-// chunks' partial sums) exceeds tol ||A||_F; counts the ones that go on.
-__global__ void sweep_end_kernel(const double* __restrict__ partial,  // [B, chunks]
-                                 const double* __restrict__ stop2,    // [B] (tol ||A||_F)^2
-                                 int* __restrict__ active,            // [B]
-                                 int* __restrict__ count, int64_t batch, int chunks) {
-  for (int64_t b = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; b < batch; b += int64_t(gridDim.x) * blockDim.x) {
-    if (active[b]) {
+// Conditional graph nodes (CUDA 12.4): the block method's sweeps loop on the device (launch_sweeps).
+#if CUDART_VERSION >= 12040
+#define TORCHKERN_DEVICE_LOOP 1
+using LoopHandle = cudaGraphConditionalHandle;
+#else
+using LoopHandle = unsigned long long;
+#endif
+
+// Sweep end, one block: a matrix goes on while its off-diagonal norm after the sweep (the sum of its chunks'
+// partial sums) exceeds tol ||A||_F. loop[0] counts the sweeps, loop[1] gets the count of matrices that go on;
+// with `use_handle` the device loop repeats while one does and fewer than max_sweeps have run.
+constexpr int kSweepEndThreads = 256;
+__global__ void __launch_bounds__(kSweepEndThreads)
+    sweep_end_kernel(const jacobi::tiles::BlockBuffers* __restrict__ buf, int64_t batch, int chunks, int max_sweeps,
+                     LoopHandle handle, bool use_handle) {
+  int going = 0;
+  for (int64_t b = threadIdx.x; b < batch; b += kSweepEndThreads) {
+    if (buf->active[b]) {
       double off2 = 0.0;
-      for (int c = 0; c < chunks; ++c) off2 += partial[b * chunks + c];
-      const bool go = off2 > stop2[b];
-      active[b] = go;
-      if (go) atomicAdd(count, 1);
+      for (int c = 0; c < chunks; ++c) off2 += buf->off_partial[b * chunks + c];
+      const bool go = off2 > buf->stop2[b];
+      buf->active[b] = go;
+      going += go;
     }
   }
+  __shared__ int scratch[kSweepEndThreads / 32];
+  going = block_reduce<kSweepEndThreads>(going, scratch);
+  if (threadIdx.x == 0) {
+    const int sweeps = ++buf->loop[0];
+    buf->loop[1] = going;
+#ifdef TORCHKERN_DEVICE_LOOP
+    if (use_handle) cudaGraphSetConditional(handle, going > 0 && sweeps < max_sweeps);
+#endif
+  }
+}
+
+// A sweep's result back into buffers 0 (a graph's body cannot swap them): two passes over A and W, about 1% of a
+// sweep.
+__global__ void copy_back_kernel(const jacobi::tiles::BlockBuffers* __restrict__ buf, int64_t pairs) {
+  const double2* a1 = reinterpret_cast<const double2*>(buf->a[1]);
+  const double2* w1 = reinterpret_cast<const double2*>(buf->w[1]);
+  double2* a0 = reinterpret_cast<double2*>(buf->a[0]);
+  double2* w0 = reinterpret_cast<double2*>(buf->w[0]);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+    a0[i] = a1[i];
+    w0[i] = w1[i];
+  }
+}
+
+// A call's buffers into the device memory its kernels read them from (a launch parameter: no host memory to keep
+// alive until a copy runs).
+__global__ void set_buffers_kernel(jacobi::tiles::BlockBuffers* dst, const jacobi::tiles::BlockBuffers value) {
+  *dst = value;
+}
+
+// The block method's sweeps as a loop on the device: a CUDA graph whose WHILE node (a conditional node, CUDA 12.4)
+// repeats one sweep while sweep_end_kernel says a matrix goes on, so that the host neither waits for a sweep nor
+// learns the count (a round trip per sweep held the host for the whole call: K-FAC's refresh steps left the GPU
+// idle while the host caught up). Instantiating the graph costs milliseconds, so one is kept per (device, stream,
+// B, N), its kernels reading the call's buffers from a BlockBuffers struct that each call writes first (the
+// stream orders a call's write after the previous call's sweeps); the few least recently used go when more
+// shapes come (destroying one waits for its last launch).
+constexpr size_t kSweepGraphs = 8;
+
+struct SweepGraph {
+  int device;
+  cudaStream_t stream;
+  int64_t B, N;
+  cudaGraphExec_t exec;
+  jacobi::tiles::BlockBuffers* buf;  // device memory, from the caching allocator on `stream`
+};
+
+// sweep(stream, buf, handle, use_handle) enqueues one sweep reading `buf`. Returns false, having launched nothing,
+// where the runtime or the driver has no conditional nodes.
+template <class Sweep>
+bool launch_sweeps(int64_t B, int64_t N, const jacobi::tiles::BlockBuffers& buffers, cudaStream_t stream,
+                   const Sweep& sweep) {
+#ifdef TORCHKERN_DEVICE_LOOP
+  struct Cache {
+    std::mutex mu;
+    std::vector<SweepGraph> graphs;  // least recently used first
+    bool unsupported = false;
+  };
+  static auto* cache = new Cache;  // never destroyed: at exit the driver may be gone before it
+  const std::lock_guard<std::mutex> lock(cache->mu);  // a call's write and launch stay together
+  if (cache->unsupported) return false;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  auto& graphs = cache->graphs;
+  auto it = std::find_if(graphs.begin(), graphs.end(), [&](const SweepGraph& g) {
+    return g.device == device && g.stream == stream && g.B == B && g.N == N;
+  });
+  if (it == graphs.end()) {
+    struct Owned {  // released on every way out, a capture left open by an exception included
+      cudaGraph_t graph = nullptr;
+      cudaStream_t capture = nullptr;
+      bool capturing = false;
+      ~Owned() {
+        if (capturing) {
+          cudaGraph_t partial = nullptr;
+          cudaStreamEndCapture(capture, &partial);
+          if (partial != nullptr) cudaGraphDestroy(partial);
+        }
+        if (graph != nullptr) cudaGraphDestroy(graph);  // the executable graph keeps what it needs
+        if (capture != nullptr) cudaStreamDestroy(capture);
+      }
+    } o;
+    LoopHandle handle{};
+    cudaGraphNodeParams params{};
+    cudaGraphNode_t node = nullptr;
+    bool ok = cudaGraphCreate(&o.graph, 0) == cudaSuccess &&
+              cudaGraphConditionalHandleCreate(&handle, o.graph, 1, cudaGraphCondAssignDefault) == cudaSuccess;
+    if (ok) {
+      params.type = cudaGraphNodeTypeConditional;
+      params.conditional.handle = handle;
+      params.conditional.type = cudaGraphCondTypeWhile;
+      params.conditional.size = 1;
+#if CUDART_VERSION >= 13000
+      ok = cudaGraphAddNode(&node, o.graph, nullptr, nullptr, 0, &params) == cudaSuccess;
+#else
+      ok = cudaGraphAddNode(&node, o.graph, nullptr, 0, &params) == cudaSuccess;
+#endif
+    }
+    // (allocated before the capture, in which a cudaMalloc is not allowed)
+    auto* buf = static_cast<jacobi::tiles::BlockBuffers*>(
+        c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(sizeof(jacobi::tiles::BlockBuffers), stream));
+    ok = ok && cudaStreamCreateWithFlags(&o.capture, cudaStreamNonBlocking) == cudaSuccess &&
+         cudaStreamBeginCaptureToGraph(o.capture, params.conditional.phGraph_out[0], nullptr, nullptr, 0,
+                                       cudaStreamCaptureModeThreadLocal) == cudaSuccess;
+    if (!ok) {
+      c10::cuda::CUDACachingAllocator::raw_delete(buf);
+      (void)cudaGetLastError();  // an unsupported call's error is not the caller's
+      cache->unsupported = true;
+      return false;
+    }
+    o.capturing = true;
+    try {
+      sweep(o.capture, buf, handle, true);
+    } catch (...) {
+      c10::cuda::CUDACachingAllocator::raw_delete(buf);
+      throw;
+    }
+    cudaGraph_t body = nullptr;
+    o.capturing = false;
+    cudaGraphExec_t exec = nullptr;
+    if (cudaStreamEndCapture(o.capture, &body) != cudaSuccess ||
+        cudaGraphInstantiate(&exec, o.graph, 0) != cudaSuccess) {
+      c10::cuda::CUDACachingAllocator::raw_delete(buf);
+      (void)cudaGetLastError();  // nothing was launched: the host loop takes this call and the next ones
+      cache->unsupported = true;
+      return false;
+    }
+    if (graphs.size() == kSweepGraphs) {
+      C10_CUDA_CHECK(cudaGraphExecDestroy(graphs.front().exec));
+      c10::cuda::CUDACachingAllocator::raw_delete(graphs.front().buf);
+      graphs.erase(graphs.begin());
+    }
+    graphs.push_back({device, stream, B, N, exec, buf});
+  } else {
+    std::rotate(it, it + 1, graphs.end());  // now the most recently used
+  }
+  const SweepGraph& g = graphs.back();
+  set_buffers_kernel<<<1, 1, 0, stream>>>(g.buf, buffers);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  C10_CUDA_CHECK(cudaGraphLaunch(g.exec, stream));
+  return true;
+#else
+  (void)B, (void)N, (void)buffers, (void)stream, (void)sweep;
+  return false;
+#endif
 }
 
 // The seat a half block row (b rows) moves to after a round, positions 2k (T_k: the first half of pair slot k)
 // and 2k + 1 (B_k, its second half): the circle method's moves, T_0 stays, T_k -> T_{k+1} (1 <= k <= P - 2),
 // T_{P-1} -> B_{P-1}, B_k -> B_{k-1} (k >= 1), B_0 -> T_1. Every pair of block rows shares a slot once in
-// 2P - 1 rounds.
+// 2P - 1 rounds, after which every one is back at its starting seat.
 __host__ __device__ inline int next_position(int pos, int P) {
   const int k = pos / 2;
   if (pos % 2 == 0) return k == 0 ? 0 : (k <= P - 2 ? 2 * (k + 1) : 2 * (P - 1) + 1);
@@ -326,12 +483,9 @@ __device__ __forceinline__ void pair_product(const double* __restrict__ left, co
   }
 }
 
-__global__ void __launch_bounds__(kRoundThreads, 3) block_round_kernel(
-    const double* __restrict__ A, double* __restrict__ A_next,  // [B, N, N]
-    const double* __restrict__ W, double* __restrict__ W_next,  // [B, N, N]
-    const double* __restrict__ U,                               // [B, P, kPair, kPair]
-    const int* __restrict__ active,                             // [B]
-    int N, int P) {
+// From the buffers of round parity `from` to the others (jacobi::tiles::BlockBuffers).
+__global__ void __launch_bounds__(kRoundThreads, 3)
+    block_round_kernel(const jacobi::tiles::BlockBuffers* __restrict__ buf, int from, int N, int P) {
   extern __shared__ __align__(16) double round_smem[];
   double* u = round_smem;  // U_k, then U_l
   double* tile = round_smem + kPair * kRoundLd;
@@ -348,9 +502,10 @@ __global__ void __launch_bounds__(kRoundThreads, 3) block_round_kernel(
     l = (job - a_jobs) % P;
   }
   const int64_t NN = int64_t(N) * N;
-  const double* src = (two_sided ? A : W) + mat * NN;
-  double* dst = (two_sided ? A_next : W_next) + mat * NN;
-  const bool rotate = active[mat] != 0;  // uniform over the block
+  const double* src = (two_sided ? buf->a[from] : buf->w[from]) + mat * NN;
+  double* dst = (two_sided ? buf->a[1 - from] : buf->w[1 - from]) + mat * NN;
+  const double* U = buf->U;
+  const bool rotate = buf->active[mat] != 0;  // uniform over the block
   load_pair_tile(tile, src + int64_t(k) * kPair * N + l * kPair, N);
   if (rotate) load_pair_tile(u, U + (mat * P + k) * kPair * kPair, kPair);
   __syncthreads();
@@ -476,7 +631,7 @@ __global__ void __launch_bounds__(kTile * 8)
     const int i = ti * kTile + r, j = tj * kTile + lane, i2 = tj * kTile + r, j2 = ti * kTile + lane;
     up[r][lane] = (i < n && j < n) ? as_double(X[in + int64_t(i) * n + j]) : 0.0;
     mirror[r][lane] = (i2 < n && j2 < n) ? as_double(X[in + int64_t(i2) * n + j2]) : 0.0;
-    if (Q != nullptr && W != nullptr) {
+    if (Q != nullptr) {  // (the cuSOLVER path passes neither Q nor W)
       q_mirror[r][lane] = (i2 < n && j2 < n) ? as_double(Q[in + int64_t(i2) * n + j2]) : 0.0;
     }
   }
@@ -518,13 +673,13 @@ __global__ void block_prep_norms_kernel(const double* __restrict__ part_sq, doub
   }
 }
 
-// V[b, i, j] = W[b, rows[order[b, j]], i] (the basis row of the j-th smallest eigenvalue, as column j) and
+// V[b, i, j] = W[b, order[b, j], i] (the basis row of the j-th smallest eigenvalue, as column j) and
 // w[b, j] = 2^e sorted[b, j], cast to T, NaN for a flagged matrix (or one cuSOLVER reports as not converged:
-// failed[b] != 0); per 32 x 32 tile of V. rows = nullptr: the identity (cuSOLVER's eigenvectors, rows of W).
+// failed[b] != 0); per 32 x 32 tile of V.
 template <typename T, typename S>
 __global__ void __launch_bounds__(kTile * 8)
     block_finish_kernel(const S* __restrict__ W, const S* __restrict__ sorted, const int64_t* __restrict__ order,
-                        const int64_t* __restrict__ rows, const int* __restrict__ exponent,
+                        const int* __restrict__ exponent,
                         const int* __restrict__ flagged, const int* __restrict__ failed, T* __restrict__ w,
                         T* __restrict__ V, int n, int N) {
   const int tiles = (n + kTile - 1) / kTile;
@@ -538,7 +693,7 @@ __global__ void __launch_bounds__(kTile * 8)
     double x = 0.0;
     if (j < n && i < n) {
       const int64_t k = order[b * n + j];
-      x = static_cast<double>(W[b * int64_t(N) * N + (rows != nullptr ? rows[k] : k) * N + i]);
+      x = static_cast<double>(W[b * int64_t(N) * N + k * N + i]);
     }
     tile[r][lane] = x;
   }
@@ -604,82 +759,83 @@ std::tuple<at::Tensor, at::Tensor> block_method(const at::Tensor& X, const at::T
   }
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, block_round_kernel, kRoundSmem);
+  jacobi::tiles::opt_in();  // before a capture, which records launches only
   const auto round_blocks = static_cast<unsigned>(B * round_jobs(static_cast<int>(P)));
   at::Tensor active = at::ones({B}, iopt);
   const int off_chunks = static_cast<int>(N / kOffRows);
   at::Tensor off_partial = at::empty({B * off_chunks}, opt);
-  at::Tensor counts = at::zeros({kMaxSweeps}, iopt);
-  at::Tensor host = at::empty({kMaxSweeps}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  cudaEvent_t event = nullptr;
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  struct EventGuard {
-    cudaEvent_t e;
-    ~EventGuard() { cudaEventDestroy(e); }
-  } event_guard{event};
-
-  jacobi::tiles::Tiles pr{};
-  pr.batch_stride = N * N;
-  pr.tile_stride = 2 * b * (N + 1);
-  pr.per = static_cast<int>(P);
-  pr.ld = static_cast<int>(N);
-  pr.max_sweeps = kInnerSweeps;
-  pr.U = U.mutable_data_ptr<double>();
-  pr.thr = thr.const_data_ptr<double>();
-  pr.stop_scale = double(N);
-  pr.active = active.const_data_ptr<int>();
-
-  std::vector<int> content(nb);  // content[position] = the block row that started at that position
-  for (int i = 0; i < nb; ++i) content[i] = i;
-  for (int sweep = 0; sweep < kMaxSweeps; ++sweep) {
+  at::Tensor loop = at::zeros({2}, iopt);  // sweeps run, matrices going on (sweep_end_kernel)
+  const jacobi::tiles::BlockBuffers buffers{
+      {A.mutable_data_ptr<double>(), A_next.mutable_data_ptr<double>()},
+      {W.mutable_data_ptr<double>(), W_next.mutable_data_ptr<double>()},
+      U.mutable_data_ptr<double>(),
+      thr.const_data_ptr<double>(),
+      stop2.const_data_ptr<double>(),
+      active.mutable_data_ptr<int>(),
+      off_partial.mutable_data_ptr<double>(),
+      loop.mutable_data_ptr<int>()};
+  // One sweep, its kernels reading the call's buffers from `buf`: nb - 1 rounds from buffers 0, alternating with
+  // buffers 1 (an odd count: the sweep ends in those), the off-diagonal norms, the stopping rule, the copy back.
+  // After a whole sweep of the circle method's moves every block row is back at its own position, so the
+  // result's layout does not depend on the number of sweeps.
+  const int64_t pairs = B * N * N / 2;
+  const auto sweep = [=](cudaStream_t s, const jacobi::tiles::BlockBuffers* buf, LoopHandle handle,
+                         bool use_handle) {
+    jacobi::tiles::Tiles pr{};
+    pr.buf = buf;
+    pr.batch_stride = N * N;
+    pr.tile_stride = 2 * b * (N + 1);
+    pr.per = static_cast<int>(P);
+    pr.ld = static_cast<int>(N);
+    pr.max_sweeps = kInnerSweeps;
+    pr.stop_scale = double(N);
     for (int round = 0; round < nb - 1; ++round) {
-      pr.A = A.const_data_ptr<double>();
-      jacobi::tiles::launch(pr, G, stream);  // U: each pair slot's rotation
-      block_round_kernel<<<round_blocks, kRoundThreads, kRoundSmem, stream>>>(
-          A.const_data_ptr<double>(), A_next.mutable_data_ptr<double>(), W.const_data_ptr<double>(),
-          W_next.mutable_data_ptr<double>(), U.const_data_ptr<double>(), active.const_data_ptr<int>(),
-          static_cast<int>(N), static_cast<int>(P));
+      pr.from = round % 2;
+      jacobi::tiles::launch(pr, G, s);  // U: each pair slot's rotation
+      block_round_kernel<<<round_blocks, kRoundThreads, kRoundSmem, s>>>(buf, round % 2, static_cast<int>(N),
+                                                                          static_cast<int>(P));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      std::swap(A, A_next);
-      std::swap(W, W_next);
-      std::vector<int> moved(nb);
-      for (int pos = 0; pos < nb; ++pos) moved[next_position(pos, static_cast<int>(P))] = content[pos];
-      content = std::move(moved);
     }
-    offdiag_rows_kernel<<<static_cast<unsigned>(B * off_chunks), kOffThreads, 0, stream>>>(
-        A.const_data_ptr<double>(), active.const_data_ptr<int>(), off_partial.mutable_data_ptr<double>(),
-        static_cast<int>(N), off_chunks);  // the padding's rows and columns are zero
+    offdiag_rows_kernel<<<static_cast<unsigned>(B * off_chunks), kOffThreads, 0, s>>>(buf, static_cast<int>(N),
+                                                                                      off_chunks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    sweep_end_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, stream>>>(
-        off_partial.const_data_ptr<double>(), stop2.const_data_ptr<double>(), active.mutable_data_ptr<int>(),
-        counts.mutable_data_ptr<int>() + sweep, B, off_chunks);
+    sweep_end_kernel<<<1, kSweepEndThreads, 0, s>>>(buf, B, off_chunks, kMaxSweeps, handle, use_handle);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    int* host_p = host.mutable_data_ptr<int>() + sweep;
-    C10_CUDA_CHECK(cudaMemcpyAsync(host_p, counts.const_data_ptr<int>() + sweep, sizeof(int), cudaMemcpyDeviceToHost,
-                                   stream));
-    C10_CUDA_CHECK(cudaEventRecord(event, stream));
-    C10_CUDA_CHECK(cudaEventSynchronize(event));  // the one host round trip per sweep
-    if (*host_p == 0) break;
+    copy_back_kernel<<<grid_for(pairs, 256), 256, 0, s>>>(buf, pairs);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (!launch_sweeps(B, N, buffers, stream, sweep)) {  // no device loop: the host reads the count after each sweep
+    at::Tensor buf = at::empty({static_cast<int64_t>(sizeof(buffers))}, X.options().dtype(at::kByte));
+    auto* dbuf = reinterpret_cast<jacobi::tiles::BlockBuffers*>(buf.mutable_data_ptr());
+    set_buffers_kernel<<<1, 1, 0, stream>>>(dbuf, buffers);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor host = at::empty({1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
+    cudaEvent_t event = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    struct EventGuard {
+      cudaEvent_t e;
+      ~EventGuard() { cudaEventDestroy(e); }
+    } event_guard{event};
+    for (int s = 0; s < kMaxSweeps; ++s) {
+      sweep(stream, dbuf, LoopHandle{}, false);
+      C10_CUDA_CHECK(cudaMemcpyAsync(host.mutable_data_ptr<int>(), loop.const_data_ptr<int>() + 1, sizeof(int),
+                                     cudaMemcpyDeviceToHost, stream));
+      C10_CUDA_CHECK(cudaEventRecord(event, stream));
+      C10_CUDA_CHECK(cudaEventSynchronize(event));
+      if (*host.const_data_ptr<int>() == 0) break;
+    }
   }
-  // The basis vectors of the padding coordinates never rotate (their rows and columns are zero): they stay
-  // in their block row's slot. The others' positions, then the order of their eigenvalues.
-  std::vector<int64_t> rows;
-  rows.reserve(n);
-  for (int pos = 0; pos < nb; ++pos)
-    for (int s = 0; s < b; ++s)
-      if (content[pos] * b + s < n) rows.push_back(pos * b + s);
-  // pinned, so that the copy does not hold the host
-  at::Tensor index = at::empty({n}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  std::copy(rows.begin(), rows.end(), index.mutable_data_ptr<int64_t>());
-  index = index.to(X.device(), /*non_blocking=*/true);
+  // The result, in buffers 0: the eigenvalues on A's diagonal, the padding's coordinates (which never rotate: their
+  // rows and columns are zero) last.
   at::Tensor sorted, order;
-  std::tie(sorted, order) = at::sort(A.diagonal(0, 1, 2).index_select(1, index), 1);
+  std::tie(sorted, order) = at::sort(A.diagonal(0, 1, 2).narrow(1, 0, n), 1);
   at::Tensor w = at::empty({B, n}, X.options()), V = at::empty({B, n, n}, X.options());
   const int out_tiles = static_cast<int>((n + kTile - 1) / kTile);
   TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_block_finish", [&] {
     block_finish_kernel<scalar_t, double><<<static_cast<unsigned>(B * out_tiles * out_tiles), dim3(kTile, 8), 0,
                                             stream>>>(
         W.const_data_ptr<double>(), sorted.const_data_ptr<double>(), order.const_data_ptr<int64_t>(),
-        index.const_data_ptr<int64_t>(), exponent.const_data_ptr<int>(), flagged.const_data_ptr<int>(), nullptr,
+        exponent.const_data_ptr<int>(), flagged.const_data_ptr<int>(), nullptr,
         w.mutable_data_ptr<scalar_t>(), V.mutable_data_ptr<scalar_t>(), static_cast<int>(n), static_cast<int>(N));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -739,7 +895,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_syev_batched(const at::Tensor& X, const 
     const auto gather = [&](auto zero) {
       using U = decltype(zero);
       block_finish_kernel<scalar_t, U><<<tile_blocks, dim3(kTile, 8), 0, stream>>>(
-          V_rows.const_data_ptr<U>(), sorted.const_data_ptr<U>(), order.const_data_ptr<int64_t>(), nullptr,
+          V_rows.const_data_ptr<U>(), sorted.const_data_ptr<U>(), order.const_data_ptr<int64_t>(),
           exponent.const_data_ptr<int>(), flagged.const_data_ptr<int>(), info.const_data_ptr<int>(),
           w.mutable_data_ptr<scalar_t>(), V.mutable_data_ptr<scalar_t>(), ni, ni);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -858,8 +1014,6 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
     const at::Tensor bad_q = at::isfinite(X).flatten(1).all(1).logical_not();  // a non-finite Q0
     X = at::where(bad_q.view({B, 1, 1}), zero, X);
     bad = at::logical_or(bad, bad_q);
-  } else if (warm_start.has_value()) {  // Q0 unused; a non-finite one still flags its matrix, as on every path
-    bad = at::logical_or(bad, at::isfinite(*warm_start).reshape({B, n * n}).all(1).logical_not());
   }
   if (solver == Solver::kJacobi) {  // a float64 warm start on the in-block path
     solve_small(X, w, V);

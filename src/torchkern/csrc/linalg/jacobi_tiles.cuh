@@ -159,17 +159,28 @@ constexpr bool make_plan_is_complete() {
 static_assert(make_plan_is_complete(), "the tile sweep's plan must cover every pair once with conflict-free groups");
 __constant__ Plan kPlan = make_plan();
 
+// The block method's buffers of one call (eigh.cu), in device memory: its kernels read them from there, so that a
+// CUDA graph of its sweeps serves every call of one shape (each call writes its own first).
+struct BlockBuffers {
+  double* a[2];          // [B, N, N] the matrix: a round reads a[from] and writes a[1 - from]
+  double* w[2];          // [B, N, N] the basis W = V^T, likewise
+  double* U;             // [G, kM, kM] the tiles' rotations
+  const double* thr;     // [B] rotation threshold (unscaled: relative to the whole matrix)
+  const double* stop2;   // [B] (tol ||A||_F)^2
+  int* active;           // [B]: 0 for a matrix that has converged
+  double* off_partial;   // [B, N / 16] the off-diagonal sums of squares after a sweep
+  int* loop;             // [2] sweeps run, matrices going on
+};
+
 struct Tiles {
-  const double* A;       // tile g: A + (g / per) batch_stride + (g % per) tile_stride, rows ld apart, kM x kM
+  const BlockBuffers* buf;
+  int from;              // tile g: buf->a[from] + (g / per) batch_stride + (g % per) tile_stride, rows ld apart
   int64_t batch_stride;  // elements between matrices
   int64_t tile_stride;   // elements between the tiles of one matrix
   int per;               // tiles per matrix
   int ld;                // row stride of the input
   int max_sweeps;
   double stop_scale;     // after a sweep, a tile stops when 2 sum a_pq^2 over it <= (stop_scale thr)^2
-  const double* thr;     // [G / per] rotation threshold (unscaled: relative to the whole matrix)
-  const int* active;     // [G / per]: 0 for a matrix that has converged
-  double* U;             // [G, kM, kM] the rotations' product
 };
 
 // Shared memory: A (rows and columns at phys) and V (rows as they are, columns at phys), kM x kLd doubles each;
@@ -189,12 +200,13 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(const Tiles pr) {
   int* rotated = reinterpret_cast<int*>(smem + kFlagOff);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t g = blockIdx.x, mat = g / pr.per;
-  double* u = pr.U + g * kM * kM;
-  if (!pr.active[mat]) {  // converged: U = I leaves the whole matrix exactly as it is
+  const BlockBuffers& buf = *pr.buf;
+  double* u = buf.U + g * kM * kM;
+  if (!buf.active[mat]) {  // converged: U = I leaves the whole matrix exactly as it is
     for (int i = tid; i < kM * kM; i += kThreads) u[i] = (i / kM == i % kM) ? 1.0 : 0.0;
     return;
   }
-  const double* src = pr.A + mat * pr.batch_stride + (g - mat * pr.per) * pr.tile_stride;
+  const double* src = buf.a[pr.from] + mat * pr.batch_stride + (g - mat * pr.per) * pr.tile_stride;
   double amax = 0.0;  // NaN-propagating: it also detects non-finite input
   for (int i = tid; i < kM * kM; i += kThreads) {
     const int r = i / kM, c = i % kM;
@@ -223,7 +235,7 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(const Tiles pr) {
       *cr = v;
     }
   }
-  const double thr = ldexp(pr.thr[mat], -e);
+  const double thr = ldexp(buf.thr[mat], -e);
   const double stop2 = (pr.stop_scale * thr) * (pr.stop_scale * thr);
   __syncthreads();
 
@@ -382,10 +394,15 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(const Tiles pr) {
 // Whether the kernel's shared memory (dynamic, and the reduction scratch) fits a block on the current device.
 inline bool fits() { return kSmem + sizeof(double) * (kThreads / 32) <= smem_optin_bytes(); }
 
-// Launches G tiles (the kernel's shared memory opted in once per device).
-inline void launch(const Tiles& pr, int64_t G, cudaStream_t stream) {
+// The kernel's shared memory, opted in once per device.
+inline void opt_in() {
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, tile_kernel, kSmem);
+}
+
+// Launches G tiles.
+inline void launch(const Tiles& pr, int64_t G, cudaStream_t stream) {
+  opt_in();
   tile_kernel<<<static_cast<unsigned>(G), kThreads, kSmem, stream>>>(pr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
