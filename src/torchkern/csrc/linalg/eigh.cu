@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kOffThreads)
     const int i = chunk * kOffRows + r;
     const double* row = A + (b * N + i) * int64_t(N);
     for (int j = threadIdx.x; j < N; j += kOffThreads) {
-      const double x = row[j];
+      const double x = __ldg(row + j);
       s += j == i ? 0.0 : x * x;
     }
   }
@@ -283,8 +283,8 @@ __global__ void copy_back_kernel(const jacobi::tiles::BlockBuffers* __restrict__
   double2* a0 = reinterpret_cast<double2*>(buf->a[0]);
   double2* w0 = reinterpret_cast<double2*>(buf->w[0]);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
-    a0[i] = a1[i];
-    w0[i] = w1[i];
+    __stwb(a0 + i, __ldg(a1 + i));
+    __stwb(w0 + i, __ldg(w1 + i));
   }
 }
 
@@ -452,10 +452,13 @@ __device__ __forceinline__ void dmma(double (&d)[2], double a, double b) {
 }
 
 // kPair x kPair doubles from src (rows `ld` apart) to shared dst (rows kRoundLd apart), 16 bytes per load.
+// (The global side through __ldg, as in every kernel that reads the block method's buffers from BlockBuffers: a
+// pointer loaded from memory is a generic one, whose plain loads and stores were generic instructions, and the
+// round kernel 26% slower.)
 __device__ __forceinline__ void load_pair_tile(double* __restrict__ dst, const double* __restrict__ src, int64_t ld) {
   for (int i = threadIdx.x; i < kPair * kPair / 2; i += kRoundThreads) {
     const int r = i / (kPair / 2), c = 2 * (i % (kPair / 2));
-    *reinterpret_cast<double2*>(dst + r * kRoundLd + c) = *reinterpret_cast<const double2*>(src + r * ld + c);
+    *reinterpret_cast<double2*>(dst + r * kRoundLd + c) = __ldg(reinterpret_cast<const double2*>(src + r * ld + c));
   }
 }
 
@@ -543,10 +546,10 @@ __global__ void __launch_bounds__(kRoundThreads, 3)
     const int64_t dr = int64_t(next_position(2 * k + r / kBlock, P)) * kBlock + r % kBlock;
     const int64_t dc = two_sided ? int64_t(next_position(2 * l + c / kBlock, P)) * kBlock + c % kBlock
                                  : int64_t(l) * kPair + c;
-    *reinterpret_cast<double2*>(dst + dr * N + dc) = make_double2(acc[rt][ct][0], acc[rt][ct][1]);
+    __stwb(reinterpret_cast<double2*>(dst + dr * N + dc), make_double2(acc[rt][ct][0], acc[rt][ct][1]));
     if (two_sided && k != l) {  // the mirror tile
-      dst[dc * N + dr] = acc[rt][ct][0];
-      dst[(dc + 1) * N + dr] = acc[rt][ct][1];
+      __stwb(dst + dc * N + dr, acc[rt][ct][0]);
+      __stwb(dst + (dc + 1) * N + dr, acc[rt][ct][1]);
     }
   });
 }

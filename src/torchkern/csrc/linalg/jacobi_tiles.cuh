@@ -203,21 +203,21 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(const Tiles pr) {
   const BlockBuffers& buf = *pr.buf;
   double* u = buf.U + g * kM * kM;
   if (!buf.active[mat]) {  // converged: U = I leaves the whole matrix exactly as it is
-    for (int i = tid; i < kM * kM; i += kThreads) u[i] = (i / kM == i % kM) ? 1.0 : 0.0;
+    for (int i = tid; i < kM * kM; i += kThreads) __stwb(u + i, (i / kM == i % kM) ? 1.0 : 0.0);
     return;
   }
   const double* src = buf.a[pr.from] + mat * pr.batch_stride + (g - mat * pr.per) * pr.tile_stride;
   double amax = 0.0;  // NaN-propagating: it also detects non-finite input
   for (int i = tid; i < kM * kM; i += kThreads) {
     const int r = i / kM, c = i % kM;
-    const double v = src[int64_t(r) * pr.ld + c];
+    const double v = __ldg(src + int64_t(r) * pr.ld + c);  // (global: src comes from a generic pointer)
     A[phys(r) * kLd + phys(c)] = v;
     V[r * kLd + phys(c)] = r == c ? 1.0 : 0.0;
     amax = nan_max(amax, fabs(v));
   }
   amax = block_reduce<kThreads, double, true>(amax, red);  // its barriers also publish A and V
   if (!isfinite(amax)) {  // uniform (never from eigh.cu, which zeroes such matrices)
-    for (int i = tid; i < kM * kM; i += kThreads) u[i] = NAN;
+    for (int i = tid; i < kM * kM; i += kThreads) __stwb(u + i, NAN);
     return;
   }
   // Scale by 2^-e (max |a| in [0.5, 1): nothing in d^2 + 4 a^2 or the sums overflows or underflows) and symmetrize.
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(const Tiles pr) {
       if (2.0 * swept <= stop2) break;  // uniform: every thread has the same sum
     }
   }
-  for (int i = tid; i < kM * kM; i += kThreads) u[i] = V[(i / kM) * kLd + phys(i % kM)];
+  for (int i = tid; i < kM * kM; i += kThreads) __stwb(u + i, V[(i / kM) * kLd + phys(i % kM)]);
 }
 
 // Whether the kernel's shared memory (dynamic, and the reduction scratch) fits a block on the current device.
