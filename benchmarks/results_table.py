@@ -30,7 +30,8 @@ def main(path: str) -> None:
             print("| --- | --- | --- | --- |")
         tk = rows[0]
         others = "; ".join(f"{r['impl']} {fmt_time(r['seconds'])} (**{r['ratio']:.2f}×**)" for r in rows[1:])
-        peak = f"{100 * tk['ceiling_fraction']:.0f}% of {tk['ceiling']}" if (tk.get("ceiling_fraction") or 0) >= 0.01 else ""
+        fraction = tk.get("ceiling_fraction") or 0
+        peak = f"{100 * fraction:.0f}% of {tk['ceiling']}" if fraction >= 0.01 else ""
         if tk.get("tflops"):
             peak = (peak + "; " if peak else "") + f"{tk['tflops']:.1f} TFLOP/s"
         print(f"| {case} | {fmt_time(tk['seconds'])} | {others} | {peak} |")

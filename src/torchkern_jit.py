@@ -150,7 +150,8 @@ def cuda_home(nvcc: str) -> str:
             return os.environ[var]
     # nvcc may be a wrapper script outside the toolkit; nvcc itself reports the toolkit root.
     try:
-        dry = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True, timeout=30)
+        dry = subprocess.run([nvcc, "--dryrun", "-E", "-x", "cu", os.devnull], capture_output=True, text=True,
+                             timeout=30)
         match = re.search(r"^#\$ TOP=(.+)$", dry.stdout + dry.stderr, re.M)
         if match:
             return os.path.normpath(match.group(1).strip())
@@ -379,7 +380,8 @@ def verify_entry(entry: Path, key: str) -> tuple[Path | None, str]:
     except OSError:
         return None, f"the cached library {library} is missing"
     if size != manifest.get("size"):
-        return None, f"the cached library {library} failed verification ({size} bytes, {manifest.get('size')} published)"
+        return None, (f"the cached library {library} failed verification ({size} bytes, {manifest.get('size')} "
+                      "published)")
     if _sha256(library) != manifest.get("sha256"):
         return None, f"the cached library {library} failed verification (its SHA-256 differs from the published one)"
     return library, ""
@@ -472,7 +474,8 @@ def plan(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Seque
         version = nvcc_version(nvcc)
         archs = parse_arch_list(archs) if isinstance(archs, str) else tuple(archs or default_archs())
         if not archs:
-            raise BuildError("torchkern: no CUDA arch to build for: no GPU is visible and TORCH_CUDA_ARCH_LIST is unset")
+            raise BuildError("torchkern: no CUDA arch to build for: no GPU is visible and TORCH_CUDA_ARCH_LIST is "
+                             "unset")
     else:
         archs = ()
     cflags = (*COMMON_CFLAGS, *extra_cflags)
@@ -647,7 +650,8 @@ def load_plan(p: Plan) -> LoadedLibrary:
     if library is not None:  # published entries are immutable: no lock, no write access needed
         try:
             module = _open_library(library, p.is_python_module)
-            return LoadedLibrary(p.name, str(library), p.key, False, read_manifest(p.entry).get("build_seconds"), module)
+            return LoadedLibrary(p.name, str(library), p.key, False, read_manifest(p.entry).get("build_seconds"),
+                                 module)
         except (OSError, ImportError) as exc:
             why = f"the cached library {library} failed to load ({exc})"
     _writable_root(root, p.name, p.key, why)
@@ -658,7 +662,8 @@ def load_plan(p: Plan) -> LoadedLibrary:
             return LoadedLibrary(p.name, str(again), p.key, False, read_manifest(p.entry).get("build_seconds"), module)
         seconds = _build(p, root, why, config.verbose)
     library = p.entry / read_manifest(p.entry)["library"]
-    return LoadedLibrary(p.name, str(library), p.key, True, round(seconds, 2), _open_library(library, p.is_python_module))
+    return LoadedLibrary(p.name, str(library), p.key, True, round(seconds, 2),
+                         _open_library(library, p.is_python_module))
 
 
 def load(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Sequence[str] = (),

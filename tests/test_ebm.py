@@ -621,7 +621,8 @@ def _distributed_run(backend: str, world: int = 2) -> list[dict]:
 def _check_distributed(results: list[dict]) -> None:
     for name in ("analytic", "gaussian"):
         r0, r1 = results[0][name], results[1][name]
-        assert r0["x"].shape == (DIST_SAMPLES, DIST_DIM) and r0["traj"].shape == (DIST_SAMPLES, DIST_STEPS // 4, DIST_DIM)
+        assert r0["x"].shape == (DIST_SAMPLES, DIST_DIM)
+        assert r0["traj"].shape == (DIST_SAMPLES, DIST_STEPS // 4, DIST_DIM)
         assert torch.equal(r0["x"], r1["x"]) and torch.equal(r0["traj"], r1["traj"])  # every rank has all chains
         assert torch.isfinite(r0["x"]).all()
         # gather=False: rank r keeps its tensor_split share (6 and 5 rows); same start, different noise

@@ -90,7 +90,8 @@ class ShampooReference:
             if p.dim() >= 2:
                 m, n = p.shape[0], p.numel() // p.shape[0]
                 self.blocks[i] = [dict(r=r, c=c, L=torch.zeros(r.stop - r.start, r.stop - r.start, dtype=p.dtype),
-                                       R=torch.zeros(c.stop - c.start, c.stop - c.start, dtype=p.dtype), Lr=None, Rr=None)
+                                       R=torch.zeros(c.stop - c.start, c.stop - c.start, dtype=p.dtype),
+                                       Lr=None, Rr=None)
                                   for r in _ref_splits(m, max_dim) for c in _ref_splits(n, max_dim)]
 
     @torch.no_grad()

@@ -65,12 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=_info)
     build = commands.add_parser("build", help="compile the CUDA kernels (works without a GPU with --arch)")
-    build.add_argument("--arch", help="CUDA archs, e.g. 9.0 or '8.0;9.0' (default: TORCH_CUDA_ARCH_LIST, else visible GPUs)")
+    build.add_argument("--arch",
+                       help="CUDA archs, e.g. 9.0 or '8.0;9.0' (default: TORCH_CUDA_ARCH_LIST, else visible GPUs)")
     build.set_defaults(run=_build)
     bench = commands.add_parser("bench", help="run the benchmarks on this machine and print a table of ratios")
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (smoke run)")
     bench.add_argument("--family", action="append",
-                       help="primitives, ebm, linalg, per_sample, optim or quality (default: all but quality); repeatable")
+                       help="primitives, ebm, linalg, per_sample, optim or quality (default: all but quality); "
+                            "repeatable")
     bench.add_argument("--json", help="also write the raw results to this file")
     bench.set_defaults(run=_bench)
     clean = commands.add_parser("clean", help="delete the kernel cache")

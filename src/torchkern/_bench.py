@@ -1,7 +1,7 @@
 """Benchmark cases shared by ``benchmarks/`` (pytest-benchmark) and ``python -m torchkern bench``.
 
-Each family's ``bench.py`` (``torchkern/<family>/bench.py``) exposes ``cases(device, quick) -> list[Case]``. A case allocates nothing until
-``setup()``; ``setup()`` returns a :class:`Prepared` with one zero-argument callable
+Each family's ``bench.py`` (``torchkern/<family>/bench.py``) exposes ``cases(device, quick) -> list[Case]``.
+A case allocates nothing until ``setup()``; ``setup()`` returns a :class:`Prepared` with one zero-argument callable
 per implementation (``"torchkern"`` first, then the baselines a user would write:
 ``"eager"``, ``"compile"``, ...), the floor's bytes and FLOPs, and a ``check`` that
 raises if the implementations disagree. Timing synchronizes inside the timed call,

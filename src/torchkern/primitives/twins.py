@@ -30,7 +30,8 @@ def check_batched_outer(a: torch.Tensor, b: torch.Tensor) -> None:
     check_float_pair("batched_outer", "a", a, "b", b)
     check_dim("batched_outer", "a", a, 2, "[B, n]")
     check_dim("batched_outer", "b", b, 2, "[B, m]")
-    check(b.shape[0] == a.shape[0], "batched_outer", f"b must have shape [B, m] with B = {a.shape[0]} like a, got {shape(b)}")
+    check(b.shape[0] == a.shape[0], "batched_outer",
+          f"b must have shape [B, m] with B = {a.shape[0]} like a, got {shape(b)}")
 
 
 def batched_outer(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
