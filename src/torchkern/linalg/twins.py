@@ -485,5 +485,5 @@ def kron_precondition(grad: torch.Tensor, left, right, damping: float = 0.0) -> 
 __all__ = ["check_eigh_args", "check_kron", "check_kron_precondition", "check_root_args", "eigen_scale", "eigh",
            "eigh_backward", "eigh_min_tol", "inf_norm_residual", "kron", "kron_backward", "kron_precondition",
            "matrix_inverse_root", "matrix_inverse_root_eigh", "matrix_inverse_root_newton", "newton_failed",
-           "newton_scaling", "pow2_scale",
-           "replace_failed", "root_from_eigh", "root_residual", "symmetric_part", "times_pow2", "dtype_name"]
+           "newton_scaling", "pow2_scale", "replace_failed", "root_from_eigh", "root_residual", "symmetric_part",
+           "times_pow2", "dtype_name"]
