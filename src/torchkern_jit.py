@@ -228,13 +228,16 @@ def default_archs() -> tuple[str, ...]:
 
 
 def gencode_flags(archs: Sequence[str]) -> list[str]:
+    """nvcc's -gencode flags. 9.0 builds sm_90a, the arch-specific code of 9.0 (the only 9.x; wgmma and the other
+    Hopper-only instructions compile there); "+PTX" adds the portable PTX of the plain arch."""
     flags = []
     for arch in archs:
         num = arch.removesuffix("+PTX").replace(".", "")
-        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        real = "90a" if num == "90" else num
+        flags.append(f"-gencode=arch=compute_{real},code=sm_{real}")
         if arch.endswith("+PTX"):
             flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
-    return flags
+    return list(dict.fromkeys(flags))
 
 
 def arch_tag(archs: Sequence[str]) -> str:

@@ -720,7 +720,8 @@ def _gradient_error_bound(energy, x, precision):
 
 
 def _layouts(energy, x, precision, hmc):
-    """Every fused-kernel configuration that fits this device: rows 16/32, resident/streamed weights."""
+    """Every fused-kernel configuration that fits this device: rows 16/32, resident/streamed weights, and bf16's
+    warpgroup products on an sm_90 GPU."""
     limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
     widths = [energy.dim, *energy.hidden]
     code = PRECISIONS.index(precision)
@@ -730,7 +731,16 @@ def _layouts(energy, x, precision, hmc):
             layout = ebm_mlp.shared_memory_layout(widths, code, hmc, rows, resident)
             if layout[-1] <= limit:
                 out.append(layout)
-    return out
+    wgmma = _wgmma_layout(energy, x, precision, hmc)
+    return out + ([wgmma] if wgmma else [])
+
+
+def _wgmma_layout(energy, x, precision, hmc):
+    """The warpgroup-product layout (bf16, 32 rows) where this device runs it and it fits, else None."""
+    if precision != "bf16" or not ebm_mlp.has_wgmma(x.device):
+        return None
+    layout = ebm_mlp.shared_memory_layout([energy.dim, *energy.hidden], ebm_constants.BF16, hmc, 32, True, wgmma=True)
+    return layout if layout[-1] <= torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin else None
 
 
 # --------------------------------------------------------------------------- the module
@@ -976,15 +986,17 @@ def test_mlp_chain_tensor_core_noise_is_langevin_steps(d, precision):
         ebm.langevin_step(z, torch.zeros_like(x), step, sigma, out=z)
         noise.append(z / coef)
     code = PRECISIONS.index(precision)
-    layout, args = ebm_mlp.plan(energy, x, code, False), energy.kernel_args()
-    drawn, injected = x.clone(), x.clone()
-    run = (step, sigma, None, None, n_steps, 1, False, False, 0.0, None, None, code, layout, None)
-    torch.manual_seed(5)
-    torch.ops.torchkern.mlp_langevin_chain_(drawn, *args, *run)
-    torch.ops.torchkern.mlp_langevin_chain_(injected, *args, *run, torch.stack(noise))
-    # a wrong element's noise moves a state by ~coef (0.11); recovering eps from z costs an ulp, which may flip a
-    # bf16 operand's rounding
-    torch.testing.assert_close(drawn, injected, rtol=0, atol=1e-3)
+    args = energy.kernel_args()
+    layouts = [ebm_mlp.plan(energy, x, code, False), _wgmma_layout(energy, x, precision, False)]
+    for layout in [lay for lay in layouts if lay]:  # the warpgroup products' update takes 8 features at a time
+        drawn, injected = x.clone(), x.clone()
+        run = (step, sigma, None, None, n_steps, 1, False, False, 0.0, None, None, code, layout, None)
+        torch.manual_seed(5)
+        torch.ops.torchkern.mlp_langevin_chain_(drawn, *args, *run)
+        torch.ops.torchkern.mlp_langevin_chain_(injected, *args, *run, torch.stack(noise))
+        # a wrong element's noise moves a state by ~coef (0.11); recovering eps from z costs an ulp, which may flip
+        # a bf16 operand's rounding
+        torch.testing.assert_close(drawn, injected, rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -1200,11 +1212,26 @@ def test_shared_memory_layout():
     # widths up to 512 and inputs up to 1024 fit the bf16 kernel (streamed, 16 chains per block)
     assert ebm_mlp.shared_memory_layout([1024, 512, 512], ebm_constants.BF16, False, 16, False)[-1] <= h100_optin
     assert ebm_mlp.plan(ebm.MLPEnergy(3, [4]), torch.zeros(2, 3), 0, False) == []  # CPU: the twin
+    # bf16 on warpgroup products (mode 2): the benchmark's MLP fits, its buffers sized as mlp_chain.cuh lists them
+    for hmc in (False, True):
+        wg = ebm_mlp.shared_memory_layout([32, 256, 256], ebm_constants.BF16, hmc, 32, True, wgmma=True)
+        assert wg[:2] == [32, 2] and wg[-1] <= h100_optin
+        size = dict(zip(ebm_constants.MLP_SLOTS[:-1], [b - a for a, b in zip(wg[2:-1], wg[3:])]))
+        assert size["xb"] == 32 * 32 * 2 and size["act0"] == size["act1"] == size["deriv0"] == 32 * 256 * 2
+        assert size["deriv1"] == 0 and size["w1"] == 256 * 256 * 2 and size["stage"] == 2 * 32 * 36 * 4
+        assert size["w0"] == 256 * 32 * 2 + 4 * 128  # W_0^T's last 64-row tile reads 4 core matrices past it
+    assert ebm_mlp.shared_memory_layout([3, 20], ebm_constants.BF16, False, 32, True, wgmma=True)[2:] != \
+        ebm_mlp.shared_memory_layout([3, 20], ebm_constants.BF16, False, 32, True)[2:]  # hidden 20 pads to 64
+    for bad in (dict(precision=ebm_constants.TF32), dict(rows=16), dict(resident=False)):
+        args = dict(widths=[32, 64], precision=ebm_constants.BF16, hmc=False, rows=32, resident=True) | bad
+        with pytest.raises(ValueError, match="wgmma takes bf16 with resident weights and 32 rows"):
+            ebm_mlp.shared_memory_layout(**args, wgmma=True)
 
 
 @requires_cuda
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("widths", [(3, [20]), (33, [300, 70]), (64, [96, 64, 32, 48]), (200, [512, 256])], ids=str)
+@pytest.mark.parametrize("widths", [(3, [20]), (33, [300, 70]), (64, [96, 64, 32, 48]), (200, [512, 256]),
+                                    (32, [256, 256])], ids=str)
 def test_mlp_kernel_every_configuration(widths, precision):
     # Every layout the device takes (16 or 32 chains per block, resident or streamed weights), narrow and
     # multi-pass products, 1 to 4 hidden layers, a batch that leaves a partial block: the fused energy and

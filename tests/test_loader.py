@@ -150,6 +150,10 @@ def test_arch_list_parsing_and_flags(spec, expected):
     flags = jit.gencode_flags(expected)
     assert all(f.startswith("-gencode=arch=compute_") for f in flags)
     assert len(flags) == len(expected) + sum(a.endswith("+PTX") for a in expected)
+    # 9.0 is built as sm_90a (Hopper's arch-specific code, which the bf16 MLP chain's wgmma needs); +PTX keeps the
+    # portable compute_90 PTX
+    assert ("-gencode=arch=compute_90a,code=sm_90a" in flags) == any(a.startswith("9.0") for a in expected)
+    assert ("-gencode=arch=compute_90,code=compute_90" in flags) == ("9.0+PTX" in expected)
 
 
 def test_arch_list_honours_torch_cuda_arch_list(monkeypatch):

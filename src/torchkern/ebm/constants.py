@@ -24,6 +24,8 @@ PRECISION_NAMES = ("bf16", "tf32", "fp32")
 MLP_WARPS = 8
 MLP_K_CHUNK = 32
 MLP_ALIGN = 32
+MLP_WGMMA_ALIGN = 64  # hidden widths on Hopper's warpgroup products (bf16): whole 64-row tiles
+MLP_WGMMA_MAX_WIDTH = 1024  # the widest input or layer there: a product's K is at most 64 steps of 16
 MLP_MAX_HIDDEN = 8
 MLP_WIDE_PASS = 32 * MLP_WARPS
 MLP_ROW_VALUES = 8  # per-row float scalars (energies, kinetic energies, accept and restart flags, counts)
@@ -52,6 +54,8 @@ COMPILE_DEFINITIONS = {
     "TORCHKERN_MLP_WARPS": MLP_WARPS,
     "TORCHKERN_MLP_K_CHUNK": MLP_K_CHUNK,
     "TORCHKERN_MLP_ALIGN": MLP_ALIGN,
+    "TORCHKERN_MLP_WGMMA_ALIGN": MLP_WGMMA_ALIGN,
+    "TORCHKERN_MLP_WGMMA_MAX_WIDTH": MLP_WGMMA_MAX_WIDTH,
     "TORCHKERN_MLP_MAX_HIDDEN": MLP_MAX_HIDDEN,
     "TORCHKERN_MLP_WIDE_PASS": MLP_WIDE_PASS,
     "TORCHKERN_MLP_ROW_VALUES": MLP_ROW_VALUES,

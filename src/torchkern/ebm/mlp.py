@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import _backend
 from .._library import has_cuda_kernel
 from . import constants as C, twins
 from .energies import Energy
 
-__all__ = ["MLPEnergy", "fused_inputs", "plan", "shared_memory_layout"]
+__all__ = ["MLPEnergy", "fused_inputs", "has_wgmma", "plan", "shared_memory_layout"]
 
 _ACTIVATION_MODULES = {nn.SiLU: C.SILU, nn.Softplus: C.SOFTPLUS, nn.Tanh: C.TANH, nn.GELU: C.GELU, nn.ReLU: C.RELU,
                        nn.LeakyReLU: C.LEAKY_RELU}
@@ -197,41 +198,64 @@ def _activation_of(m: nn.Module, i: int) -> tuple[int, float]:
 # --------------------------------------------------------------------------------------------- the kernel's plan
 
 
-def _padded(n: int) -> int:
-    return -(-n // C.MLP_ALIGN) * C.MLP_ALIGN
+def _padded(n: int, align: int = C.MLP_ALIGN) -> int:
+    return -(-n // align) * align
 
 
-def shared_memory_layout(widths: Sequence[int], precision: int, hmc: bool, rows: int, resident: bool) -> list[int]:
-    """The fused kernel's plan for an MLP of widths [d, n_1, ..., n_H]: [rows, resident, byte offset of each
-    shared-memory buffer in ``constants.MLP_SLOTS`` order, the last one the total]. Buffer sizes follow
-    csrc/ebm/mlp_chain.cuh: every width padded to MLP_ALIGN, 16 bytes of padding per row."""
+def shared_memory_layout(widths: Sequence[int], precision: int, hmc: bool, rows: int, resident: bool,
+                         wgmma: bool = False) -> list[int]:
+    """The fused kernel's plan for an MLP of widths [d, n_1, ..., n_H]: [rows, mode, byte offset of each
+    shared-memory buffer in ``constants.MLP_SLOTS`` order, the last one the total]; mode 0 streams the weights,
+    1 keeps them resident, 2 runs bf16 on Hopper's warpgroup products (``wgmma``: resident weights, 32 rows).
+    Buffer sizes follow csrc/ebm/mlp_chain.cuh: every width padded to MLP_ALIGN (hidden widths to
+    MLP_WGMMA_ALIGN for wgmma), 16 bytes of padding per row (none in wgmma's interleaved operands)."""
+    if wgmma and (precision != C.BF16 or rows != 32 or not resident):
+        raise ValueError("shared_memory_layout: wgmma takes bf16 with resident weights and 32 rows, got "
+                         f"precision={precision}, rows={rows}, resident={resident}")
     t = 2 if precision == C.BF16 else 4  # bytes per operand
     pad = 16 // t
-    dims = [_padded(w) for w in widths]
+    dims = [_padded(widths[0]), *[_padded(w, C.MLP_WGMMA_ALIGN if wgmma else C.MLP_ALIGN) for w in widths[1:]]]
     H, d0 = len(dims) - 1, dims[0]
     size = dict.fromkeys(C.MLP_SLOTS[:-1], 0)
     size["xs"] = rows * (d0 + 4) * 4
     if precision != C.FP32:  # the states' operand copy (rounded) for the tensor cores
-        size["xb"] = rows * (d0 + pad) * t
+        size["xb"] = rows * (d0 + (0 if wgmma else pad)) * t
     if hmc:
         size["p"] = rows * (d0 + 4) * 4
-    widest = max(dims[1:H], default=0)  # activations kept for hidden layers 0..H-2, in two buffers
-    for i in range(min(2, H - 1)):
-        size[f"act{i}"] = rows * (widest + pad) * t
-    for l in range(H):
-        size[f"deriv{l}"] = rows * (dims[l + 1] + pad) * t
-        if resident:
-            size[f"w{l}"] = dims[l + 1] * (dims[l] + pad) * t
-    if not resident:
-        # two stages of a wide pass's chunk and their two mbarriers
-        size["stage"] = 2 * C.MLP_WIDE_PASS * (C.MLP_K_CHUNK + pad) * t + 16
+    if wgmma:
+        # the products' B operands (activations forward, D backward) in two buffers; phi' of layers 0..H-2 per
+        # thread; W_l with the slack a last 64-row tile of W_l^T reads past it; the input gradient's two parts
+        for i in range(min(2, H)):
+            size[f"act{i}"] = rows * max(dims[1:]) * t
+        for l in range(H):
+            size[f"deriv{l}"] = rows * dims[l + 1] * t if l < H - 1 else 0
+            size[f"w{l}"] = dims[l + 1] * dims[l] * t + (-(dims[l] // 8)) % 8 * 128
+        size["stage"] = 2 * rows * (d0 + 4) * 4
+    else:
+        widest = max(dims[1:H], default=0)  # activations kept for hidden layers 0..H-2, in two buffers
+        for i in range(min(2, H - 1)):
+            size[f"act{i}"] = rows * (widest + pad) * t
+        for l in range(H):
+            size[f"deriv{l}"] = rows * (dims[l + 1] + pad) * t
+            if resident:
+                size[f"w{l}"] = dims[l + 1] * (dims[l] + pad) * t
+        if not resident:
+            # two stages of a wide pass's chunk and their two mbarriers
+            size["stage"] = 2 * C.MLP_WIDE_PASS * (C.MLP_K_CHUNK + pad) * t + 16
     size["epart"] = rows * (dims[H] // 16) * 4
     size["rows"] = C.MLP_ROW_VALUES * rows * 4
     offsets, at = [], 0
     for name in C.MLP_SLOTS[:-1]:
         offsets.append(at)
         at += -(-size[name] // 128) * 128
-    return [rows, int(resident), *offsets, at]
+    return [rows, 2 if wgmma else int(resident), *offsets, at]
+
+
+def has_wgmma(device: torch.device) -> bool:
+    """Whether the bf16 chain may run on warpgroup products on ``device``: an sm_90 GPU (H100, H200) and a
+    library built with sm_90 code (the loader builds 9.0 as sm_90a, whose wgmma the kernel uses)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and any(a.split("+")[0] in ("9.0", "9.0a") for a in _backend.load_kernels().archs))
 
 
 def plan(energy: MLPEnergy, x: torch.Tensor, precision: int, hmc: bool) -> list[int] | None:
@@ -240,7 +264,9 @@ def plan(energy: MLPEnergy, x: torch.Tensor, precision: int, hmc: bool) -> list[
 
     The kernel applies to float32 states and weights, 1 to MLP_MAX_HIDDEN hidden layers, and a layout that fits
     the device's shared memory: weights resident when they fit (else streamed from L2 in chunks), 32 chains
-    per block (16 where that leaves no multiprocessor idle or 32 does not fit).
+    per block (16 where that leaves no multiprocessor idle or 32 does not fit). bf16 with 32 chains per block on
+    an sm_90 GPU runs on warpgroup products (wgmma) where its layout fits and no width passes
+    MLP_WGMMA_MAX_WIDTH.
     """
     if x.device.type == "cpu":
         return []
@@ -289,6 +315,11 @@ def _plan(energy: MLPEnergy, x: torch.Tensor, precision: int, hmc: bool) -> list
     props = torch.cuda.get_device_properties(x.device)
     widths = [energy.dim, *energy.hidden]
     rows_order = (16, 32) if -(-x.shape[0] // 16) <= props.multi_processor_count else (32, 16)
+    if (precision == C.BF16 and rows_order[0] == 32 and max(_padded(w) for w in widths) <= C.MLP_WGMMA_MAX_WIDTH
+            and has_wgmma(x.device)):
+        layout = shared_memory_layout(widths, precision, hmc, 32, True, wgmma=True)
+        if layout[-1] <= props.shared_memory_per_block_optin:
+            return layout
     for resident in (True, False):
         for rows in rows_order:
             layout = shared_memory_layout(widths, precision, hmc, rows, resident)

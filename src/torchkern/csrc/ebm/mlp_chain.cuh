@@ -17,6 +17,10 @@
 // Streamed weights are packed as an image of the stages (stream_image_elems): every chunk a product reads is one
 // contiguous piece of global memory, laid out as the stage it is copied to, so the copy computes no addresses.
 // Operands are rounded once, when written (TF32: the packed weights too), never in the products' k loops.
+// On sm_90a, bf16 with resident weights runs on warpgroup products instead (wgmma, mlp_wgmma.cuh; p.wgmma): every
+// product transposed, [features x chains] = W [features x K] x [K x chains], the weights the 64-row A operand and
+// the block's chains the N, hidden widths padded to kWgAlign, the operands interleaved (mlp_wgmma.cuh), phi'
+// kept per thread in the accumulators' order; the buffers' meanings per slot are listed with Slot.
 // The planner in ebm/mlp.py chooses rows and residency and lays out shared memory: it hands the kernel the
 // byte offset of each buffer (Slot order below = constants.MLP_SLOTS).
 #pragma once
@@ -38,6 +42,8 @@ constexpr int kWarps = TORCHKERN_MLP_WARPS;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kKChunk = TORCHKERN_MLP_K_CHUNK;
 constexpr int kAlign = TORCHKERN_MLP_ALIGN;
+constexpr int kWgAlign = TORCHKERN_MLP_WGMMA_ALIGN;
+constexpr int kWgMaxWidth = TORCHKERN_MLP_WGMMA_MAX_WIDTH;
 constexpr int kMaxHidden = TORCHKERN_MLP_MAX_HIDDEN;
 constexpr int kWidePass = TORCHKERN_MLP_WIDE_PASS;
 constexpr int kRowValues = TORCHKERN_MLP_ROW_VALUES;
@@ -58,6 +64,11 @@ enum Slot : int {
   kSlotRows = TORCHKERN_MLP_SLOT_ROWS,      // float [kRowValues, rows]: per-row scalars (RowValue)
   kSlotEnd = TORCHKERN_MLP_SLOT_END,        // total bytes
 };
+// With p.wgmma: xb is bf16 [rows, d0] interleaved (the first product's B); act0/act1 the products' interleaved
+// B operands [rows, widest n_l] (activations forward, D backward); deriv[l] phi'(h) of hidden layer l < H - 1 in
+// each thread's accumulator order (uint4 [tiles, rows / 16, 128]); w[l] W_l interleaved [n_{l+1}, n_l] (plus the
+// over-read slack of a last 64-row tile of W_0^T); stage the input gradient, float [2, rows, d0 + 4].
+
 static_assert(kSlotEnd + 1 == kSlots, "Slot mirrors constants.MLP_SLOTS");
 static_assert(kSlotW0 == kSlotDeriv0 + kMaxHidden && kSlotStage == kSlotW0 + kMaxHidden, "one slot per layer");
 
@@ -78,6 +89,17 @@ enum Activation : int {
 
 enum Precision : int { kBf16 = TORCHKERN_PREC_BF16, kTf32 = TORCHKERN_PREC_TF32, kFp32 = TORCHKERN_PREC_FP32 };
 
+// One product of the warpgroup path (p.wgmma), planned on the host (mlp_host.h, wg_plan) so that the kernel
+// computes no geometry per product and step (the chain of dependent uniform instructions that did was ~80 per
+// warp and product). Descriptors (mlp_wgmma.cuh) hold shared addresses relative to the dynamic shared memory;
+// the kernel adds its base. [w]: warpgroup w's (they differ where the input-gradient product splits K).
+struct WgProduct {
+  uint64_t a[2], b[2];     // A's tile 0 and B at this warpgroup's first k step
+  uint32_t a_tile, a_inc;  // descriptor steps (16-byte units): A's next 64-row tile, A's next k step
+  int ksteps, tiles, mine;  // k steps of 16 per tile (this warpgroup's part of K), 64-row tiles, tiles per group
+  bool split;              // K split between the warpgroups (two partial input gradients)
+};
+
 struct Params {
   // Tensors (float32, contiguous). x is updated in place (the final states; HMC: the accepted ones).
   float* x;                 // [B, d]
@@ -95,6 +117,7 @@ struct Params {
   int d;
   int rows;                 // chains per block: 16 or 32
   bool resident;            // weights in shared memory (else streamed)
+  bool wgmma;               // bf16 on Hopper's warpgroup products (Bf16WgOp; resident, hidden widths of kWgAlign)
   int n_hidden;             // H
   int dims[kMaxHidden + 1];  // padded widths: dims[0] = d rounded up, dims[l + 1] = hidden layer l's
   int64_t w_off[kMaxHidden];
@@ -113,6 +136,7 @@ struct Params {
   int n_leapfrog;
   int n_steps, thin, kept;  // kept: n_steps // thin where a trace is asked for
   int smem[kSlots];         // byte offsets (the planner's layout)
+  WgProduct wg[2 * kMaxHidden];  // p.wgmma: product g (forward of layer g < H, then backward of 2H - 1 - g)
 };
 
 // Elements of a streamed chunk's row (and of a stage's): kKChunk operands and 16 bytes of padding (no bank

@@ -23,6 +23,7 @@
 #include "energies.cuh"
 #include "mlp_chain.cuh"
 #include "mlp_operands.cuh"
+#include "mlp_wgmma.cuh"
 #include "torchkern/launch.h"
 #include "torchkern/philox.cuh"
 #include "torchkern/reduce.cuh"
@@ -184,6 +185,12 @@ __device__ __forceinline__ void load8_global(const float* src, float (&v)[8]) {
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
+// 8 consecutive floats of shared memory (16-byte aligned).
+__device__ __forceinline__ void load8_smem(const float* src, float (&v)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(src)[0], b = reinterpret_cast<const float4*>(src)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
 __device__ __forceinline__ uint4 philox_bits(const PhiloxKey& key, uint64_t draw, uint64_t group) {
   const uint64_t ctr = key.draw + draw;
   return philox4x32_10(make_uint4(static_cast<uint32_t>(ctr), static_cast<uint32_t>(ctr >> 32),
@@ -261,6 +268,8 @@ struct Ctx {
   float* pm;   // HMC momenta [rows, ld_xs]
   float* epart;
   float* rowv;
+  float* grad;  // wgmma: the input gradient's partial sums (stage slot)
+  uint64_t smem16;  // wgmma: the dynamic shared memory's shared-window address in 16-byte units
   T* stage;
   int ld_xs, ld_xop, ld_act, ld_epart, stage_elems;
   // what the last product's epilogue does
@@ -280,6 +289,14 @@ struct Ctx {
   __device__ int ld_deriv(int l) const { return p->dims[l + 1] + kPad; }
   __device__ T* w_res(int l) const { return reinterpret_cast<T*>(smem + p->smem[kSlotW0 + l]); }
   __device__ float* row_value(int which) const { return rowv + which * p->rows; }
+  // Index of the states' operand copy at (row, col): interleaved for wgmma (the first product's B), else rows.
+  __device__ int xop_at(int row, int col) const {
+    if constexpr (Op::kWgmma) {
+      return wg::core_index(row, col, p->dims[0]);
+    } else {
+      return row * ld_xop + col;
+    }
+  }
 };
 
 // The weight stream's copies: a chunk is one bulk copy (TMA), issued by thread 0 (the others compute no addresses
@@ -463,7 +480,7 @@ __device__ __forceinline__ void update_pair(Ctx<Op>& c, int row, int col, float 
   const float g[2] = {g0, g1}, eps[2] = {e0, e1};
   const int64_t r = c.row0 + row, base = r * p.d + col;
   float* xs = c.xs + row * c.ld_xs + col;
-  typename Op::T* xop = c.xop + row * c.ld_xop + col;
+  typename Op::T* xop = c.xop + c.xop_at(row, col);  // col and col + 1 share a row of 8 in both layouts
   if (p.mode == kEval) {
     for (int q = 0; q < n; ++q) p.score[base + q] = -g[q];
   } else if (p.mode == kLangevin) {
@@ -800,26 +817,273 @@ __device__ void row_sums(Ctx<Op>& c, const float* src, int ld, int n, float scal
   }
 }
 
-// Energy (when `energy`) and gradient of the block's rows; full = false: the forward products only.
-// Ends after a __syncthreads; row value kRowE holds the energies. Called from two sites (eval/Langevin, HMC).
+// ------------------------------------------------------------------------------------------ warpgroup products
+
+// Product g of an evaluation on wgmma (Bf16WgOp, mlp_wgmma.cuh), transposed: out [M features x kN chains] =
+// A [M x K] B [K x kN], B the product's input kept as an interleaved [kN x K] operand (the states' copy, the
+// activations, D), A = W_l (forward: M = n_{l+1}, K = n_l) or W_l^T through the transpose bit (backward: M = n_l,
+// K = n_{l+1}). The 64-row tiles of M alternate between the two warpgroups, a pair at a time: both tiles' products
+// are issued, then the first one's epilogue runs while the second multiplies. The input-gradient product (backward
+// of layer 0) has M = d: for d <= 64 one tile, so its warpgroups split K instead and write two partial gradients
+// that the update adds.
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Stores a warp's 16 x kN results (bf16 pairs pk[q / 2] = (v[q], v[q + 1]) in accumulator order) transposed into
+// the interleaved operand dst [kN x M] at features f0 + [0, 16): each 8 x 8 block of the accumulators is one core
+// matrix of the next product's B.
+template <int kN>
+__device__ __forceinline__ void wg_store_operand(const uint32_t (&pk)[kN / 4], __nv_bfloat16* dst, int M, int f0,
+                                                 int lane) {
+  const int q = lane >> 3, j = lane & 7;  // lane's matrix q: rows + 8 (q % 2) of n8 tile i0 + q / 2; its chain j
+#pragma unroll
+  for (int i0 = 0; i0 < kN / 8; i0 += 2) {
+    const int n = 8 * (i0 + (q >> 1)) + j, k = f0 + 8 * (q & 1);
+    wg::store_transposed_x4(smem_address(dst + wg::core_index(n, k, M)), pk[2 * i0], pk[2 * i0 + 1],
+                            pk[2 * i0 + 2], pk[2 * i0 + 3]);
+  }
+}
+
+// The epilogue of tile `tile` (features 64 tile + 16 (warp % 4) + lane / 4 (+ 8)) of product (fwd, l): the
+// mma.sync path's epilogues (epilogue_frag) on the transposed accumulators, with the same roundings.
 template <class Op>
-__device__ __forceinline__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
+__device__ __forceinline__ void wg_epilogue(Ctx<Op>& c, bool fwd, int l, int tile, int part,
+                                            const float (&v)[Op::kWgRows / 2]) {
+  constexpr int kN = Op::kWgRows, kPacks = kN / 4, kVecs = kN / 16;  // bf16 pairs; uint4 of phi' per thread
+  const Params& p = *c.p;
+  const int H = p.n_hidden, g = c.lane >> 2, t = c.lane & 3, tw = c.tid & 127;
+  const int f0 = 64 * tile + 16 * (c.warp & 3), f = f0 + g;
+  uint32_t pk[kPacks];
+  if (fwd) {
+    const bool last = l == H - 1;
+    const float b0 = __ldg(p.vecs + p.b_off[l] + f), b1 = __ldg(p.vecs + p.b_off[l] + f + 8);
+    const float w0 = last ? __ldg(p.vecs + p.wlast_off + f) : 0.f;
+    const float w1 = last ? __ldg(p.vecs + p.wlast_off + f + 8) : 0.f;
+    uint32_t pd[kPacks];
+    float e[kN / 4];  // energy partials of the lane's chains 8 i + 2 t + {0, 1}
+#pragma unroll
+    for (int i0 = 0; i0 < kN / 8; i0 += 2) {  // n8 tiles i0, i0 + 1: 8 values
+      const float* u = v + 4 * i0;
+      const float4 h0 = make_float4(u[0] + b0, u[1] + b0, u[2] + b1, u[3] + b1);
+      const float4 h1 = make_float4(u[4] + b0, u[5] + b0, u[6] + b1, u[7] + b1);
+      const Act8 ad = p.activation == kSilu ? silu8<true>(h0, h1) : activate8<true>(p.activation, p.slope, h0, h1);
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {  // pair h: rows + 8 (h % 2) of n8 tile i0 + h / 2
+        const float w = h & 1 ? w1 : w0;
+        if (!last) {
+          pk[2 * i0 + h] = pack_bf16(ad.a[2 * h], ad.a[2 * h + 1]);
+          pd[2 * i0 + h] = pack_bf16(ad.d[2 * h], ad.d[2 * h + 1]);  // phi': the chain rule's, rounded as stored
+        } else {
+          pk[2 * i0 + h] = pack_bf16(ad.d[2 * h] * w, ad.d[2 * h + 1] * w);
+        }
+      }
+      if (last) {
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {  // n8 tile i0 + s, chains + {0, 1}
+          e[2 * (i0 + s)] = ad.a[4 * s] * w0 + ad.a[4 * s + 2] * w1;
+          e[2 * (i0 + s) + 1] = ad.a[4 * s + 1] * w0 + ad.a[4 * s + 3] * w1;
+        }
+      }
+    }
+    wg_store_operand<kN>(pk, c.act(l & 1), p.dims[l + 1], f0, c.lane);
+    if (!last) {
+      uint4* dst = reinterpret_cast<uint4*>(c.deriv(l)) + tile * kVecs * 128 + tw;
+#pragma unroll
+      for (int h = 0; h < kVecs; ++h) dst[h * 128] = make_uint4(pd[4 * h], pd[4 * h + 1], pd[4 * h + 2], pd[4 * h + 3]);
+    } else if (c.need_energy) {  // sum over the warp's 16 features (lanes g), one partial per chain and 16 features
+#pragma unroll
+      for (int q = 0; q < kN / 4; ++q) {
+#pragma unroll
+        for (int m = 4; m < 32; m <<= 1) e[q] += __shfl_xor_sync(0xffffffffu, e[q], m);
+      }
+      if (g == 0) {
+#pragma unroll
+        for (int q = 0; q < kN / 4; ++q) c.epart[(8 * (q >> 1) + 2 * t + (q & 1)) * c.ld_epart + f0 / 16] = e[q];
+      }
+    }
+  } else if (l > 0) {  // D_{l-1} = acc * phi'(h_l) in bf16 pairs (epilogue_frag's rounding), the next product's B
+    const uint4* src = reinterpret_cast<const uint4*>(c.deriv(l - 1)) + tile * kVecs * 128 + tw;
+#pragma unroll
+    for (int h = 0; h < kVecs; ++h) {
+      const uint4 d4 = src[h * 128];
+      const uint32_t d[4] = {d4.x, d4.y, d4.z, d4.w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const __nv_bfloat162 a = __floats2bfloat162_rn(v[2 * (4 * h + q)], v[2 * (4 * h + q) + 1]);
+        const __nv_bfloat162 r = __hmul2(a, *reinterpret_cast<const __nv_bfloat162*>(&d[q]));
+        pk[4 * h + q] = *reinterpret_cast<const uint32_t*>(&r);
+      }
+    }
+    wg_store_operand<kN>(pk, c.act((l - 1) & 1), p.dims[l], f0, c.lane);
+  } else {  // the input gradient (this warpgroup's part of K), float [chain, feature]
+    const int d0 = p.dims[0], ld = d0 + 4;
+    float* gr = c.grad + part * kN * ld;
+#pragma unroll
+    for (int q = 0; q < kN / 2; ++q) {
+      const int n = 8 * (q >> 2) + 2 * t + (q & 1), fq = f + 8 * ((q >> 1) & 1);
+      if (fq < d0) gr[n * ld + fq] = v[q];
+    }
+  }
+}
+
+// One committed group of kSteps k16 products into acc, straight-line from its fence to its commit (a loop or
+// branch among a group's products made ptxas serialize every product of the evaluation, C7520). The A and B
+// descriptors advance by a_inc and 16 (256 bytes: two core matrices of K) per step; kFirst: the first product
+// writes acc without reading it (no zeroed copy of it reaches the products).
+template <int kN, int kTransA, int kSteps, bool kFirst>
+__device__ __forceinline__ void wg_group(float (&acc)[kN / 2], uint64_t& a, uint64_t a_inc, uint64_t& b) {
+  wg::fence();
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+    if (kFirst && s == 0) {
+      wg::mma_async<kN, kTransA, false>(acc, a, b);
+    } else {
+      wg::mma_async<kN, kTransA, true>(acc, a, b);
+    }
+    wg::advance(a, a_inc);
+    wg::advance(b, 16);
+  }
+  wg::commit();
+}
+
+// A tile's ksteps (<= 64) products as committed groups: 1, then 8 at a time, then 4, 2, 1 by the bits of the rest
+// (longer unrolled groups cost registers: one of 32 steps took all 255 and spilled).
+template <int kN, int kTransA>
+__device__ __forceinline__ void wg_issue(float (&acc)[kN / 2], uint64_t a, uint64_t a_inc, uint64_t b, int ksteps) {
+  wg_group<kN, kTransA, 1, true>(acc, a, a_inc, b);
+  const int rest = ksteps - 1;
+#pragma unroll 1
+  for (int i = 0; i < (rest >> 3); ++i) wg_group<kN, kTransA, 8, false>(acc, a, a_inc, b);
+  if (rest & 4) wg_group<kN, kTransA, 4, false>(acc, a, a_inc, b);
+  if (rest & 2) wg_group<kN, kTransA, 2, false>(acc, a, a_inc, b);
+  if (rest & 1) wg_group<kN, kTransA, 1, false>(acc, a, a_inc, b);
+}
+
+template <class Op>
+__device__ __forceinline__ void wg_product(Ctx<Op>& c, int g) {
+  constexpr int kN = Op::kWgRows;
+  const Params& p = *c.p;
+  const WgProduct& P = p.wg[g];  // the product's geometry and descriptors, planned on the host (wg_plan)
+  const bool fwd = g < p.n_hidden;
+  const int l = fwd ? g : 2 * p.n_hidden - 1 - g;
+  // the warpgroup, broadcast so that the compiler sees a warp-uniform value
+  const int wgi = __shfl_sync(0xffffffffu, c.warp >> 2, 0);
+  const uint64_t a0 = P.a[wgi] + c.smem16, b = P.b[wgi] + c.smem16;
+  // Warpgroup w takes tiles w, w + 2, ...; the control flow around the products is the same in both warpgroups
+  // (block-uniform values only): with an odd tile count the second warpgroup repeats the last tile and skips its
+  // epilogue.
+  for (int j = 0; j < P.mine; j += 2) {
+    const int ta = P.split ? 0 : min(2 * j + wgi, P.tiles - 1), tb = min(2 * j + 2 + wgi, P.tiles - 1);
+    const bool own_a = P.split || 2 * j + wgi < P.tiles, own_b = 2 * j + 2 + wgi < P.tiles;
+    const bool pair = j + 1 < P.mine;
+    float acc_a[kN / 2], acc_b[kN / 2];
+    // Tile a's products, then (a pair) tile b's, in flight during a's epilogue. a is waited for before b is
+    // issued: a wait that left b's groups pending (a count known only at run time) made ptxas serialize the
+    // products, and issuing b as one group ahead of a's wait ran slower (0.76 against 0.74 ms).
+    if (fwd) {
+      wg_issue<kN, 0>(acc_a, a0 + ta * P.a_tile, P.a_inc, b, P.ksteps);
+    } else {
+      wg_issue<kN, 1>(acc_a, a0 + ta * P.a_tile, P.a_inc, b, P.ksteps);
+    }
+    wg::wait<0>();
+    wg::pin(acc_a);
+    if (pair) {
+      if (fwd) {
+        wg_issue<kN, 0>(acc_b, a0 + tb * P.a_tile, P.a_inc, b, P.ksteps);
+      } else {
+        wg_issue<kN, 1>(acc_b, a0 + tb * P.a_tile, P.a_inc, b, P.ksteps);
+      }
+    }
+    if (own_a) wg_epilogue(c, fwd, l, ta, P.split ? wgi : 0, acc_a);
+    if (pair) {
+      wg::wait<0>();
+      wg::pin(acc_b);
+      if (own_b) wg_epilogue(c, fwd, l, tb, 0, acc_b);
+    }
+  }
+}
+
+// The sampler's update from the input gradient: one Philox group (4 consecutive features of a chain) per thread
+// and pass, the two warpgroups' partial sums added where the input-gradient product split K.
+template <class Op>
+__device__ __forceinline__ void wg_update(Ctx<Op>& c) {
+  constexpr int kN = Op::kWgRows;
+  const Params& p = *c.p;
+  const int d0 = p.dims[0], ld = d0 + 4;
+  const bool split = p.wg[2 * p.n_hidden - 1].split;
+  const bool grouped = p.mode == kLangevin && !p.noise && p.d % 4 == 0;  // block-uniform
+  for (int it = c.tid; it < kN * (d0 >> 2); it += kThreads) {
+    const int row = it % kN, col = (it / kN) * 4;
+    if (row >= c.nvalid || col >= p.d) continue;
+    const float* src = c.grad + row * ld + col;
+    float4 g = *reinterpret_cast<const float4*>(src);
+    if (split) {
+      const float4 h = *reinterpret_cast<const float4*>(src + kN * ld);
+      g = make_float4(g.x + h.x, g.y + h.y, g.z + h.z, g.w + h.w);
+    }
+    float4 eps = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int64_t base = (c.row0 + row) * p.d + col;
+    if (grouped) {
+      eps = normal4(c.key, static_cast<uint64_t>(c.t), static_cast<uint64_t>(base / 4));
+    } else if (p.mode == kLangevin) {
+      float e[4] = {};
+      for (int q = 0; q < min(4, p.d - col); ++q) e[q] = noise_at(c, base + q);
+      eps = make_float4(e[0], e[1], e[2], e[3]);
+    }
+    update_pair(c, row, col, g.x, g.y, eps.x, eps.y);
+    update_pair(c, row, col + 2, g.z, g.w, eps.z, eps.w);
+  }
+}
+
+// evaluate() on warpgroup products: the same contract.
+template <class Op>
+__device__ __forceinline__ void evaluate_wg(Ctx<Op>& c, bool full, bool energy) {
   const Params& p = *c.p;
   const int H = p.n_hidden;
   c.need_energy = energy;
   for (int g = 0; g < (full ? 2 * H : H); ++g) {
-    const Gemm G = gemm_info(p, g, c.rt);
-    if (G.ur == 2) {
-      if (G.fwd) run_gemm<Op, 2, 2, true>(c, G); else run_gemm<Op, 2, 2, false>(c, G);
-    } else if (G.uc == 2) {
-      if (G.fwd) run_gemm<Op, 1, 2, true>(c, G); else run_gemm<Op, 1, 2, false>(c, G);
-    } else {
-      if (G.fwd) run_gemm<Op, 1, 1, true>(c, G); else run_gemm<Op, 1, 1, false>(c, G);
-    }
+    wg_product(c, g);
+    wg::fence_shared_for_async();  // the epilogue's operands, for the next product's reads
     __syncthreads();
     if (energy && g == H - 1) {
       row_sums<Op, false>(c, c.epart, c.ld_epart, p.dims[H] / 16, 1.f, p.vecs[p.blast_off], kRowE);
       __syncthreads();
+    }
+  }
+  if (full) {
+    wg_update(c);
+    wg::fence_shared_for_async();  // the states' operand copy, for the next evaluation's first product
+    __syncthreads();
+  }
+}
+
+// Energy (when `energy`) and gradient of the block's rows; full = false: the forward products only.
+// Ends after a __syncthreads; row value kRowE holds the energies. Called from two sites (eval/Langevin, HMC).
+template <class Op>
+__device__ __forceinline__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
+  if constexpr (Op::kWgmma) {
+    evaluate_wg(c, full, energy);
+  } else {
+    const Params& p = *c.p;
+    const int H = p.n_hidden;
+    c.need_energy = energy;
+    for (int g = 0; g < (full ? 2 * H : H); ++g) {
+      const Gemm G = gemm_info(p, g, c.rt);
+      if (G.ur == 2) {
+        if (G.fwd) run_gemm<Op, 2, 2, true>(c, G); else run_gemm<Op, 2, 2, false>(c, G);
+      } else if (G.uc == 2) {
+        if (G.fwd) run_gemm<Op, 1, 2, true>(c, G); else run_gemm<Op, 1, 2, false>(c, G);
+      } else {
+        if (G.fwd) run_gemm<Op, 1, 1, true>(c, G); else run_gemm<Op, 1, 1, false>(c, G);
+      }
+      __syncthreads();
+      if (energy && g == H - 1) {
+        row_sums<Op, false>(c, c.epart, c.ld_epart, p.dims[H] / 16, 1.f, p.vecs[p.blast_off], kRowE);
+        __syncthreads();
+      }
     }
   }
 }
@@ -846,7 +1110,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
   c.pm = reinterpret_cast<float*>(smem + p.smem[kSlotP]);
   if constexpr (Op::kTensorCores) {
     c.xop = reinterpret_cast<T*>(smem + p.smem[kSlotXb]);
-    c.ld_xop = d0 + kPad;
+    c.ld_xop = Op::kWgmma ? d0 : d0 + kPad;  // wgmma: interleaved, unpadded (xop_at)
   } else {
     c.xop = c.xs;
     c.ld_xop = c.ld_xs;
@@ -858,6 +1122,8 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
   c.ld_epart = p.dims[H] / 16;
   c.rowv = reinterpret_cast<float*>(smem + p.smem[kSlotRows]);
   c.stage = reinterpret_cast<T*>(smem + p.smem[kSlotStage]);
+  c.grad = reinterpret_cast<float*>(smem + p.smem[kSlotStage]);
+  c.smem16 = smem_address(smem) >> 4;
   c.stage_elems = kWidePass * stream_row(sizeof(T));
   c.bars = smem_address(c.stage + 2 * c.stage_elems);
   c.s_g = c.s_pass = c.s_chunk = 0;
@@ -884,7 +1150,8 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
       T* dst = c.w_res(l);
       for (int s = c.tid; s < p.dims[l + 1] * segs_row; s += kThreads) {
         const int r = s / segs_row, q = s % segs_row;
-        *reinterpret_cast<uint4*>(dst + r * (in + kPad) + q * kSeg) =
+        const int at = Op::kWgmma ? wg::core_index(r, q * kSeg, in) : r * (in + kPad) + q * kSeg;
+        *reinterpret_cast<uint4*>(dst + at) =
             __ldg(reinterpret_cast<const uint4*>(src + static_cast<int64_t>(r) * in + q * kSeg));
       }
     }
@@ -911,8 +1178,9 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
               : normal_at(c.key, p.n_steps + 1, flat);
     }
     c.xs[row * c.ld_xs + col] = v;
-    if constexpr (Op::kTensorCores) c.xop[row * c.ld_xop + col] = Op::operand(v);
+    if constexpr (Op::kTensorCores) c.xop[c.xop_at(row, col)] = Op::operand(v);
   }
+  if constexpr (Op::kWgmma) wg::fence_shared_for_async();  // the weights and the states, for the first product
   __syncthreads();
 
   if (p.mode != kHmc) {
@@ -983,10 +1251,11 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
           p.x[flat] = *xv;
         } else {
           *xv = p.x[flat];
-          if constexpr (Op::kTensorCores) c.xop[row * c.ld_xop + col] = Op::operand(*xv);
+          if constexpr (Op::kTensorCores) c.xop[c.xop_at(row, col)] = Op::operand(*xv);
         }
         if (p.traj && keep) p.traj[((c.row0 + row) * p.kept + slot) * d + col] = *xv;
       }
+      if constexpr (Op::kWgmma) wg::fence_shared_for_async();
       __syncthreads();
     }
     if (c.tid < c.nvalid) p.accept_count[c.row0 + c.tid] = static_cast<int64_t>(c.row_value(kRowCount)[c.tid]);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "mlp_chain.cuh"
+#include "mlp_wgmma.cuh"
 #include "torchkern/checks.h"
 #include "torchkern/launch.h"
 
@@ -59,7 +60,14 @@ inline void apply_layout(const char* torchkern_op_name, Params& p, at::IntArrayR
                   " numbers from torchkern.ebm.mlp.plan(), got ", layout.size());
   TORCHKERN_CHECK(layout[0] == 16 || layout[0] == 32, "layout[0] (rows per block) must be 16 or 32, got ", layout[0]);
   p.rows = static_cast<int>(layout[0]);
+  TORCHKERN_CHECK(layout[1] >= 0 && layout[1] <= 2, "layout[1] (0 streamed, 1 resident, 2 warpgroup products) must be "
+                  "0, 1 or 2, got ", layout[1]);
   p.resident = layout[1] != 0;
+  p.wgmma = layout[1] == 2;
+  TORCHKERN_CHECK(!p.wgmma || p.rows == 32, "layout[1] = 2 (warpgroup products) needs 32 rows per block, got ",
+                  p.rows);
+  TORCHKERN_CHECK(!p.wgmma || compute_capability() == 90, "layout[1] = 2 (warpgroup products) needs an sm_90 device, "
+                  "got sm_", compute_capability());
   for (int s = 0; s < kSlots; ++s) {
     const int64_t off = layout[2 + s];
     TORCHKERN_CHECK(off % 128 == 0 && off >= (s ? layout[1 + s] : 0),
@@ -93,7 +101,7 @@ inline at::Tensor pack(Params& p, const at::Tensor& x, at::TensorList weights, a
   p.dims[0] = static_cast<int>(round_up(x.size(1), kAlign));
   int64_t woff = 0, voff = 0;
   for (int l = 0; l < H; ++l) {
-    p.dims[l + 1] = static_cast<int>(round_up(weights[l].size(0), kAlign));
+    p.dims[l + 1] = static_cast<int>(round_up(weights[l].size(0), p.wgmma ? kWgAlign : kAlign));
     p.w_off[l] = woff;
     woff += p.resident ? static_cast<int64_t>(p.dims[l + 1]) * p.dims[l]
                        : 2 * stream_image_elems(p.dims[l], p.dims[l + 1], stream_row(precision == kBf16 ? 2 : 4));
@@ -124,6 +132,38 @@ inline at::Tensor pack(Params& p, const at::Tensor& x, at::TensorList weights, a
   return packed;
 }
 
+// The warpgroup path's per-product plan (WgProduct, mlp_chain.cuh) from p's widths and shared-memory layout:
+// forward of layer l: A = W_l K-major (LBO 128, SBO n_l * 16; a tile is 8 core rows of n_l / 8 matrices, a k step
+// 256 bytes); backward: A = W_l^T MN-major (LBO n_l * 16 between core rows of K, SBO 128; a tile 8 matrices, a k
+// step n_l * 32 bytes); B [32 chains x K] K-major (LBO 128, SBO K * 16). The input-gradient product splits K
+// between the warpgroups where d fits one 64-row tile.
+inline void wg_plan(Params& p) {
+  const int H = p.n_hidden;
+  for (int g = 0; g < 2 * H; ++g) {
+    const bool fwd = g < H;
+    const int l = fwd ? g : 2 * H - 1 - g, in = p.dims[l], out = p.dims[l + 1];
+    const int M = fwd ? out : in, K = fwd ? in : out;
+    WgProduct& P = p.wg[g];
+    P.tiles = (M + 63) / 64;
+    P.split = !fwd && l == 0 && P.tiles == 1;
+    const int kc = P.split ? K / 2 : K;
+    P.ksteps = kc / 16;
+    P.mine = P.split ? 1 : (P.tiles + 1) / 2;
+    P.a_tile = fwd ? static_cast<uint32_t>(in) * 8 : 64;
+    P.a_inc = fwd ? 16 : static_cast<uint32_t>(in) * 2;
+    const unsigned w = static_cast<unsigned>(p.smem[kSlotW0 + l]);
+    const unsigned bsrc = static_cast<unsigned>(p.smem[fwd ? (l == 0 ? kSlotXb : kSlotAct0 + ((l - 1) & 1))
+                                                           : kSlotAct0 + (l & 1)]);
+    for (int wg = 0; wg < 2; ++wg) {
+      const unsigned k0 = P.split ? static_cast<unsigned>(wg * kc) : 0u;
+      P.b[wg] = wg::descriptor(bsrc + k0 / 8 * 128, 128, static_cast<unsigned>(K) * 16);
+      P.a[wg] = fwd ? wg::descriptor(w, 128, static_cast<unsigned>(in) * 16)
+                    : wg::descriptor(w + k0 / 8 * static_cast<unsigned>(in / 8) * 128, static_cast<unsigned>(in) * 16,
+                                     128);
+    }
+  }
+}
+
 // Fills what every mode shares and launches; `work` is x as float32, contiguous (updated in place), `start` the
 // starting states as float32, contiguous (work itself unless the op was given `start`).
 inline void run(const char* torchkern_op_name, Params& p, const at::Tensor& work, const at::Tensor& start,
@@ -136,7 +176,14 @@ inline void run(const char* torchkern_op_name, Params& p, const at::Tensor& work
   p.d = static_cast<int>(work.size(1));
   p.activation = static_cast<int>(activation);
   p.slope = static_cast<float>(negative_slope);
+  TORCHKERN_CHECK(!p.wgmma || precision == kBf16, "layout[1] = 2 (warpgroup products) needs precision bf16 (",
+                  static_cast<int>(kBf16), "), got ", precision);
   const at::Tensor packed = pack(p, work, weights, biases, precision);  // kept alive until the launch is queued
+  for (int l = 0; p.wgmma && l <= p.n_hidden; ++l) {  // a product's K is at most 64 steps of 16 (wg_issue)
+    TORCHKERN_CHECK(p.dims[l] <= kWgMaxWidth, "layout[1] = 2 (warpgroup products) takes widths up to ", kWgMaxWidth,
+                    ", got ", p.dims[l], " (padded) at layer ", l);
+  }
+  if (p.wgmma) wg_plan(p);
   const size_t smem = static_cast<size_t>(p.smem[kSlotEnd]);
   switch (precision) {
     case kBf16: launch<kBf16>(p, philox, smem); break;

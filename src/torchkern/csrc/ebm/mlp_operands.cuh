@@ -29,6 +29,7 @@ __device__ __forceinline__ float round_tf32(float v) {
 struct Bf16Op {
   using T = __nv_bfloat16;
   static constexpr bool kTensorCores = true;
+  static constexpr bool kWgmma = false;
   static constexpr int kK = 16;
   __device__ static T store(float v) { return __float2bfloat16_rn(v); }
   __device__ static T operand(float v) { return __float2bfloat16_rn(v); }
@@ -45,6 +46,7 @@ struct Bf16Op {
 struct Tf32Op {
   using T = float;
   static constexpr bool kTensorCores = true;
+  static constexpr bool kWgmma = false;
   static constexpr int kK = 8;
   __device__ static T store(float v) { return v; }
   __device__ static T operand(float v) { return round_tf32(v); }
@@ -60,9 +62,18 @@ struct Tf32Op {
 struct Fp32Op {  // the exact path: FP32 FMAs, each lane owning the elements its epilogue handles
   using T = float;
   static constexpr bool kTensorCores = false;
+  static constexpr bool kWgmma = false;
   __device__ static T store(float v) { return v; }
   __device__ static T operand(float v) { return v; }
   __device__ static float load(T v) { return v; }
+};
+
+// bf16 operands on Hopper's warpgroup products (mlp_wgmma.cuh): the products transposed, [features x 32 chains]
+// = W [features x K] x [K x 32], so the 32 chains of a block are the wgmma's N and the weights its 64-row A; the
+// same rounding as Bf16Op. (With 16 chains ptxas serialized the products: that layout keeps mma.sync.)
+struct Bf16WgOp : Bf16Op {
+  static constexpr bool kWgmma = true;
+  static constexpr int kWgRows = 32;
 };
 
 }  // namespace mlp

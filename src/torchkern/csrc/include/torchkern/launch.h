@@ -36,6 +36,15 @@ inline int sm_count() {
   return per_device(cache, [](int device) { return device_attribute(cudaDevAttrMultiProcessorCount, device); });
 }
 
+// Compute capability of the current device as 10 * major + minor (90 for sm_90).
+inline int compute_capability() {
+  static int cache[kCachedDevices] = {};
+  return per_device(cache, [](int device) {
+    return 10 * device_attribute(cudaDevAttrComputeCapabilityMajor, device) +
+           device_attribute(cudaDevAttrComputeCapabilityMinor, device);
+  });
+}
+
 // Shared memory a block may opt in to on the current device.
 inline size_t smem_optin_bytes() {
   static int cache[kCachedDevices] = {};
