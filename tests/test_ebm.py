@@ -1144,6 +1144,31 @@ def test_mlp_ops_bad_inputs(device):
         torch.ops.torchkern.hmc_chain_(x, 1, [1.0, 0.0, 0.0], 0.1, 2, 3, uniform=randn(3, 5, device=device))
 
 
+@requires_cuda
+def test_mlp_wgmma_layout_checks():
+    # Layout mode 2 (bf16 on warpgroup products) takes bf16, 32 rows per block and an sm_90 device; the kernel path
+    # names what is wrong.
+    energy, (ws, bs, act, slope) = _mlp_op_args("cuda")
+    x = randn(4, 5, device="cuda")
+    wg = ebm_mlp.shared_memory_layout([5, 12, 7], ebm_constants.BF16, False, 32, True, wgmma=True)
+    op = torch.ops.torchkern.mlp_energy_and_score
+    with pytest.raises(RuntimeError, match=r"layout\[1\] \(0 streamed, 1 resident, 2 warpgroup products\) must be 0, 1 "
+                                           r"or 2, got 3"):
+        op(x, ws, bs, act, slope, ebm_constants.BF16, [32, 3, *wg[2:]])
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(RuntimeError, match="needs an sm_90 device"):
+            op(x, ws, bs, act, slope, ebm_constants.BF16, wg)
+        return
+    with pytest.raises(RuntimeError, match="needs 32 rows per block, got 16"):
+        op(x, ws, bs, act, slope, ebm_constants.BF16, [16, *wg[1:]])
+    with pytest.raises(RuntimeError, match=r"needs precision bf16 \(0\), got 1"):
+        op(x, ws, bs, act, slope, ebm_constants.TF32, wg)
+    e, s = op(x, ws, bs, act, slope, ebm_constants.BF16, wg)
+    e_tw, s_tw = twins.mlp_energy_and_score(x, ws, bs, act, slope, ebm_constants.BF16)
+    torch.testing.assert_close(e, e_tw, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(s, s_tw, rtol=2e-2, atol=2e-2)
+
+
 def _mlp_opcheck_cases(device):
     energy, (ws, bs, act, slope) = _mlp_op_args(device)
     x = randn(6, 5, device=device)

@@ -84,6 +84,12 @@ for rounds in range(2):
             torch.ops.torchkern.mlp_hmc_chain_(xs, *args, 0.01, 5, 20, 1, False, False, False, C.BF16, hl)
         out[f"mode {mode} HMC 20x5 GPU"] = gpu_ms(hmc, 10)
     sampler = ebm.LangevinDynamics(energy, 1e-2, precision="bf16")
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(5):  # the queue is far from full: host time per call
+        sampler.sample(x0, n_steps=100)
+    out["sample() host"] = (time.perf_counter() - t) / 5 * 1e3
+    torch.cuda.synchronize()
     synced = []
     for i in range(61):
         t = time.perf_counter()

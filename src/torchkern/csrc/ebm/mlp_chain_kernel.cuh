@@ -934,7 +934,7 @@ __device__ __forceinline__ void wg_epilogue(Ctx<Op>& c, bool fwd, int l, int til
 // descriptors advance by a_inc and 16 (256 bytes: two core matrices of K) per step; kFirst: the first product
 // writes acc without reading it (no zeroed copy of it reaches the products).
 template <int kN, int kTransA, int kSteps, bool kFirst>
-__device__ __forceinline__ void wg_group(float (&acc)[kN / 2], uint64_t& a, uint64_t a_inc, uint64_t& b) {
+__device__ __forceinline__ void wg_group(float (&acc)[kN / 2], uint64_t& a, uint32_t a_inc, uint64_t& b) {
   wg::fence();
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
@@ -952,7 +952,7 @@ __device__ __forceinline__ void wg_group(float (&acc)[kN / 2], uint64_t& a, uint
 // A tile's ksteps (<= 64) products as committed groups: 1, then 8 at a time, then 4, 2, 1 by the bits of the rest
 // (longer unrolled groups cost registers: one of 32 steps took all 255 and spilled).
 template <int kN, int kTransA>
-__device__ __forceinline__ void wg_issue(float (&acc)[kN / 2], uint64_t a, uint64_t a_inc, uint64_t b, int ksteps) {
+__device__ __forceinline__ void wg_issue(float (&acc)[kN / 2], uint64_t a, uint32_t a_inc, uint64_t b, int ksteps) {
   wg_group<kN, kTransA, 1, true>(acc, a, a_inc, b);
   const int rest = ksteps - 1;
 #pragma unroll 1

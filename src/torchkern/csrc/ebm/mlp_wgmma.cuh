@@ -63,10 +63,12 @@ __device__ __forceinline__ void mma_async(float (&d)[kN / 2], uint64_t a, uint64
 #endif
 }
 
-// desc += inc, kept in sequence with the products (volatile): computed ahead, an unrolled run's descriptors took a
-// register pair each.
-__device__ __forceinline__ void advance(uint64_t& desc, uint64_t inc) {
-  asm volatile("add.s64 %0, %0, %1;" : "+l"(desc) : "l"(inc));
+// desc's start address += inc (16-byte units), kept in sequence with the products (volatile: computed ahead, an
+// unrolled run's descriptors took a register pair each). The add touches the low word only (one integer add, not
+// two with a carry): the address field never carries out (shared addresses stay below 2^18 bytes).
+__device__ __forceinline__ void advance(uint64_t& desc, uint32_t inc) {
+  asm volatile("{\n.reg .b32 lo, hi;\nmov.b64 {lo, hi}, %0;\nadd.u32 lo, lo, %1;\nmov.b64 %0, {lo, hi};\n}"
+               : "+l"(desc) : "r"(inc));
 }
 
 // Orders the warpgroup's earlier register and shared-memory accesses before its next mma_async.
