@@ -20,4 +20,5 @@ for r in rows:
     print(f"{r['case']:40s} {r['impl']:22s} {r['seconds'] * 1e3:9.3f} ms  ratio {r.get('ratio', 0):7.2f}", flush=True)
 out = sys.argv[1] if len(sys.argv) > 1 else None
 if out:
-    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, open(out, "w"))
+    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ceilings": ceilings, "rows": rows},
+              open(out, "w"))
