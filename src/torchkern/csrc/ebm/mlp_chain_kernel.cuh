@@ -822,10 +822,9 @@ __device__ void row_sums(Ctx<Op>& c, const float* src, int ld, int n, float scal
 // Product g of an evaluation on wgmma (Bf16WgOp, mlp_wgmma.cuh), transposed: out [M features x kN chains] =
 // A [M x K] B [K x kN], B the product's input kept as an interleaved [kN x K] operand (the states' copy, the
 // activations, D), A = W_l (forward: M = n_{l+1}, K = n_l) or W_l^T through the transpose bit (backward: M = n_l,
-// K = n_{l+1}). The 64-row tiles of M alternate between the two warpgroups, a pair at a time: both tiles' products
-// are issued, then the first one's epilogue runs while the second multiplies. The input-gradient product (backward
-// of layer 0) has M = d: for d <= 64 one tile, so its warpgroups split K instead and write two partial gradients
-// that the update adds.
+// K = n_{l+1}). The 64-row tiles of M alternate between the two warpgroups, a pair at a time: the second tile
+// multiplies while the first one's epilogue runs. The input-gradient product (backward of layer 0) has M = d: for
+// d <= 64 one tile, so its warpgroups split K instead and write two partial gradients that the update adds.
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
