@@ -17,6 +17,20 @@ def per_call(fn, reps: int = 10) -> float:
     return (time.perf_counter() - start) / reps
 
 
+def gpu_ms(fn, reps: int = 20) -> float:
+    """GPU milliseconds per call of ``fn`` by CUDA events around ``reps`` back-to-back calls, after one warm-up
+    call (the host's time is hidden while the queue stays full)."""
+    fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / reps
+
+
 def best_ms_per_step(run, steps: int, warmup: int = 20, repeats: int = 2) -> float:
     """The best of ``repeats`` timings of ``run(steps)`` (``steps`` training steps), in ms per step."""
     run(warmup)

@@ -8,6 +8,7 @@ import sys
 import time
 
 import torch
+from _timing import gpu_ms
 
 import torchkern  # noqa: F401
 from torchkern import ebm
@@ -17,18 +18,6 @@ info = torchkern.backend_info()
 if info.backend != "cuda":
     sys.exit(f"no CUDA kernels: {info.reason[:2000]}")
 print("archs", info.archs, "has_wgmma", mlp.has_wgmma(torch.device("cuda")), flush=True)
-
-
-def gpu_ms(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / reps
 
 
 def check(widths, batch, n_steps=3):

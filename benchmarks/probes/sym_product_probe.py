@@ -6,6 +6,7 @@ many Newton iterations do Shampoo's 1024^2 factors take, with which error at eac
 """
 import torch
 import torch.nn.functional as F
+from _timing import gpu_ms
 
 from torchkern.linalg import twins
 from torchkern.optim import Shampoo
@@ -13,18 +14,6 @@ from torchkern.optim import Shampoo
 torch.manual_seed(0)
 torch.backends.cuda.matmul.allow_tf32 = False
 dev = "cuda"
-
-
-def timed(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / reps
 
 
 def staircase(a, b, c, parts):
@@ -60,22 +49,22 @@ for batch, n in ((8, 1024), (16, 1024), (8, 1025), (64, 256), (8, 512)):
     b = a @ a / n  # commutes with a: a b is symmetric
     c = torch.empty_like(a)
     ref = torch.bmm(a.double(), b.double())
-    row = {"full": timed(lambda: torch.bmm(a, b, out=c))}
+    row = {"full": gpu_ms(lambda: torch.bmm(a, b, out=c))}
     full_err = ((c.double() - ref).norm() / ref.norm()).item()
     h = n // 2
-    row["half rows, out=view"] = timed(lambda: torch.bmm(a[:, :h], b, out=c[:, :h]))
-    row["half rows, new tensor"] = timed(lambda: torch.bmm(a[:, :h], b))
+    row["half rows, out=view"] = gpu_ms(lambda: torch.bmm(a[:, :h], b, out=c[:, :h]))
+    row["half rows, new tensor"] = gpu_ms(lambda: torch.bmm(a[:, :h], b))
     for parts in (2, 3, 4, 8):
-        row[f"staircase {parts}"] = timed(lambda: staircase(a, b, c, parts))
+        row[f"staircase {parts}"] = gpu_ms(lambda: staircase(a, b, c, parts))
         err = ((c.double() - ref).norm() / ref.norm()).item()
         row[f"staircase {parts} err/full err"] = err / full_err
     for parts in (4, 8):
-        row[f"staircase {parts}, 4 streams"] = timed(lambda: staircase_streams(a, b, c, parts, streams))
+        row[f"staircase {parts}, 4 streams"] = gpu_ms(lambda: staircase_streams(a, b, c, parts, streams))
     # Shampoo's statistics: L += G G^T
     g = torch.randn(batch, n, n, device=dev)
     acc = torch.zeros_like(a)
-    row["L.add_(bmm(G, G^T))"] = timed(lambda: acc.add_(torch.bmm(g, g.mT)))
-    row["L.baddbmm_(G, G^T)"] = timed(lambda: acc.baddbmm_(g, g.mT))
+    row["L.add_(bmm(G, G^T))"] = gpu_ms(lambda: acc.add_(torch.bmm(g, g.mT)))
+    row["L.baddbmm_(G, G^T)"] = gpu_ms(lambda: acc.baddbmm_(g, g.mT))
     print(f"{batch} x {n}^2: " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()), flush=True)
 
 # Shampoo's factors after 40 steps of the optimizer benchmark's MLP: the Newton iterations they take
