@@ -601,14 +601,16 @@ def check_eigh(A: torch.Tensor, w: torch.Tensor, V: torch.Tensor, dtype: torch.d
 
 
 EIGH_KINDS = ["random", "clustered", "repeated", "rank_deficient", "cond1e8", "zero", "diagonal"]
-# CUDA eigh's solvers: "auto" (cuSOLVER where it is faster, linalg/constants.py) or "jacobi" (the Jacobi kernels
-# at every size)
+# CUDA eigh's solvers: "auto" (the fastest for the shape, linalg/constants.py), "jacobi" (the Jacobi kernels at every
+# size) or "tridiagonal" (Householder reduction and inverse iteration, float32 compute only)
 EIGH_SOLVERS = list(twins.EIGH_SOLVERS)
 
 
-def skip_cpu_jacobi(device: str, solver: str) -> None:
-    if device == "cpu" and solver == "jacobi":
+def skip_solver(device: str, solver: str, dtype: torch.dtype = torch.float32) -> None:
+    if device == "cpu" and solver != "auto":
         pytest.skip("the solver choice is CUDA's (the CPU runs LAPACK either way)")
+    if solver == "tridiagonal" and dtype == torch.float64:
+        pytest.skip("the tridiagonal solver computes in float32 (test_eigh_bad_inputs: float64 is refused)")
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
@@ -630,6 +632,7 @@ def test_eigh_spectra(device, kind, dtype):
 def test_eigh_kernel_sizes(kind, n, dtype, solver):
     # around the in-block kernel's limit (136 float32, 118 float64) and the block method above it (padding:
     # 137 and 200 are not multiples of 64); "auto": cuSOLVER's batched solver for these cold starts (float64 to 128)
+    skip_solver("cuda", solver, dtype)
     A = spectrum(kind, n, batch=(2,))
     w, V = linalg.eigh(A.to(dtype).cuda(), solver=solver)
     check_eigh(A, w, V, dtype)
@@ -664,11 +667,36 @@ def test_eigh_block_method_noncontiguous(solver):
 @requires_cuda
 @pytest.mark.parametrize("batch", [1, 8], ids=["cusolver", "block"])
 def test_eigh_large_cold_starts(batch):
-    # from n = 704 a cold start of fewer than 8 matrices goes to cuSOLVER, a batch of 8 stays on the block method
-    # (linalg/constants.py): both meet the bars
+    # from n = 704 a cold start of one matrix goes to cuSOLVER; a batch of 8 to the block method in float64, to the
+    # tridiagonal solver in float32 (linalg/constants.py): all meet the bars
     A = spectrum("random", 704, batch=(batch,))
+    for dtype in (torch.float64, torch.float32):
+        w, V = linalg.eigh(A.to(dtype).cuda())
+        check_eigh(A, w, V, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", EIGH_KINDS)
+@pytest.mark.parametrize("n", [1, 2, 3, 33, 100, 383, 520])
+def test_eigh_tridiagonal_sizes(kind, n):
+    # the tridiagonal solver forced below its range (a cluster of 1 to 8 blocks per matrix: n / 32 column chunks
+    # and at most 8; 383 and 520: a last panel and a last chunk in part), every spectrum class
+    A = spectrum(kind, n, batch=(2,))
+    w, V = linalg.eigh(A.float().cuda(), solver="tridiagonal")
+    check_eigh(A, w, V, torch.float32)
+
+
+@requires_cuda
+def test_eigh_tridiagonal_mixed_batch_1024():
+    # one batch of 1024^2 matrices of every spectrum class (split tridiagonals: the zero and diagonal ones, the
+    # others' float32 noise; clusters), the size of the issue's bar, which "auto" sends to the tridiagonal solver
+    assert 1024 >= constants.EIGH_TRIDIAGONAL_MIN_N
+    A = torch.cat([spectrum(kind, 1024, batch=(1,)) for kind in EIGH_KINDS])
     w, V = linalg.eigh(A.float().cuda())
     check_eigh(A, w, V, torch.float32)
+    w2, V2 = linalg.eigh(A.float().cuda(), solver="tridiagonal")  # the same solver, deterministic
+    torch.testing.assert_close(w2, w, rtol=0, atol=0)
+    torch.testing.assert_close(V2, V, rtol=0, atol=0)
 
 
 @requires_cuda
@@ -695,6 +723,7 @@ def test_eigh_row_slices_agree(n):
 def test_eigh_kernel_float64_paths(n, solver):
     # float64: the in-block kernel up to 118, the block method above (cuSOLVER's batched solver for 96 and 120),
     # all at float64 accuracy
+    skip_solver("cuda", solver, torch.float64)
     A = spectrum("cond1e8", n, batch=(3,))
     w, V = linalg.eigh(A.cuda(), solver=solver)
     check_eigh(A, w, V, torch.float64)
@@ -724,7 +753,7 @@ def test_eigh_extreme_scales(device, dtype, exponent, n, solver):
     # tiny and huge matrices (2^-100 ... 2^100 in float32, 2^-1000 ... 2^1000 in float64; powers of two, so the
     # scaled input is exactly the scaled rounded matrix): no under- or overflow, the eigenvalues scale. The twin
     # (LAPACK) rescales by factors of its own, so the comparison allows the dtype's floor, a few eps * ||A||.
-    skip_cpu_jacobi(device, solver)
+    skip_solver(device, solver, dtype)
     scale = 2.0 ** (exponent * (10 if dtype == torch.float64 else 1))
     A = spectrum("random", n, batch=(2,)).to(dtype)
     w, V = linalg.eigh((A.double() * scale).to(dtype).to(device), solver=solver)
@@ -739,7 +768,7 @@ def test_eigh_extreme_scales(device, dtype, exponent, n, solver):
 @pytest.mark.parametrize("n", [12, 150])  # CUDA: the in-block kernel; 150: cuSOLVER, or the block method's casts
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
 def test_eigh_half_types_compute_in_float32(device, dtype, n, solver):
-    skip_cpu_jacobi(device, solver)
+    skip_solver(device, solver)
     A = spectrum("random", n, batch=(2,)).to(dtype)
     w, V = linalg.eigh(A.to(device), solver=solver)
     assert w.dtype == dtype and V.dtype == dtype
@@ -836,12 +865,13 @@ def test_eigh_opcheck(device):
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A.double().requires_grad_(True), None))
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A, None, "jacobi"))
     torch.library.opcheck(torch.ops.torchkern.eigh.default, (A, Q0, "jacobi", 1e-4))
+    torch.library.opcheck(torch.ops.torchkern.eigh.default, (A, Q0, "tridiagonal"))
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
 def test_eigh_nan_names_the_matrices(device, solver):
-    skip_cpu_jacobi(device, solver)
+    skip_solver(device, solver)
     A = spectrum("random", 6, batch=(2, 3)).float().to(device)
     A[0, 2, 1, 1] = float("nan")
     A[1, 0, 3, 4] = float("inf")
@@ -902,8 +932,11 @@ def test_eigh_bad_inputs():
     with _raises("torchkern.eigh: Q0 must have dtype float32 like A, got float64"):
         linalg.eigh(A, torch.eye(4, dtype=torch.float64))
     for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():  # the twin's message and the kernel's
-        with _raises("torchkern.eigh: solver must be 'auto' or 'jacobi', got 'qr'"):
+        with _raises("torchkern.eigh: solver must be 'auto', 'jacobi' or 'tridiagonal', got 'qr'"):
             linalg.eigh(A.to(device), solver="qr")
+        with _raises("torchkern.eigh: solver='tridiagonal' computes in float32 (float32, float16 and bfloat16 "
+                     "input); float64 A takes 'auto' or 'jacobi'"):
+            linalg.eigh(A.double().to(device), solver="tridiagonal")
         with _raises("torchkern.eigh: tol must be None or a number in [1e-06, 1) for float32 input, got 1e-09"):
             linalg.eigh(A.to(device), tol=1e-9)
         with _raises("torchkern.eigh: tol must be None or a number in [1e-13, 1) for float64 input, got 2"):

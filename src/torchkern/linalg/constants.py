@@ -72,7 +72,19 @@ EIGH_SYEV_MAX_N_F64 = 128
 EIGH_SYEV_MIN_ELEMS = 9 * 2 ** 20
 EIGH_SYEV_WARM_MIN_ELEMS = 2 ** 22
 
+# The tridiagonal solver (csrc/linalg/tridiagonal.cuh: Householder reduction on clusters of blocks, inverse
+# iteration in float64) takes the float32 cold starts from n = EIGH_TRIDIAGONAL_MIN_N on, except a single matrix from
+# EIGH_TORCH_FROM_N on (fewer than EIGH_TRIDIAGONAL_MIN_BATCH: cuSOLVER's syevd). Measured (H200, 2026-11-27,
+# seventeenth session, probes/eigh_tridiagonal_probe.py, ms, tridiagonal / before / torch.linalg.eigh): 16 x 1024^2
+# 27.6 / 57-81 (batched cuSOLVER) / 174.8, 8 x 1025^2 21.2 / 87 (syevd) / 97.6, 1 x 1024^2 18.2 / 11.5 (syevd),
+# 64 x 512^2 12.5 / 27 (batched), 16 x 512^2 8.6 / 17.8 (Jacobi), 16 x 384^2 6.0 / 9.7 (Jacobi), 64 x 384^2 7.6 /
+# 18.0 (batched), 64 x 256^2 4.2 / 3.7 (batched: kept).
+EIGH_TRIDIAGONAL_MIN_N = 384
+EIGH_TRIDIAGONAL_MIN_BATCH = 2
+
 COMPILE_DEFINITIONS.update({
+    "TORCHKERN_EIGH_TRIDIAGONAL_MIN_N": EIGH_TRIDIAGONAL_MIN_N,
+    "TORCHKERN_EIGH_TRIDIAGONAL_MIN_BATCH": EIGH_TRIDIAGONAL_MIN_BATCH,
     "TORCHKERN_EIGH_TOL_F32": EIGH_TOL_F32,
     "TORCHKERN_EIGH_TOL_F64": EIGH_TOL_F64,
     "TORCHKERN_EIGH_MAX_SWEEPS": EIGH_MAX_SWEEPS,

@@ -280,7 +280,7 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
 # ----------------------------------------------------------------------------- eigh
 
 
-EIGH_SOLVERS = ("auto", "jacobi")
+EIGH_SOLVERS = ("auto", "jacobi", "tridiagonal")
 
 
 def eigh_min_tol(dtype: torch.dtype) -> float:
@@ -290,8 +290,10 @@ def eigh_min_tol(dtype: torch.dtype) -> float:
 
 def check_eigh_args(A: torch.Tensor, Q0: torch.Tensor | None, solver: str = "auto", tol: float | None = None) -> None:
     op = "eigh"
-    check(solver in EIGH_SOLVERS, op, f"solver must be 'auto' or 'jacobi', got {solver!r}")
+    check(solver in EIGH_SOLVERS, op, f"solver must be 'auto', 'jacobi' or 'tridiagonal', got {solver!r}")
     check_float(op, "A", A)
+    check(solver != "tridiagonal" or A.dtype != torch.float64, op, "solver='tridiagonal' computes in float32 "
+          "(float32, float16 and bfloat16 input); float64 A takes 'auto' or 'jacobi'")
     if tol is not None:  # the Jacobi kernels' stopping rule: never below what the dtype resolves
         low, number = eigh_min_tol(A.dtype), isinstance(tol, (int, float))
         check(number and low <= tol < 1, op, f"tol must be None or a number in [{low:g}, 1) for "

@@ -34,6 +34,7 @@
 #include <ATen/ops/abs.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/amax.h>
+#include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -49,6 +50,7 @@
 #include <ATen/ops/pow.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/sort.h>
+#include <ATen/ops/triu.h>
 #include <ATen/ops/sub.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -67,6 +69,7 @@
 #include "jacobi.cuh"
 #include "jacobi_tiles.cuh"
 #include "syev_batched.h"
+#include "tridiagonal.cuh"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
 #include "torchkern/launch.h"
@@ -88,9 +91,17 @@ constexpr int kTorchFromN = TORCHKERN_EIGH_TORCH_FROM_N;  // 0: never
 // Who solves B matrices of size n: the Jacobi kernels (in-block or block method), cuSOLVER's batched solver, or
 // torch.linalg.eigh's loop of syevd (faster than the block method for a few large matrices); linalg/constants.py
 // has the measurements behind the thresholds.
-enum class Solver { kJacobi, kSyevBatched, kSyevdLoop };
+enum class Solver { kJacobi, kSyevBatched, kSyevdLoop, kTridiagonal };
 
 Solver choose_solver(int64_t B, int64_t n, bool f64, bool warm) {
+  const bool tridiagonal_fits =  // the reduction's shared memory at its largest cluster, and its prefetch
+      tridiagonal::sytrd_smem_floats(static_cast<int>(n), tridiagonal::kMaxCluster) * sizeof(float) <=
+          smem_optin_bytes() &&
+      n <= tridiagonal::kPrefetch * tridiagonal::kThreads;
+  const bool one_at_a_time = kTorchFromN > 0 && n >= kTorchFromN && B < TORCHKERN_EIGH_TRIDIAGONAL_MIN_BATCH;
+  if (!f64 && !warm && n >= TORCHKERN_EIGH_TRIDIAGONAL_MIN_N && !one_at_a_time && tridiagonal_fits) {
+    return Solver::kTridiagonal;
+  }
   const int64_t elems = B * n * n;
   const int64_t max_n = f64 ? TORCHKERN_EIGH_SYEV_MAX_N_F64 : TORCHKERN_EIGH_SYEV_MAX_N_F32;
   const bool batched_wins = warm ? !f64 && n <= max_n && elems >= TORCHKERN_EIGH_SYEV_WARM_MIN_ELEMS
@@ -676,9 +687,9 @@ __global__ void block_prep_norms_kernel(const double* __restrict__ part_sq, doub
   }
 }
 
-// V[b, i, j] = W[b, order[b, j], i] (the basis row of the j-th smallest eigenvalue, as column j) and
-// w[b, j] = 2^e sorted[b, j], cast to T, NaN for a flagged matrix (or one cuSOLVER reports as not converged:
-// failed[b] != 0); per 32 x 32 tile of V.
+// V[b, i, j] = W[b, order[b, j], i] (the basis row of the j-th smallest eigenvalue, as column j; without `order`,
+// W[b, i, j]: W's columns are the eigenvectors in order) and w[b, j] = 2^e sorted[b, j], cast to T, NaN for a
+// flagged matrix (or one cuSOLVER reports as not converged: failed[b] != 0); per 32 x 32 tile of V.
 template <typename T, typename S>
 __global__ void __launch_bounds__(kTile * 8)
     block_finish_kernel(const S* __restrict__ W, const S* __restrict__ sorted, const int64_t* __restrict__ order,
@@ -691,8 +702,13 @@ __global__ void __launch_bounds__(kTile * 8)
   const int lane = threadIdx.x, row = threadIdx.y;
   __shared__ double tile[kTile][kTile + 1];
   const bool bad = flagged[b] || (failed != nullptr && failed[b] != 0);
-  for (int r = row; r < kTile; r += 8) {  // r: the eigenvalue j = tj * kTile + r, lane: the component i
-    const int j = tj * kTile + r, i = ti * kTile + lane;
+  for (int r = row; r < kTile; r += 8) {
+    if (order == nullptr) {  // W's columns are the eigenvectors, in order: r the component i, lane the eigenvalue j
+      const int i = ti * kTile + r, j = tj * kTile + lane;
+      tile[lane][r] = (i < n && j < n) ? static_cast<double>(W[b * int64_t(N) * N + int64_t(i) * N + j]) : 0.0;
+      continue;
+    }
+    const int j = tj * kTile + r, i = ti * kTile + lane;  // r: the eigenvalue j = tj * kTile + r, lane: the component i
     double x = 0.0;
     if (j < n && i < n) {
       const int64_t k = order[b * n + j];
@@ -909,13 +925,172 @@ std::tuple<at::Tensor, at::Tensor> eigh_syev_batched(const at::Tensor& X, const 
   return {w, V};
 }
 
+// Blocks per matrix for sytrd_kernel (0: n too large for its shared memory or its prefetch). A cluster of K blocks
+// streams 1/K of the trailing matrix each, but per step the cluster's barriers cost the same; so the largest K (a
+// power of two, at most 8, sm_90) whose clusters all fit on the GPU at once for a batch of B, else the smallest K
+// that fits (many matrices: the fewest blocks per matrix do the least waiting). Before sm_90, one block per matrix.
+int tridiagonal_cluster(int64_t B, int n, size_t* smem) {
+  namespace td = tridiagonal;
+  static int opted_in[kCachedDevices] = {};
+  opt_in_smem(opted_in, td::sytrd_kernel, smem_optin_bytes());
+  const int chunks = (n + td::kChunk - 1) / td::kChunk;
+  if (n > td::kPrefetch * td::kThreads) return 0;
+  int K = compute_capability() >= 90 ? td::kMaxCluster : 1, fits = 0;
+  while (K > chunks) K /= 2;  // a power of two (the kernel's sums over the cluster are shuffles)
+  for (; K >= 1; K = K > 1 ? K / 2 : 0) {
+    const size_t bytes = td::sytrd_smem_floats(n, K) * sizeof(float);
+    if (bytes > smem_optin_bytes()) break;  // fewer blocks need more
+    fits = K;
+    *smem = bytes;
+    cudaLaunchConfig_t config{};
+    cudaLaunchAttribute cluster{};
+    config.gridDim = dim3(static_cast<unsigned>(K));
+    config.blockDim = dim3(td::kThreads);
+    config.dynamicSmemBytes = bytes;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned>(K), cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, td::sytrd_kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();  // a refused query leaves its error behind
+      continue;
+    }
+    if (B <= clusters) return K;
+  }
+  if (fits > 0) *smem = td::sytrd_smem_floats(n, fits) * sizeof(float);
+  return fits;
+}
+
+// The tridiagonal solver (float32 compute; tridiagonal.cuh has the kernels and the method): the block method's way
+// in (flags, exponent, the scaled and symmetrized matrix, here in float32), A = Q T Q^T by Householder reflections
+// on clusters of blocks, T's eigenpairs in float64 (bisection, sort, inverse iteration), the eigenvectors Q Z
+// through the reflections' compact WY form, panel by panel from the last, in float64 products (cuBLAS: float32
+// matmuls would follow torch's TF32 flag), and the finish kernel's way out. Q, when defined, is only checked, as
+// on cuSOLVER's path. Inverse iteration's scratch (17 bytes per entry) goes by groups of matrices.
+std::tuple<at::Tensor, at::Tensor> eigh_tridiagonal(const at::Tensor& X, const at::Tensor& Q) {
+  namespace td = tridiagonal;
+  const int64_t B = X.size(0), n = X.size(1);
+  const int ni = static_cast<int>(n);
+  const cudaStream_t stream = current_stream();
+  const auto iopt = X.options().dtype(at::kInt), fopt = X.options().dtype(at::kFloat);
+  const auto dopt = X.options().dtype(at::kDouble);
+  const int chunks = static_cast<int>((n + kPrepRows - 1) / kPrepRows);
+  const int tiles = static_cast<int>((n + kTile - 1) / kTile);
+  const int64_t ld = (n + td::kChunk - 1) / td::kChunk * td::kChunk;  // S's rows: whole column chunks
+  const auto prep_blocks = static_cast<unsigned>(B * chunks), tile_blocks = static_cast<unsigned>(B * tiles * tiles);
+  at::Tensor part_max = at::empty({B * chunks}, dopt), part_bad = at::empty({B * chunks}, iopt);
+  at::Tensor exponent = at::empty({B}, iopt), flagged = at::empty({B}, iopt);
+  at::Tensor S = at::empty({B, ld, ld}, fopt);  // zero padding past n
+  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_tridiagonal_prep", [&] {
+    const scalar_t* q = Q.defined() ? Q.const_data_ptr<scalar_t>() : nullptr;
+    block_prep_stats_kernel<scalar_t><<<prep_blocks, kPrepThreads, 0, stream>>>(
+        X.const_data_ptr<scalar_t>(), q, part_max.mutable_data_ptr<double>(), part_bad.mutable_data_ptr<int>(), ni,
+        chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    block_prep_write_kernel<scalar_t, float><<<static_cast<unsigned>(B * (ld / kTile) * (ld / kTile)),
+                                               dim3(kTile, 8), 0, stream>>>(
+        X.const_data_ptr<scalar_t>(), nullptr, part_max.const_data_ptr<double>(), part_bad.const_data_ptr<int>(),
+        S.mutable_data_ptr<float>(), nullptr, exponent.mutable_data_ptr<int>(), flagged.mutable_data_ptr<int>(),
+        nullptr, ni, static_cast<int>(ld), chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  // A = Q T Q^T
+  at::Tensor Wt = at::empty({B, td::kPanel, ld}, fopt);
+  at::Tensor d = at::empty({B, n}, dopt), e = at::zeros({B, n}, dopt), tau = at::zeros({B, n}, fopt);
+  size_t smem = 0;
+  const int K = tridiagonal_cluster(B, ni, &smem);
+  TORCH_CHECK(K > 0, "torchkern.eigh: the tridiagonal solver's reduction does not fit this GPU's shared memory at n = ",
+              n, " (solver='auto' or 'jacobi' take it)");
+  {
+    cudaLaunchConfig_t config{};
+    cudaLaunchAttribute cluster{};
+    config.gridDim = dim3(static_cast<unsigned>(B * K));
+    config.blockDim = dim3(td::kThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned>(K), cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = K > 1 ? 1 : 0;
+    const td::SytrdArgs args{S.mutable_data_ptr<float>(), Wt.mutable_data_ptr<float>(), d.mutable_data_ptr<double>(),
+                             e.mutable_data_ptr<double>(), tau.mutable_data_ptr<float>(), ni, static_cast<int>(ld)};
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, td::sytrd_kernel, args, K));
+  }
+  // T's eigenvalues, ascending, and eigenvectors Z (columns, in that order); the kernels' shared memory is dynamic
+  // only, so that all of the opt-in is theirs to take
+  static int opted_split[kCachedDevices] = {}, opted_bisect[kCachedDevices] = {}, opted_inverse[kCachedDevices] = {};
+  opt_in_smem(opted_split, td::split_kernel, smem_optin_bytes());
+  opt_in_smem(opted_bisect, td::bisect_kernel, smem_optin_bytes());
+  opt_in_smem(opted_inverse, td::inverse_iteration_kernel, smem_optin_bytes());
+  at::Tensor bounds = at::empty({B, 3}, dopt), lo = at::empty({B, n}, iopt), hi = at::empty({B, n}, iopt);
+  const size_t split_smem = (n + td::kTridThreads / 32) * sizeof(double);
+  td::split_kernel<<<static_cast<unsigned>(B), td::kTridThreads, split_smem, stream>>>(
+      d.const_data_ptr<double>(), e.mutable_data_ptr<double>(), bounds.mutable_data_ptr<double>(),
+      lo.mutable_data_ptr<int>(), hi.mutable_data_ptr<int>(), ni);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor lam = at::empty({B, n}, dopt);
+  const unsigned per_row = static_cast<unsigned>((n + td::kTridThreads - 1) / td::kTridThreads);
+  td::bisect_kernel<<<dim3(per_row, static_cast<unsigned>(B)), td::kTridThreads, 2 * n * sizeof(double), stream>>>(
+      d.const_data_ptr<double>(), e.const_data_ptr<double>(), bounds.const_data_ptr<double>(),
+      lo.const_data_ptr<int>(), hi.const_data_ptr<int>(), lam.mutable_data_ptr<double>(), ni);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor sorted, order;
+  std::tie(sorted, order) = at::sort(lam, /*dim=*/1);
+  at::Tensor Z = at::zeros({B, n, n}, dopt);
+  {
+    const int64_t group = std::max<int64_t>(1, std::min<int64_t>(B, (int64_t(1) << 30) / (17 * n * n)));
+    at::Tensor U0 = at::empty({group, n, n}, dopt), U1 = at::empty_like(U0);
+    at::Tensor swaps = at::empty({group, n, n}, X.options().dtype(at::kByte));
+    for (int64_t b0 = 0; b0 < B; b0 += group) {
+      const int64_t g = std::min(group, B - b0);
+      td::inverse_iteration_kernel<<<dim3(per_row, static_cast<unsigned>(g)), td::kTridThreads,
+                                     3 * n * sizeof(double), stream>>>(
+          d.const_data_ptr<double>() + b0 * n, e.const_data_ptr<double>() + b0 * n,
+          bounds.const_data_ptr<double>() + 3 * b0, lo.const_data_ptr<int>() + b0 * n,
+          hi.const_data_ptr<int>() + b0 * n, sorted.const_data_ptr<double>() + b0 * n,
+          order.const_data_ptr<int64_t>() + b0 * n, Z.mutable_data_ptr<double>() + b0 * n * n,
+          U0.mutable_data_ptr<double>(), U1.mutable_data_ptr<double>(), swaps.mutable_data_ptr<uint8_t>(), ni);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  }
+  // Q Z = H_0 H_1 .. H_{n-2} Z: the panels' I - V T V^T from the last, each on the rows its reflections touch
+  const int64_t panels = (n + td::kPanel - 1) / td::kPanel;
+  at::Tensor T = at::empty({B, panels, td::kPanel, td::kPanel}, dopt);
+  td::panel_t_kernel<<<dim3(static_cast<unsigned>(panels), static_cast<unsigned>(B)), dim3(td::kPanel, td::kPanel),
+                       0, stream>>>(S.const_data_ptr<float>(), tau.const_data_ptr<float>(),
+                                    T.mutable_data_ptr<double>(), ni, static_cast<int>(ld));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const at::Tensor R = at::triu(S.narrow(1, 0, n).narrow(2, 0, n), 1).to(at::kDouble);  // row i: reflection i's v
+  for (int64_t panel = panels - 1; panel >= 0; --panel) {
+    const int64_t p = panel * td::kPanel, rows = std::min<int64_t>(td::kPanel, n - 1 - p), m = n - 1 - p;
+    if (rows <= 0) continue;
+    const at::Tensor Rp = R.narrow(1, p, rows).narrow(2, p + 1, m);  // V^T on the rows the panel touches
+    const at::Tensor Tp = T.select(1, panel).narrow(1, 0, rows).narrow(2, 0, rows);
+    at::Tensor Zp = Z.narrow(1, p + 1, m);
+    Zp.baddbmm_(Rp.transpose(1, 2), at::bmm(Tp, at::bmm(Rp, Zp)), /*beta=*/1.0, /*alpha=*/-1.0);
+  }
+  at::Tensor w = at::empty({B, n}, X.options()), V = at::empty({B, n, n}, X.options());
+  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_tridiagonal_finish", [&] {
+    block_finish_kernel<scalar_t, double><<<tile_blocks, dim3(kTile, 8), 0, stream>>>(
+        Z.const_data_ptr<double>(), sorted.const_data_ptr<double>(), nullptr, exponent.const_data_ptr<int>(),
+        flagged.const_data_ptr<int>(), nullptr, w.mutable_data_ptr<scalar_t>(), V.mutable_data_ptr<scalar_t>(), ni,
+        ni);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {w, V};
+}
+
 std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::optional<at::Tensor>& warm_start,
                                              c10::string_view solver_choice, c10::optional<double> tol_choice) {
   TORCHKERN_OP("eigh");
-  const bool jacobi_only = solver_choice == "jacobi";
-  TORCHKERN_CHECK(jacobi_only || solver_choice == "auto", "solver must be 'auto' or 'jacobi', got '",
-                  std::string(solver_choice), "'");
+  const bool jacobi_only = solver_choice == "jacobi", tridiagonal_only = solver_choice == "tridiagonal";
+  TORCHKERN_CHECK(jacobi_only || tridiagonal_only || solver_choice == "auto",
+                  "solver must be 'auto', 'jacobi' or 'tridiagonal', got '", std::string(solver_choice), "'");
   TORCHKERN_CHECK_FLOAT(A);
+  TORCHKERN_CHECK(!tridiagonal_only || A.scalar_type() != at::kDouble,
+                  "solver='tridiagonal' computes in float32 (float32, float16 and bfloat16 input); float64 A takes "
+                  "'auto' or 'jacobi'");
   const double min_tol = A.scalar_type() == at::kDouble ? TORCHKERN_EIGH_TOL_F64 : TORCHKERN_EIGH_TOL_F32;
   TORCHKERN_CHECK(!tol_choice.has_value() || (*tol_choice >= min_tol && *tol_choice < 1.0),
                   "tol must be None or a number in [", min_tol, ", 1) for ", A.scalar_type(), " input, got ",
@@ -965,12 +1140,19 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   const auto finish = [&](const at::Tensor& w, const at::Tensor& V) -> std::tuple<at::Tensor, at::Tensor> {
     return {w.to(A.scalar_type()).reshape(w_shape), V.to(A.scalar_type()).reshape(A.sizes()).contiguous()};
   };
-  const Solver solver = jacobi_only ? Solver::kJacobi : choose_solver(B, n, f64, warm_start.has_value());
+  const Solver solver = jacobi_only        ? Solver::kJacobi
+                        : tridiagonal_only ? Solver::kTridiagonal
+                                           : choose_solver(B, n, f64, warm_start.has_value());
   // From here on a warm start is one that the Jacobi kernels take.
   const bool warm = warm_start.has_value() && solver == Solver::kJacobi;
   if (!small && solver == Solver::kJacobi) {  // the block method, in X's dtype
     const at::Tensor Q = warm ? warm_start->reshape({B, n, n}).contiguous() : at::Tensor();
     const auto [w, V] = block_method(A.reshape({B, n, n}).contiguous(), Q, tol, /*polish=*/f64);
+    return {w.reshape(w_shape), V.reshape(A.sizes())};
+  }
+  if (solver == Solver::kTridiagonal) {
+    const at::Tensor Q = warm_start.has_value() ? warm_start->reshape({B, n, n}).contiguous() : at::Tensor();
+    const auto [w, V] = eigh_tridiagonal(A.reshape({B, n, n}).contiguous(), Q);
     return {w.reshape(w_shape), V.reshape(A.sizes())};
   }
   if (solver == Solver::kSyevBatched) {
