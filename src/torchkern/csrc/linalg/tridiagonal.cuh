@@ -105,7 +105,7 @@ struct SytrdArgs {
 // rows of V and (the owner stores them into every block) of W, and computes the w[i + 1] that the next step's row
 // update needs itself (from row i + 1, by symmetry), so that no fourth barrier waits for its owner. K is a power of
 // two. A step is short: what limits it is latency (barriers, round trips to memory), so A v reads A 16 bytes a
-// thread, four rows at a time, row i + 1 is loaded at the start of the step, and sums over the cluster are one
+// thread, eight rows at a time, row i + 1 is loaded at the start of the step, and sums over the cluster are one
 // remote load a thread and shuffles.
 __global__ void __launch_bounds__(kThreads) sytrd_kernel(SytrdArgs args, int K) {
   extern __shared__ __align__(16) float smem[];
@@ -210,6 +210,19 @@ __global__ void __launch_bounds__(kThreads) sytrd_kernel(SytrdArgs args, int K) 
           if (t + 3 > i && t < n) {
             const float* col = A + t;
             int s = i + 1 + h;
+            for (; s + 7 * G < n; s += 8 * G) {  // eight 16-byte loads in flight a thread
+              float4 a[8];
+#pragma unroll
+              for (int k = 0; k < 8; ++k) a[k] = *reinterpret_cast<const float4*>(col + int64_t(s + k * G) * ld);
+#pragma unroll
+              for (int k = 0; k < 8; ++k) {
+                const float vk = v[s + k * G];
+                acc.x = fmaf(a[k].x, vk, acc.x);
+                acc.y = fmaf(a[k].y, vk, acc.y);
+                acc.z = fmaf(a[k].z, vk, acc.z);
+                acc.w = fmaf(a[k].w, vk, acc.w);
+              }
+            }
             for (; s + 3 * G < n; s += 4 * G) {
               const float4 a0 = *reinterpret_cast<const float4*>(col + int64_t(s) * ld);
               const float4 a1 = *reinterpret_cast<const float4*>(col + int64_t(s + G) * ld);
