@@ -12,7 +12,10 @@ spreads each matrix's eigenvector rows over up to 8 blocks), and above that a bl
 x 64 subproblems get a sweep each in 4 x 4 groups (jacobi_tiles.cuh) and whose rotations are one launch per round of
 64 x 64 tiles on the float64 tensor cores (eigh.cu); cuSOLVER takes the calls where it is faster: its batched solver
 (syev_batched.cpp) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and large float32
-warm starts up to n = 256, its one-matrix solver the cold starts of fewer than 8 matrices from n = 704. The coupled
+warm starts up to n = 256, its one-matrix solver the cold starts of fewer than 8 matrices from n = 704; float32 cold
+starts from n = 384 (but single matrices from 704) go to a tridiagonal solver: Householder reduction on a cluster of
+blocks per matrix, bisection and inverse iteration in float64, the eigenvectors back by compact WY products
+(tridiagonal.cuh). The coupled
 Newton iteration of the roots runs, for n <= 128 (float32, half types computed in float32; n <= 64 in float64), the
 whole iteration of one matrix inside one thread block with the matrices in shared memory (or, for 64 < n <= 128 on
 sm_90 when the batch leaves SMs idle, a cluster of two blocks per matrix); larger matrices use cuBLAS batched
@@ -75,8 +78,9 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
             (the eigenvectors inherit its error). Same shape, dtype and device as A; not differentiated.
             Where cuSOLVER's batched solver takes the call (below) Q0 goes unused: a direct method gains
             nothing from it.
-        solver: ``"auto"`` (the fastest of the solvers below for the shape, measured) or ``"jacobi"`` (the
-            Jacobi kernels at every size, e.g. to compare them). CPU: LAPACK either way.
+        solver: ``"auto"`` (the fastest of the solvers below for the shape, measured), ``"jacobi"`` (the
+            Jacobi kernels at every size, e.g. to compare them) or ``"tridiagonal"`` (the tridiagonal solver at
+            every size; float32, float16 and bfloat16 input only). CPU: LAPACK either way.
         tol: where the Jacobi kernels stop: a matrix is done once its off-diagonal norm is at most
             ``tol * ||A||_F`` (residual and orthogonality then of that order). None: the smallest, and the
             default, 1e-6 for float32 and the half types, 1e-13 for float64; a looser one saves sweeps where
@@ -87,7 +91,8 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
         ``(w, V)`` with A's dtype; V is contiguous.
 
     Raises:
-        RuntimeError: non-square or non-floating A, Q0 of another shape, dtype or device, an unknown solver,
+        RuntimeError: non-square or non-floating A, Q0 of another shape, dtype or device, an unknown solver
+            (or ``"tridiagonal"`` for float64 A),
             or NaN/Inf in A (the message lists the batch indices of those matrices; checking costs one host
             sync, as torch.linalg.eigh's own error check does; ``torch.ops.torchkern.eigh`` is the op
             without it, which returns NaN for those matrices).
@@ -102,8 +107,10 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
     rotations are one launch per round of 64 x 64 tiles on the float64 tensor cores. cuSOLVER where it is faster
     (``solver="auto"``): its batched solver (cusolverDnXsyevBatched, which torch.linalg.eigh calls only up to
     n = 32) for 96 <= n <= 256 (float64: 128) and for large batches above, and for the float32 warm starts of
-    large batches up to n = 256; its one-matrix solver for cold starts of fewer than 8 matrices from n = 704
-    (docs/design.md, "Symmetric eigensolver").
+    large batches up to n = 256; its one-matrix solver for cold starts of fewer than 8 matrices from n = 704.
+    Float32 cold starts from n = 384 (a single matrix: up to 703) take the tridiagonal solver: A = Q T Q^T by
+    Householder reflections on a cluster of up to 8 thread blocks per matrix, T's eigenvalues by bisection and its
+    eigenvectors by inverse iteration in float64, Q Z in float64 products (docs/design.md, "Symmetric eigensolver").
     """
     w, V = torch.ops.torchkern.eigh(A, Q0, solver, tol)
     if w.numel() and bool(torch.isnan(w).any()):  # the one sync; only on this rare path is A looked at

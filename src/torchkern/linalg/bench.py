@@ -99,7 +99,8 @@ def _eigh_case(name: str, batch: int, n: int, device: str) -> Case:
         A64 = prev + step
         A, Q0 = A64.float(), torch.linalg.eigh(prev)[1].float()
         w_ref = torch.linalg.eigvalsh(A.double())
-        # torchkern: the solver "auto" picks (cuSOLVER's batched solver at 64x128 and 64x256, and warm at 64x256);
+        # torchkern: the solver "auto" picks (cuSOLVER's batched solver at 64x128 and 64x256, and warm at 64x256; the
+        # tridiagonal solver at 16x1024);
         # torchkern_jacobi: the Jacobi kernels' cold start at every size
         impls = {"torchkern": lambda: torchkern.linalg.eigh(A), "torchkern_warm": lambda: torchkern.linalg.eigh(A, Q0),
                  "torchkern_jacobi": lambda: torchkern.linalg.eigh(A, solver="jacobi"),
