@@ -871,6 +871,36 @@ std::tuple<at::Tensor, at::Tensor> block_method(const at::Tensor& X, const at::T
   return {w, V};
 }
 
+// The way in of the direct solvers (cuSOLVER's batched one, the tridiagonal one): per matrix the non-finite flag (of X
+// or Q, when defined) and exponent, and S (B, N, N), N >= n, the scaled and symmetrized matrix in S's dtype (float32
+// or float64), zero past n: two launches.
+void prep_direct(const at::Tensor& X, const at::Tensor& Q, at::Tensor& S, at::Tensor& exponent, at::Tensor& flagged) {
+  const int64_t B = X.size(0), n = X.size(1), N = S.size(1);
+  const cudaStream_t stream = current_stream();
+  const int chunks = static_cast<int>((n + kPrepRows - 1) / kPrepRows);
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  at::Tensor part_max = at::empty({B * chunks}, X.options().dtype(at::kDouble));
+  at::Tensor part_bad = at::empty({B * chunks}, X.options().dtype(at::kInt));
+  const int ni = static_cast<int>(n);
+  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_direct_prep", [&] {
+    const scalar_t* q = Q.defined() ? Q.const_data_ptr<scalar_t>() : nullptr;
+    block_prep_stats_kernel<scalar_t><<<static_cast<unsigned>(B * chunks), kPrepThreads, 0, stream>>>(
+        X.const_data_ptr<scalar_t>(), q, part_max.mutable_data_ptr<double>(), part_bad.mutable_data_ptr<int>(), ni,
+        chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto write = [&](auto zero) {
+      using U = decltype(zero);
+      block_prep_write_kernel<scalar_t, U><<<static_cast<unsigned>(B * tiles * tiles), dim3(kTile, 8), 0, stream>>>(
+          X.const_data_ptr<scalar_t>(), nullptr, part_max.const_data_ptr<double>(), part_bad.const_data_ptr<int>(),
+          S.mutable_data_ptr<U>(), nullptr, exponent.mutable_data_ptr<int>(), flagged.mutable_data_ptr<int>(),
+          nullptr, ni, static_cast<int>(N), chunks);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (S.scalar_type() == at::kDouble) write(0.0);
+    else write(0.0f);
+  });
+}
+
 // cuSOLVER's batched solver with the block method's way in and out: the non-finite flags and largest |x| per
 // matrix, the scaled and symmetrized matrix in the compute type (float32 for float32 and half input), the call, a
 // sort of the eigenvalues, and one kernel that gathers the eigenvectors in order, transposed, scaled back, cast and
@@ -881,31 +911,12 @@ std::tuple<at::Tensor, at::Tensor> eigh_syev_batched(const at::Tensor& X, const 
   const int64_t B = X.size(0), n = X.size(1);
   const cudaStream_t stream = current_stream();
   const auto iopt = X.options().dtype(at::kInt);
-  const int chunks = static_cast<int>((n + kPrepRows - 1) / kPrepRows);
   const int tiles = static_cast<int>((n + kTile - 1) / kTile);
-  const auto prep_blocks = static_cast<unsigned>(B * chunks), tile_blocks = static_cast<unsigned>(B * tiles * tiles);
-  at::Tensor part_max = at::empty({B * chunks}, X.options().dtype(at::kDouble));
-  at::Tensor part_bad = at::empty({B * chunks}, iopt);
+  const auto tile_blocks = static_cast<unsigned>(B * tiles * tiles);
   at::Tensor exponent = at::empty({B}, iopt), flagged = at::empty({B}, iopt);
   at::Tensor S = at::empty({B, n, n}, X.options().dtype(f64 ? at::kDouble : at::kFloat));
+  prep_direct(X, Q, S, exponent, flagged);
   const int ni = static_cast<int>(n);
-  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_syev_prep", [&] {
-    const scalar_t* q = Q.defined() ? Q.const_data_ptr<scalar_t>() : nullptr;
-    block_prep_stats_kernel<scalar_t><<<prep_blocks, kPrepThreads, 0, stream>>>(
-        X.const_data_ptr<scalar_t>(), q, part_max.mutable_data_ptr<double>(), part_bad.mutable_data_ptr<int>(), ni,
-        chunks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const auto write = [&](auto zero) {
-      using U = decltype(zero);
-      block_prep_write_kernel<scalar_t, U><<<tile_blocks, dim3(kTile, 8), 0, stream>>>(
-          X.const_data_ptr<scalar_t>(), nullptr, part_max.const_data_ptr<double>(), part_bad.const_data_ptr<int>(),
-          S.mutable_data_ptr<U>(), nullptr, exponent.mutable_data_ptr<int>(), flagged.mutable_data_ptr<int>(),
-          nullptr, ni, ni, chunks);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (f64) write(0.0);
-    else write(0.0f);
-  });
   at::Tensor w_raw, V_rows, info, sorted, order;  // (no structured bindings: the lambdas below capture them)
   std::tie(w_raw, V_rows, info) = syev_batched(std::move(S));
   std::tie(sorted, order) = at::sort(w_raw, /*dim=*/1);
@@ -975,26 +986,12 @@ std::tuple<at::Tensor, at::Tensor> eigh_tridiagonal(const at::Tensor& X, const a
   const cudaStream_t stream = current_stream();
   const auto iopt = X.options().dtype(at::kInt), fopt = X.options().dtype(at::kFloat);
   const auto dopt = X.options().dtype(at::kDouble);
-  const int chunks = static_cast<int>((n + kPrepRows - 1) / kPrepRows);
   const int tiles = static_cast<int>((n + kTile - 1) / kTile);
   const int64_t ld = (n + td::kChunk - 1) / td::kChunk * td::kChunk;  // S's rows: whole column chunks
-  const auto prep_blocks = static_cast<unsigned>(B * chunks), tile_blocks = static_cast<unsigned>(B * tiles * tiles);
-  at::Tensor part_max = at::empty({B * chunks}, dopt), part_bad = at::empty({B * chunks}, iopt);
+  const auto tile_blocks = static_cast<unsigned>(B * tiles * tiles);
   at::Tensor exponent = at::empty({B}, iopt), flagged = at::empty({B}, iopt);
   at::Tensor S = at::empty({B, ld, ld}, fopt);  // zero padding past n
-  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_tridiagonal_prep", [&] {
-    const scalar_t* q = Q.defined() ? Q.const_data_ptr<scalar_t>() : nullptr;
-    block_prep_stats_kernel<scalar_t><<<prep_blocks, kPrepThreads, 0, stream>>>(
-        X.const_data_ptr<scalar_t>(), q, part_max.mutable_data_ptr<double>(), part_bad.mutable_data_ptr<int>(), ni,
-        chunks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    block_prep_write_kernel<scalar_t, float><<<static_cast<unsigned>(B * (ld / kTile) * (ld / kTile)),
-                                               dim3(kTile, 8), 0, stream>>>(
-        X.const_data_ptr<scalar_t>(), nullptr, part_max.const_data_ptr<double>(), part_bad.const_data_ptr<int>(),
-        S.mutable_data_ptr<float>(), nullptr, exponent.mutable_data_ptr<int>(), flagged.mutable_data_ptr<int>(),
-        nullptr, ni, static_cast<int>(ld), chunks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  prep_direct(X, Q, S, exponent, flagged);
   // A = Q T Q^T
   at::Tensor Wt = at::empty({B, td::kPanel, ld}, fopt);
   at::Tensor d = at::empty({B, n}, dopt), e = at::zeros({B, n}, dopt), tau = at::zeros({B, n}, fopt);

@@ -23,12 +23,12 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <limits>
 
+#include "cluster.cuh"
 #include "torchkern/launch.h"
 #include "torchkern/reduce.cuh"
 
@@ -556,43 +556,13 @@ __device__ __forceinline__ C sym_gemm_inplace(C* dst, const C* A, const C* B, in
   return C(0);
 }
 
-// Cluster helpers (pairs only; sm_90). A cluster barrier in two halves: arrive (release: this
-// thread's shared-memory reads and writes so far, local or to the peer, are ordered before it) and
-// wait (acquire: returns once every thread of both blocks has arrived, with their writes visible),
-// so that independent work can run in between.
-__device__ __forceinline__ void cluster_arrive() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ void cluster_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ int cluster_rank() {
-#if __CUDA_ARCH__ >= 900
-  return static_cast<int>(cooperative_groups::this_cluster().block_rank());
-#else
-  return 0;
-#endif
-}
-
-// The other block's copy of a shared buffer.
+// The other block's copy of a shared buffer (pairs only; sm_90).
 template <typename C>
 __device__ __forceinline__ C* peer_copy(C* p) {
-#if __CUDA_ARCH__ >= 900
-  return cooperative_groups::this_cluster().map_shared_rank(p, cluster_rank() ^ 1);
-#else
+#if __CUDA_ARCH__ < 900
   __trap();
-  return p;
 #endif
+  return cluster_peer(p, cluster_rank() ^ 1);
 }
 
 // sym_gemm_inplace split over a pair: 16 warps (g = 8 * rank + warp) for 120 off-diagonal tiles

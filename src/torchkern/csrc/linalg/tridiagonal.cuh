@@ -15,11 +15,11 @@
 // unreduced block the float32-level noise separates the eigenvalues enough (docs/design.md has the measurements).
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cluster.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
@@ -33,32 +33,6 @@ constexpr int kUpdateCols = 128;  // the panel update: own columns per pass (4 r
 constexpr int kUpdateRows = 64;   // ... and rows staged per pass
 constexpr int kTridThreads = 128; // split, bisection and inverse iteration kernels
 constexpr int kPrefetch = 12;     // row i + 1 in registers, kPrefetch entries a thread: n <= kPrefetch * kThreads
-
-// Cluster helpers: with one block per matrix (or before sm_90) the cluster is the block itself.
-__device__ __forceinline__ void cluster_sync() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-  __syncthreads();
-#endif
-}
-
-__device__ __forceinline__ int cluster_rank() {
-#if __CUDA_ARCH__ >= 900
-  return static_cast<int>(cooperative_groups::this_cluster().block_rank());
-#else
-  return 0;
-#endif
-}
-
-template <typename X>
-__device__ __forceinline__ X* cluster_peer(X* p, int rank) {
-#if __CUDA_ARCH__ >= 900
-  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
-#else
-  return p;
-#endif
-}
 
 // Own columns: block `rank` of K owns chunks rank, rank + K, ...; local index u -> column.
 __device__ __forceinline__ int own_column(int u, int rank, int K) {
