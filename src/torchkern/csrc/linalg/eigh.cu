@@ -29,7 +29,10 @@
 // (syev_batched.h) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and the large
 // float32 warm starts up to n = 256 (Q0 ignored: a direct method gains nothing from it); torch.linalg.eigh (syevd,
 // one matrix after another) the other cold starts from n = TORCHKERN_EIGH_TORCH_FROM_N on, except batches of at
-// least TORCHKERN_EIGH_BLOCK_MIN_BATCH matrices up to n = TORCHKERN_EIGH_BLOCK_MAX_N.
+// least TORCHKERN_EIGH_BLOCK_MIN_BATCH matrices up to n = TORCHKERN_EIGH_BLOCK_MAX_N. Before those, float32 cold
+// starts from n = TORCHKERN_EIGH_TRIDIAGONAL_MIN_N (but single matrices from TORCHKERN_EIGH_TORCH_FROM_N) go to the
+// tridiagonal solver (tridiagonal.cuh, eigh_tridiagonal below): Householder reduction, T's eigenpairs in float64,
+// the eigenvectors back by compact WY products.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/add.h>
@@ -88,9 +91,9 @@ constexpr int kInnerSweeps = TORCHKERN_EIGH_INNER_SWEEPS;
 constexpr int kSmallMaxN = TORCHKERN_EIGH_SMALL_MAX_N;
 constexpr int kTorchFromN = TORCHKERN_EIGH_TORCH_FROM_N;  // 0: never
 
-// Who solves B matrices of size n: the Jacobi kernels (in-block or block method), cuSOLVER's batched solver, or
-// torch.linalg.eigh's loop of syevd (faster than the block method for a few large matrices); linalg/constants.py
-// has the measurements behind the thresholds.
+// Who solves B matrices of size n: the Jacobi kernels (in-block or block method), cuSOLVER's batched solver,
+// torch.linalg.eigh's loop of syevd (faster than the block method for a few large matrices) or the tridiagonal
+// solver (float32 cold starts of large matrices); linalg/constants.py has the measurements behind the thresholds.
 enum class Solver { kJacobi, kSyevBatched, kSyevdLoop, kTridiagonal };
 
 Solver choose_solver(int64_t B, int64_t n, bool f64, bool warm) {

@@ -33,6 +33,8 @@ constexpr int kUpdateCols = 128;  // the panel update: own columns per pass (4 r
 constexpr int kUpdateRows = 64;   // ... and rows staged per pass
 constexpr int kTridThreads = 128; // split, bisection and inverse iteration kernels
 constexpr int kPrefetch = 12;     // row i + 1 in registers, kPrefetch entries a thread: n <= kPrefetch * kThreads
+static_assert(kPanel == kChunk, "a panel's rows are one chunk of columns, which one block owns (sytrd_kernel's PW)");
+static_assert(2 * kPanel * kMaxCluster <= kThreads, "sytrd_kernel sums the cluster's partial dots a thread each");
 
 // Own columns: block `rank` of K owns chunks rank, rank + K, ...; local index u -> column.
 __device__ __forceinline__ int own_column(int u, int rank, int K) {
