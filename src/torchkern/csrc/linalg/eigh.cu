@@ -96,13 +96,26 @@ constexpr int kTorchFromN = TORCHKERN_EIGH_TORCH_FROM_N;  // 0: never
 // solver (float32 cold starts of large matrices); linalg/constants.py has the measurements behind the thresholds.
 enum class Solver { kJacobi, kSyevBatched, kSyevdLoop, kTridiagonal };
 
+// The largest cluster sytrd_kernel may take for n on this device: a power of two, at most 8 and the matrix's column
+// chunks, on sm_90; one block before.
+int tridiagonal_max_cluster(int64_t n) {
+  const int64_t chunks = (n + tridiagonal::kChunk - 1) / tridiagonal::kChunk;
+  int K = compute_capability() >= 90 ? tridiagonal::kMaxCluster : 1;
+  while (K > 1 && K > chunks) K /= 2;  // (the kernel's sums over the cluster are shuffles)
+  return K;
+}
+
+// Whether the tridiagonal solver takes n on this device: its prefetch bound, and its shared memory at that largest
+// cluster (fewer blocks need more).
+bool tridiagonal_fits(int64_t n) {
+  namespace td = tridiagonal;
+  return n <= td::kPrefetch * td::kThreads &&
+         td::sytrd_smem_floats(static_cast<int>(n), tridiagonal_max_cluster(n)) * sizeof(float) <= smem_optin_bytes();
+}
+
 Solver choose_solver(int64_t B, int64_t n, bool f64, bool warm) {
-  const bool tridiagonal_fits =  // the reduction's shared memory at its largest cluster, and its prefetch
-      tridiagonal::sytrd_smem_floats(static_cast<int>(n), tridiagonal::kMaxCluster) * sizeof(float) <=
-          smem_optin_bytes() &&
-      n <= tridiagonal::kPrefetch * tridiagonal::kThreads;
   const bool one_at_a_time = kTorchFromN > 0 && n >= kTorchFromN && B < TORCHKERN_EIGH_TRIDIAGONAL_MIN_BATCH;
-  if (!f64 && !warm && n >= TORCHKERN_EIGH_TRIDIAGONAL_MIN_N && !one_at_a_time && tridiagonal_fits) {
+  if (!f64 && !warm && n >= TORCHKERN_EIGH_TRIDIAGONAL_MIN_N && !one_at_a_time && tridiagonal_fits(n)) {
     return Solver::kTridiagonal;
   }
   const int64_t elems = B * n * n;
@@ -939,19 +952,17 @@ std::tuple<at::Tensor, at::Tensor> eigh_syev_batched(const at::Tensor& X, const 
   return {w, V};
 }
 
-// Blocks per matrix for sytrd_kernel (0: n too large for its shared memory or its prefetch). A cluster of K blocks
-// streams 1/K of the trailing matrix each, but per step the cluster's barriers cost the same; so the largest K (a
-// power of two, at most 8, sm_90) whose clusters all fit on the GPU at once for a batch of B, else the smallest K
-// that fits (many matrices: the fewest blocks per matrix do the least waiting). Before sm_90, one block per matrix.
+// Blocks per matrix for sytrd_kernel (0 where not tridiagonal_fits). A cluster of K blocks streams 1/K of the trailing
+// matrix each, but per step the cluster's barriers cost the same; so the largest K up to tridiagonal_max_cluster
+// whose clusters all fit on the GPU at once for a batch of B, else the smallest K that fits (many matrices: the
+// fewest blocks per matrix do the least waiting).
 int tridiagonal_cluster(int64_t B, int n, size_t* smem) {
   namespace td = tridiagonal;
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, td::sytrd_kernel, smem_optin_bytes());
-  const int chunks = (n + td::kChunk - 1) / td::kChunk;
-  if (n > td::kPrefetch * td::kThreads) return 0;
-  int K = compute_capability() >= 90 ? td::kMaxCluster : 1, fits = 0;
-  while (K > chunks) K /= 2;  // a power of two (the kernel's sums over the cluster are shuffles)
-  for (; K >= 1; K = K > 1 ? K / 2 : 0) {
+  if (!tridiagonal_fits(n)) return 0;
+  int fits = 0;
+  for (int K = tridiagonal_max_cluster(n); K >= 1; K = K > 1 ? K / 2 : 0) {
     const size_t bytes = td::sytrd_smem_floats(n, K) * sizeof(float);
     if (bytes > smem_optin_bytes()) break;  // fewer blocks need more
     fits = K;
