@@ -919,6 +919,32 @@ def test_eigh_large_warm_start_goes_to_cusolver():
     check_eigh(A[~bad], w[~bad], V[~bad], torch.float32)
 
 
+@requires_cuda
+def test_eigh_large_warm_start_goes_to_tridiagonal():
+    # float32 at n = EIGH_TRIDIAGONAL_MIN_N with a warm start at full accuracy: the tridiagonal solver takes it as it
+    # takes the cold start (Q0 unused: the same results, bit for bit, from the same deterministic solver); at tol =
+    # EIGH_WARM_JACOBI_MIN_TOL the Jacobi kernels' warm start takes it (the same as solver="jacobi"); a non-finite
+    # Q0 still makes its matrix NaN
+    B, n = 3, constants.EIGH_TRIDIAGONAL_MIN_N
+    A = spectrum("cond1e8", n, batch=(B,))
+    Q0 = torch.linalg.eigh(A + 1e-3 * torch.eye(n, dtype=torch.float64))[1].float().cuda()
+    X = A.float().cuda()
+    w, V = linalg.eigh(X, Q0)
+    check_eigh(A, w, V, torch.float32)
+    w_cold, V_cold = linalg.eigh(X)
+    torch.testing.assert_close(w, w_cold, rtol=0, atol=0)
+    torch.testing.assert_close(V, V_cold, rtol=0, atol=0)
+    tol = constants.EIGH_WARM_JACOBI_MIN_TOL
+    w, V = linalg.eigh(X, Q0, tol=tol)
+    w_jacobi, V_jacobi = linalg.eigh(X, Q0, solver="jacobi", tol=tol)
+    torch.testing.assert_close(w, w_jacobi, rtol=0, atol=0)
+    torch.testing.assert_close(V, V_jacobi, rtol=0, atol=0)
+    Q0[1, 2, 2] = float("nan")
+    w, V = torch.ops.torchkern.eigh(X, Q0)
+    assert torch.isnan(w[1]).all() and torch.isnan(V[1]).all()
+    check_eigh(A[[0, 2]], w[[0, 2]], V[[0, 2]], torch.float32)
+
+
 def test_eigh_bad_inputs():
     A = torch.randn(4, 4)
     with _raises("torchkern.eigh: A must have shape [..., n, n] (square matrices), got [3, 4]"):

@@ -81,10 +81,18 @@ EIGH_SYEV_WARM_MIN_ELEMS = 2 ** 22
 # 18.0 (batched), 64 x 256^2 4.2 / 3.7 (batched: kept).
 EIGH_TRIDIAGONAL_MIN_N = 384
 EIGH_TRIDIAGONAL_MIN_BATCH = 2
+# A float32 warm start that the tridiagonal solver would take cold goes to it too (Q0 unused) unless the caller's
+# tol is at least EIGH_WARM_JACOBI_MIN_TOL: the Jacobi kernels' warm start needs two to five sweeps of about 11 ms at
+# 16 x 1024^2 at full accuracy. Measured (H200, ms, Jacobi warm / tridiagonal cold): 16 x 1024^2 54.8 (the
+# benchmark's basis one step old) / 25.7, 8 x 1025^2 (K-FAC's factors, a basis ten steps old) 25.9 at tol 1e-6,
+# 20.5 at 1e-5, 14.6 at 1e-4 (K-FAC's eigh_tol) / 21.2; 64 x 512^2 21.5 / 12.5 (fourteenth to seventeenth sessions;
+# RESULTS.md, eighteenth session, for the probe that measures this rule).
+EIGH_WARM_JACOBI_MIN_TOL = 1e-4
 
 COMPILE_DEFINITIONS.update({
     "TORCHKERN_EIGH_TRIDIAGONAL_MIN_N": EIGH_TRIDIAGONAL_MIN_N,
     "TORCHKERN_EIGH_TRIDIAGONAL_MIN_BATCH": EIGH_TRIDIAGONAL_MIN_BATCH,
+    "TORCHKERN_EIGH_WARM_JACOBI_MIN_TOL": EIGH_WARM_JACOBI_MIN_TOL,
     "TORCHKERN_EIGH_TOL_F32": EIGH_TOL_F32,
     "TORCHKERN_EIGH_TOL_F64": EIGH_TOL_F64,
     "TORCHKERN_EIGH_MAX_SWEEPS": EIGH_MAX_SWEEPS,

@@ -113,11 +113,12 @@ bool tridiagonal_fits(int64_t n) {
          td::sytrd_smem_floats(static_cast<int>(n), tridiagonal_max_cluster(n)) * sizeof(float) <= smem_optin_bytes();
 }
 
-Solver choose_solver(int64_t B, int64_t n, bool f64, bool warm) {
+// `tol`: the caller's stopping tolerance, which only the Jacobi kernels honour; a warm start goes to them where the
+// tridiagonal solver would take the cold start only when tol lets them stop after a sweep or two.
+Solver choose_solver(int64_t B, int64_t n, bool f64, bool warm, double tol) {
   const bool one_at_a_time = kTorchFromN > 0 && n >= kTorchFromN && B < TORCHKERN_EIGH_TRIDIAGONAL_MIN_BATCH;
-  if (!f64 && !warm && n >= TORCHKERN_EIGH_TRIDIAGONAL_MIN_N && !one_at_a_time && tridiagonal_fits(n)) {
-    return Solver::kTridiagonal;
-  }
+  const bool tridiagonal_takes = !f64 && n >= TORCHKERN_EIGH_TRIDIAGONAL_MIN_N && !one_at_a_time && tridiagonal_fits(n);
+  if (tridiagonal_takes && (!warm || tol < TORCHKERN_EIGH_WARM_JACOBI_MIN_TOL)) return Solver::kTridiagonal;
   const int64_t elems = B * n * n;
   const int64_t max_n = f64 ? TORCHKERN_EIGH_SYEV_MAX_N_F64 : TORCHKERN_EIGH_SYEV_MAX_N_F32;
   const bool batched_wins = warm ? !f64 && n <= max_n && elems >= TORCHKERN_EIGH_SYEV_WARM_MIN_ELEMS
@@ -1153,7 +1154,7 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   };
   const Solver solver = jacobi_only        ? Solver::kJacobi
                         : tridiagonal_only ? Solver::kTridiagonal
-                                           : choose_solver(B, n, f64, warm_start.has_value());
+                                           : choose_solver(B, n, f64, warm_start.has_value(), tol);
   // From here on a warm start is one that the Jacobi kernels take.
   const bool warm = warm_start.has_value() && solver == Solver::kJacobi;
   if (!small && solver == Solver::kJacobi) {  // the block method, in X's dtype
