@@ -512,6 +512,24 @@ __device__ __forceinline__ float noise_at(const Ctx<Op>& c, int64_t i) {
   return p.noise ? p.noise[static_cast<int64_t>(c.t) * p.batch * p.d + i] : normal_at(c.key, c.t, i);
 }
 
+// Whether Langevin's noise comes in whole Philox groups of 4 columns (drawn, not injected, and d a multiple of 4:
+// no group straddles two rows). Block-uniform.
+template <class Op>
+__device__ __forceinline__ bool philox_groups(const Ctx<Op>& c) {
+  const Params& p = *c.p;
+  return p.mode == kLangevin && !p.noise && p.d % 4 == 0;
+}
+
+// Step c.t's Langevin noise of the 4 elements [base, base + 4) of one row, of which the first `valid` are in range
+// (zeros after): one Philox group where philox_groups(c) (base is then a multiple of 4), else element by element.
+template <class Op>
+__device__ __forceinline__ float4 noise4(const Ctx<Op>& c, int64_t base, int valid) {
+  if (philox_groups(c)) return normal4(c.key, static_cast<uint64_t>(c.t), static_cast<uint64_t>(base / 4));
+  float e[4] = {};
+  for (int q = 0; q < min(4, valid); ++q) e[q] = noise_at(c, base + q);
+  return make_float4(e[0], e[1], e[2], e[3]);
+}
+
 // The FP32 path's update for the lane's 8 columns [col, col + 8) of block row `row`.
 template <class Op>
 __device__ void update(Ctx<Op>& c, int row, int col, const float (&g)[8]) {
@@ -520,14 +538,10 @@ __device__ void update(Ctx<Op>& c, int row, int col, const float (&g)[8]) {
   const int64_t base = (c.row0 + row) * p.d + col;
   float eps[8] = {};
   if (p.mode == kLangevin) {
-    if (!p.noise && p.d % 4 == 0) {  // base is a multiple of 4: two whole Philox groups
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float4 e = normal4(c.key, static_cast<uint64_t>(c.t), static_cast<uint64_t>(base / 4 + h));
-        eps[4 * h] = e.x, eps[4 * h + 1] = e.y, eps[4 * h + 2] = e.z, eps[4 * h + 3] = e.w;
-      }
-    } else {
-      for (int q = 0; q < min(8, p.d - col); ++q) eps[q] = noise_at(c, base + q);
+    for (int h = 0; h < 2; ++h) {
+      const float4 e = noise4(c, base + 4 * h, p.d - col - 4 * h);
+      eps[4 * h] = e.x, eps[4 * h + 1] = e.y, eps[4 * h + 2] = e.z, eps[4 * h + 3] = e.w;
     }
   }
 #pragma unroll
@@ -542,7 +556,7 @@ template <class Op, int kUR, int kUC>
 __device__ __forceinline__ void update_frag(Ctx<Op>& c, const Accum& acc, int r0, int cb) {
   const Params& p = *c.p;
   const int g = c.lane >> 2, t = c.lane & 3, mine = t & 1;
-  const bool grouped = p.mode == kLangevin && !p.noise && p.d % 4 == 0;  // block-uniform
+  const bool grouped = philox_groups(c);
 #pragma unroll
   for (int i = 0; i < kUR; ++i) {
     const int row = r0 + 16 * i + g;
@@ -1013,7 +1027,6 @@ __device__ __forceinline__ void wg_update(Ctx<Op>& c) {
   const Params& p = *c.p;
   const int d0 = p.dims[0], ld = d0 + 4;
   const bool split = p.wg[2 * p.n_hidden - 1].split;
-  const bool grouped = p.mode == kLangevin && !p.noise && p.d % 4 == 0;  // block-uniform
   for (int it = c.tid; it < kN * (d0 >> 2); it += kThreads) {
     const int row = it % kN, col = (it / kN) * 4;
     if (row >= c.nvalid || col >= p.d) continue;
@@ -1023,15 +1036,8 @@ __device__ __forceinline__ void wg_update(Ctx<Op>& c) {
       const float4 h = *reinterpret_cast<const float4*>(src + kN * ld);
       g = make_float4(g.x + h.x, g.y + h.y, g.z + h.z, g.w + h.w);
     }
-    float4 eps = make_float4(0.f, 0.f, 0.f, 0.f);
-    const int64_t base = (c.row0 + row) * p.d + col;
-    if (grouped) {
-      eps = normal4(c.key, static_cast<uint64_t>(c.t), static_cast<uint64_t>(base / 4));
-    } else if (p.mode == kLangevin) {
-      float e[4] = {};
-      for (int q = 0; q < min(4, p.d - col); ++q) e[q] = noise_at(c, base + q);
-      eps = make_float4(e[0], e[1], e[2], e[3]);
-    }
+    const float4 eps =
+        p.mode == kLangevin ? noise4(c, (c.row0 + row) * p.d + col, p.d - col) : make_float4(0.f, 0.f, 0.f, 0.f);
     update_pair(c, row, col, g.x, g.y, eps.x, eps.y);
     update_pair(c, row, col + 2, g.z, g.w, eps.z, eps.w);
   }
