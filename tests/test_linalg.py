@@ -783,15 +783,17 @@ def test_eigh_half_types_compute_in_float32(device, dtype, n, solver):
 @pytest.mark.parametrize("n", [5, 48, 100, 128, 160])  # CUDA float32: one-launch rotations up to 120, then ATen's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
 def test_eigh_warm_start(device, n, dtype):
-    # Q0: the eigenbasis of the statistics one optimizer step earlier (a small PSD update)
+    # Q0: the eigenbasis of the statistics one optimizer step earlier (a small PSD update); on CUDA the Jacobi
+    # kernels' warm start too where "auto" gives the call to cuSOLVER (float32 from n = EIGH_SYEV_WARM_MIN_N)
     A0 = spectrum("cond1e8", n, batch=(2,))
     Z = torch.randn(2, n, n, generator=_GEN, dtype=torch.float64)
     A = A0 + 1e-2 * (Z @ Z.mT) / n
     _, Q0 = torch.linalg.eigh(A0)
-    w, V = linalg.eigh(A.to(dtype).to(device), Q0.to(dtype).to(device))
-    check_eigh(A, w, V, dtype)
     w_cold, _ = linalg.eigh(A.to(dtype).to(device))
-    assert (w - w_cold).abs().max().item() <= 2 * EIGH_VALUES[dtype] * torch.linalg.matrix_norm(A).max().item()
+    for solver in ("auto", "jacobi") if device == "cuda" else ("auto",):
+        w, V = linalg.eigh(A.to(dtype).to(device), Q0.to(dtype).to(device), solver=solver)
+        check_eigh(A, w, V, dtype)
+        assert (w - w_cold).abs().max().item() <= 2 * EIGH_VALUES[dtype] * torch.linalg.matrix_norm(A).max().item()
     # the identity as Q0: the same problem as without it
     w_id, V_id = linalg.eigh(A.to(dtype).to(device), torch.eye(n, dtype=dtype, device=device).expand(2, n, n))
     check_eigh(A, w_id, V_id, dtype)
@@ -900,21 +902,26 @@ def test_eigh_nan_names_the_matrices(device, solver):
 
 
 @requires_cuda
-def test_eigh_large_warm_start_goes_to_cusolver():
-    # 64 x 256^2 float32 with a warm start: above EIGH_SYEV_WARM_MIN_ELEMS, so cuSOLVER's batched solver takes it
-    # (Q0 unused); the results meet the bars and match the Jacobi kernels' warm start, and a non-finite A or Q0
-    # still makes its matrix NaN
-    B, n = 64, 256
-    assert B * n * n >= constants.EIGH_SYEV_WARM_MIN_ELEMS and n <= constants.EIGH_SYEV_MAX_N_F32
+@pytest.mark.parametrize("B, n", [(64, 256), (4, 128)])
+def test_eigh_warm_start_goes_to_cusolver(B, n):
+    # float32 warm starts that cuSOLVER's batched solver takes (Q0 unused), as it takes their cold starts (the same
+    # results, bit for bit): 64 x 256^2, above EIGH_SYEV_WARM_MIN_ELEMS, and 4 x 128^2, the in-block kernel's
+    # largest sizes (EIGH_SYEV_WARM_MIN_N); the results meet the bars, and a non-finite A or Q0 still makes its
+    # matrix NaN
+    assert B * n * n >= constants.EIGH_SYEV_WARM_MIN_ELEMS or n >= constants.EIGH_SYEV_WARM_MIN_N
+    assert n <= constants.EIGH_SYEV_MAX_N_F32
     A = spectrum("cond1e8", n, batch=(B,))
     Q0 = torch.linalg.eigh(A + 1e-3 * torch.eye(n, dtype=torch.float64))[1].float().cuda()
     X = A.float().cuda()
     w, V = torch.ops.torchkern.eigh(X, Q0)
     check_eigh(A, w, V, torch.float32)
-    X[3, 0, 1] = float("inf")
-    Q0[5, 2, 2] = float("nan")
+    w_cold, V_cold = torch.ops.torchkern.eigh(X, None)
+    torch.testing.assert_close(w, w_cold, rtol=0, atol=0)
+    torch.testing.assert_close(V, V_cold, rtol=0, atol=0)
+    X[B - 1, 0, 1] = float("inf")
+    Q0[1, 2, 2] = float("nan")
     w, V = torch.ops.torchkern.eigh(X, Q0)
-    bad = torch.isin(torch.arange(B), torch.tensor([3, 5]))
+    bad = torch.isin(torch.arange(B), torch.tensor([1, B - 1]))
     assert torch.isnan(w[bad]).all() and torch.isnan(V[bad]).all()
     check_eigh(A[~bad], w[~bad], V[~bad], torch.float32)
 

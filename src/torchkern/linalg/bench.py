@@ -2,10 +2,14 @@
 
 eigh, impls: "torchkern" (a cold start), "torchkern_warm" (started from the eigenbasis of the same
 statistics one optimizer step earlier: Q0 = eigh(A_prev), A = A_prev + 1e-2 ||A_prev||_2 N with
-N = Z Z^T scaled to unit spectral norm, Z standard normal), "torch" (torch.linalg.eigh). The check,
-for both torchkern runs: the residual ||A V - V diag(w)||_F <= 1e-5 ||A||_F, ||V^T V - I||_2 <= 1e-5,
-and eigenvalues within 8 eps ||A||_F of a float64 reference (the accuracy tests' bars). Matrices: the
-statistics below (condition 1e3).
+N = Z Z^T scaled to unit spectral norm, Z standard normal), "torchkern_jacobi" (the Jacobi kernels' cold
+start), "torch" (torch.linalg.eigh); and "torchkern_ema" / "torchkern_warm_ema", the cold and warm starts on
+another model of one optimizer step, an EMA step of a statistic whose samples come from the distribution it
+estimates: A_ema = 0.95 A_prev + 0.05 S, S the sample covariance of n draws from N(0, A_prev) (its change is
+relative to A_prev's spectrum, where N's is the same size for every eigenvalue). The check, for every
+torchkern run: the residual ||A V - V diag(w)||_F <= 1e-5 ||A||_F, ||V^T V - I||_2 <= 1e-5, and eigenvalues
+within 8 eps ||A||_F of a float64 reference (the accuracy tests' bars). Matrices: the statistics below
+(condition 1e3).
 
 Roots, impls: "torchkern" (method="newton": the in-block kernel for n <= 128, cuBLAS + fused
 steps above), "torch_newton" (the same coupled Newton in torch matmuls, 20 iterations, as a
@@ -98,22 +102,28 @@ def _eigh_case(name: str, batch: int, n: int, device: str) -> Case:
         step = 1e-2 * (torch.linalg.matrix_norm(prev, 2) / torch.linalg.matrix_norm(noise, 2))[:, None, None] * noise
         A64 = prev + step
         A, Q0 = A64.float(), torch.linalg.eigh(prev)[1].float()
-        w_ref = torch.linalg.eigvalsh(A.double())
-        # torchkern: the solver "auto" picks (cuSOLVER's batched solver at 64x128 and 64x256, and warm at 64x256; the
-        # tridiagonal solver at 16x1024);
-        # torchkern_jacobi: the Jacobi kernels' cold start at every size
+        X = torch.linalg.cholesky(prev) @ torch.randn(batch, n, n, device=device, dtype=torch.float64, generator=gen)
+        A_ema = (0.95 * prev + 0.05 * (X @ X.mT) / n).float()
+        A_ema = 0.5 * (A_ema + A_ema.mT)
+        # torchkern: the solver "auto" picks (cuSOLVER's batched solver at 64x128 and 64x256, warm too; the
+        # tridiagonal solver at 16x1024, warm too); torchkern_jacobi: the Jacobi kernels' cold start at every size
         impls = {"torchkern": lambda: torchkern.linalg.eigh(A), "torchkern_warm": lambda: torchkern.linalg.eigh(A, Q0),
                  "torchkern_jacobi": lambda: torchkern.linalg.eigh(A, solver="jacobi"),
-                 "torch": lambda: torch.linalg.eigh(A)}
+                 "torch": lambda: torch.linalg.eigh(A),
+                 "torchkern_ema": lambda: torchkern.linalg.eigh(A_ema),
+                 "torchkern_warm_ema": lambda: torchkern.linalg.eigh(A_ema, Q0)}
+        inputs = {"torchkern": A, "torchkern_warm": A, "torchkern_jacobi": A, "torchkern_ema": A_ema,
+                  "torchkern_warm_ema": A_ema}
 
         def check() -> None:
-            norm = torch.linalg.matrix_norm(A.double())
             eye = torch.eye(n, device=device, dtype=torch.float64)
-            for impl in ("torchkern", "torchkern_warm", "torchkern_jacobi"):
+            for impl, M in inputs.items():
+                M = M.double()
+                norm = torch.linalg.matrix_norm(M)
                 w, V = (x.double() for x in impls[impl]())
-                res = (torch.linalg.matrix_norm(A.double() @ V - V * w.unsqueeze(-2)) / norm).max().item()
+                res = (torch.linalg.matrix_norm(M @ V - V * w.unsqueeze(-2)) / norm).max().item()
                 orth = torch.linalg.matrix_norm(V.mT @ V - eye, 2).max().item()
-                values = ((w - w_ref).abs().amax(-1) / norm).max().item()
+                values = ((w - torch.linalg.eigvalsh(M)).abs().amax(-1) / norm).max().item()
                 if not (res <= 1e-5 and orth <= 1e-5 and values <= 8 * torch.finfo(torch.float32).eps):
                     raise AssertionError(f"{impl}: residual {res:.2e}, orthogonality {orth:.2e}, "
                                          f"eigenvalues {values:.2e}")
@@ -123,7 +133,8 @@ def _eigh_case(name: str, batch: int, n: int, device: str) -> Case:
                         note="FLOPs: 4 n^3 per matrix, what a tridiagonal method with eigenvectors needs (Jacobi: "
                              "about 9 n^3 per sweep in one block, 8 n^3 per sweep in the block method)")
 
-    return Case("linalg", f"eigh/{name}", setup, device, ("torchkern", "torchkern_warm", "torchkern_jacobi", "torch"))
+    return Case("linalg", f"eigh/{name}", setup, device, ("torchkern", "torchkern_warm", "torchkern_jacobi", "torch",
+                                                         "torchkern_ema", "torchkern_warm_ema"))
 
 
 def _kron_eager(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:

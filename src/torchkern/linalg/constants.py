@@ -71,6 +71,12 @@ EIGH_SYEV_MAX_N_F32 = 256
 EIGH_SYEV_MAX_N_F64 = 128
 EIGH_SYEV_MIN_ELEMS = 9 * 2 ** 20
 EIGH_SYEV_WARM_MIN_ELEMS = 2 ** 22
+# ... and, at any batch, the float32 warm starts of the in-block kernel's largest sizes, n >= EIGH_SYEV_WARM_MIN_N
+# (up to its 136): at n = 128 cuSOLVER's cold start was 5-10% faster than the Jacobi warm start at every batch on an
+# EMA pair (fourteenth session), and 20% / 34% faster on the benchmark's perturbation and a basis ten steps old (64
+# x 128^2, 1.10 against 1.38 / 1.65 ms; 4% slower, 1.06 against 1.02, one EMA step on; RESULTS.md, eighteenth
+# session); at n = 96 the Jacobi warm start won at every batch.
+EIGH_SYEV_WARM_MIN_N = 128
 
 # The tridiagonal solver (csrc/linalg/tridiagonal.cuh: Householder reduction on clusters of blocks, inverse
 # iteration in float64) takes the float32 cold starts from n = EIGH_TRIDIAGONAL_MIN_N on, except a single matrix from
@@ -107,4 +113,5 @@ COMPILE_DEFINITIONS.update({
     "TORCHKERN_EIGH_SYEV_MAX_N_F64": EIGH_SYEV_MAX_N_F64,
     "TORCHKERN_EIGH_SYEV_MIN_ELEMS": EIGH_SYEV_MIN_ELEMS,
     "TORCHKERN_EIGH_SYEV_WARM_MIN_ELEMS": EIGH_SYEV_WARM_MIN_ELEMS,
+    "TORCHKERN_EIGH_SYEV_WARM_MIN_N": EIGH_SYEV_WARM_MIN_N,
 })

@@ -121,8 +121,10 @@ Solver choose_solver(int64_t B, int64_t n, bool f64, bool warm, double tol) {
   if (tridiagonal_takes && (!warm || tol < TORCHKERN_EIGH_WARM_JACOBI_MIN_TOL)) return Solver::kTridiagonal;
   const int64_t elems = B * n * n;
   const int64_t max_n = f64 ? TORCHKERN_EIGH_SYEV_MAX_N_F64 : TORCHKERN_EIGH_SYEV_MAX_N_F32;
-  const bool batched_wins = warm ? !f64 && n <= max_n && elems >= TORCHKERN_EIGH_SYEV_WARM_MIN_ELEMS
-                                 : n <= max_n || elems >= TORCHKERN_EIGH_SYEV_MIN_ELEMS;
+  const bool in_block_largest = n >= TORCHKERN_EIGH_SYEV_WARM_MIN_N && n <= kSmallMaxN && jacobi::fits<float>(n);
+  const bool batched_wins =
+      warm ? !f64 && n <= max_n && (elems >= TORCHKERN_EIGH_SYEV_WARM_MIN_ELEMS || in_block_largest)
+           : n <= max_n || elems >= TORCHKERN_EIGH_SYEV_MIN_ELEMS;
   if (n >= TORCHKERN_EIGH_SYEV_MIN_N && batched_wins && syev_batched_available()) return Solver::kSyevBatched;
   const bool loop_wins = kTorchFromN > 0 && n >= kTorchFromN &&
                          (B < TORCHKERN_EIGH_BLOCK_MIN_BATCH || n > TORCHKERN_EIGH_BLOCK_MAX_N);
