@@ -11,12 +11,12 @@ thread block's shared memory (jacobi.cuh; n <= 136 in float32, 118 in float64; a
 spreads each matrix's eigenvector rows over up to 8 blocks), and above that a block Jacobi method in float64 whose 64
 x 64 subproblems get a sweep each in 4 x 4 groups (jacobi_tiles.cuh) and whose rotations are one launch per round of
 64 x 64 tiles on the float64 tensor cores (eigh.cu); cuSOLVER takes the calls where it is faster: its batched solver
-(syev_batched.cpp) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and large float32
-warm starts up to n = 256, its one-matrix solver the cold starts of fewer than 8 matrices from n = 704; float32 cold
-starts from n = 384 (but single matrices from 704) go to a tridiagonal solver: Householder reduction on a cluster of
-blocks per matrix, bisection and inverse iteration in float64, the eigenvectors back by compact WY products
-(tridiagonal.cuh). The coupled
-Newton iteration of the roots runs, for n <= 128 (float32, half types computed in float32; n <= 64 in float64), the
+(syev_batched.cpp) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and float32 warm
+starts up to n = 256 of large batches and at 128 <= n <= 136 of any, its one-matrix solver the cold starts of fewer
+than 8 matrices from n = 704; float32 cold starts from n = 384 (but single matrices from 704), and their warm starts
+at full accuracy, go to a tridiagonal solver: Householder reduction on a cluster of blocks per matrix, bisection and
+inverse iteration in float64, the eigenvectors back by compact WY products (tridiagonal.cuh). The coupled Newton
+iteration of the roots runs, for n <= 128 (float32, half types computed in float32; n <= 64 in float64), the
 whole iteration of one matrix inside one thread block with the matrices in shared memory (or, for 64 < n <= 128 on
 sm_90 when the batch leaves SMs idle, a cluster of two blocks per matrix); larger matrices use cuBLAS batched
 products with fused elementwise steps and a per-matrix "done" mask. For n >= 64 both start the iteration's scaling
@@ -76,8 +76,8 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
             (``V = Q0 V'``). The result is the same as without it (up to rounding, signs and the
             basis of repeated eigenvalues); the work is less. Q0 must be orthogonal to working precision
             (the eigenvectors inherit its error). Same shape, dtype and device as A; not differentiated.
-            Where cuSOLVER's batched solver takes the call (below) Q0 goes unused: a direct method gains
-            nothing from it.
+            Where cuSOLVER or the tridiagonal solver takes the call (below) Q0 goes unused: a direct method
+            gains nothing from it.
         solver: ``"auto"`` (the fastest of the solvers below for the shape, measured), ``"jacobi"`` (the
             Jacobi kernels at every size, e.g. to compare them) or ``"tridiagonal"`` (the tridiagonal solver at
             every size; float32, float16 and bfloat16 input only). CPU: LAPACK either way.
@@ -106,11 +106,13 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
     shared memory), and a block Jacobi method above, whose 64 x 64 subproblems get one sweep each and whose
     rotations are one launch per round of 64 x 64 tiles on the float64 tensor cores. cuSOLVER where it is faster
     (``solver="auto"``): its batched solver (cusolverDnXsyevBatched, which torch.linalg.eigh calls only up to
-    n = 32) for 96 <= n <= 256 (float64: 128) and for large batches above, and for the float32 warm starts of
-    large batches up to n = 256; its one-matrix solver for cold starts of fewer than 8 matrices from n = 704.
+    n = 32) for 96 <= n <= 256 (float64: 128) and for large batches above, and for the float32 warm starts up
+    to n = 256 of large batches and at 128 <= n <= 136 of any (the in-block kernel's largest sizes); its
+    one-matrix solver for cold starts of fewer than 8 matrices from n = 704.
     Float32 cold starts from n = 384 (a single matrix: up to 703) take the tridiagonal solver: A = Q T Q^T by
     Householder reflections on a cluster of up to 8 thread blocks per matrix, T's eigenvalues by bisection and its
-    eigenvectors by inverse iteration in float64, Q Z in float64 products (docs/design.md, "Symmetric eigensolver").
+    eigenvectors by inverse iteration in float64, Q Z in float64 products (docs/design.md, "Symmetric eigensolver");
+    so do their warm starts, unless ``tol`` >= 1e-4 (the Jacobi warm start then stops after a sweep or two).
     """
     w, V = torch.ops.torchkern.eigh(A, Q0, solver, tol)
     if w.numel() and bool(torch.isnan(w).any()):  # the one sync; only on this rare path is A looked at

@@ -26,13 +26,15 @@
 // sweep reaches them learns of convergence one sweep late); the sweeps loop on the device (a CUDA graph's WHILE
 // node), so the call returns without waiting for them.
 // cuSOLVER takes the calls where it is faster (linalg/constants.py, choose_solver below): its batched solver
-// (syev_batched.h) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and the large
-// float32 warm starts up to n = 256 (Q0 ignored: a direct method gains nothing from it); torch.linalg.eigh (syevd,
+// (syev_batched.h) the cold starts of 96 <= n <= 256 (float64: 128) and of large batches above, and the float32
+// warm starts up to n = 256 of large batches and of the in-block kernel's largest sizes, from
+// TORCHKERN_EIGH_SYEV_WARM_MIN_N (Q0 ignored: a direct method gains nothing from it); torch.linalg.eigh (syevd,
 // one matrix after another) the other cold starts from n = TORCHKERN_EIGH_TORCH_FROM_N on, except batches of at
 // least TORCHKERN_EIGH_BLOCK_MIN_BATCH matrices up to n = TORCHKERN_EIGH_BLOCK_MAX_N. Before those, float32 cold
 // starts from n = TORCHKERN_EIGH_TRIDIAGONAL_MIN_N (but single matrices from TORCHKERN_EIGH_TORCH_FROM_N) go to the
 // tridiagonal solver (tridiagonal.cuh, eigh_tridiagonal below): Householder reduction, T's eigenpairs in float64,
-// the eigenvectors back by compact WY products.
+// the eigenvectors back by compact WY products; so do their warm starts (Q0 ignored), unless the caller's tol is at
+// least TORCHKERN_EIGH_WARM_JACOBI_MIN_TOL (then the Jacobi warm start stops after a sweep or two).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/abs.h>
 #include <ATen/ops/add.h>
