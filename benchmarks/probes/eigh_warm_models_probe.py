@@ -20,8 +20,8 @@ from _timing import per_call
 
 
 def statistics(B, n, gen):
-    Q, _ = torch.linalg.qr(torch.randn(B, n, n, device="cuda", dtype=torch.float64, generator=gen))
-    lam = torch.logspace(0, -3, n, device="cuda", dtype=torch.float64)
+    Q, _ = torch.linalg.qr(torch.randn(B, n, n, device=gen.device, dtype=torch.float64, generator=gen))
+    lam = torch.logspace(0, -3, n, device=gen.device, dtype=torch.float64)
     P = (Q * lam) @ Q.mT
     return 0.5 * (P + P.mT)
 
@@ -29,11 +29,11 @@ def statistics(B, n, gen):
 def perturbed(P, model, gen):
     B, n, _ = P.shape
     if model == "isotropic":
-        Z = torch.randn(B, n, n, device="cuda", dtype=torch.float64, generator=gen)
+        Z = torch.randn(B, n, n, device=P.device, dtype=torch.float64, generator=gen)
         N = Z @ Z.mT
         return P + 1e-2 * (torch.linalg.matrix_norm(P, 2) / torch.linalg.matrix_norm(N, 2))[:, None, None] * N
     beta = 0.95 if model == "ema" else 0.95 ** 10
-    X = torch.linalg.cholesky(P) @ torch.randn(B, n, n, device="cuda", dtype=torch.float64, generator=gen)
+    X = torch.linalg.cholesky(P) @ torch.randn(B, n, n, device=P.device, dtype=torch.float64, generator=gen)
     A = beta * P + (1 - beta) * (X @ X.mT) / n
     return 0.5 * (A + A.mT)
 
