@@ -185,12 +185,6 @@ __device__ __forceinline__ void load8_global(const float* src, float (&v)[8]) {
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
 
-// 8 consecutive floats of shared memory (16-byte aligned).
-__device__ __forceinline__ void load8_smem(const float* src, float (&v)[8]) {
-  const float4 a = reinterpret_cast<const float4*>(src)[0], b = reinterpret_cast<const float4*>(src)[1];
-  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-}
-
 __device__ __forceinline__ uint4 philox_bits(const PhiloxKey& key, uint64_t draw, uint64_t group) {
   const uint64_t ctr = key.draw + draw;
   return philox4x32_10(make_uint4(static_cast<uint32_t>(ctr), static_cast<uint32_t>(ctr >> 32),
@@ -1043,39 +1037,19 @@ __device__ __forceinline__ void wg_update(Ctx<Op>& c) {
   }
 }
 
-// evaluate() on warpgroup products: the same contract.
+// Energy (when `energy`) and gradient of the block's rows; full = false: the forward products only.
+// Ends after a __syncthreads; row value kRowE holds the energies. Called from two sites (eval/Langevin, HMC).
+// On warpgroup products (Op::kWgmma) the update runs after the last product (wg_update), not in its epilogue.
 template <class Op>
-__device__ __forceinline__ void evaluate_wg(Ctx<Op>& c, bool full, bool energy) {
+__device__ __forceinline__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
   const Params& p = *c.p;
   const int H = p.n_hidden;
   c.need_energy = energy;
   for (int g = 0; g < (full ? 2 * H : H); ++g) {
-    wg_product(c, g);
-    wg::fence_shared_for_async();  // the epilogue's operands, for the next product's reads
-    __syncthreads();
-    if (energy && g == H - 1) {
-      row_sums<Op, false>(c, c.epart, c.ld_epart, p.dims[H] / 16, 1.f, p.vecs[p.blast_off], kRowE);
-      __syncthreads();
-    }
-  }
-  if (full) {
-    wg_update(c);
-    wg::fence_shared_for_async();  // the states' operand copy, for the next evaluation's first product
-    __syncthreads();
-  }
-}
-
-// Energy (when `energy`) and gradient of the block's rows; full = false: the forward products only.
-// Ends after a __syncthreads; row value kRowE holds the energies. Called from two sites (eval/Langevin, HMC).
-template <class Op>
-__device__ __forceinline__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
-  if constexpr (Op::kWgmma) {
-    evaluate_wg(c, full, energy);
-  } else {
-    const Params& p = *c.p;
-    const int H = p.n_hidden;
-    c.need_energy = energy;
-    for (int g = 0; g < (full ? 2 * H : H); ++g) {
+    if constexpr (Op::kWgmma) {
+      wg_product(c, g);
+      wg::fence_shared_for_async();  // the epilogue's operands, for the next product's reads
+    } else {
       const Gemm G = gemm_info(p, g, c.rt);
       if (G.ur == 2) {
         if (G.fwd) run_gemm<Op, 2, 2, true>(c, G); else run_gemm<Op, 2, 2, false>(c, G);
@@ -1084,11 +1058,18 @@ __device__ __forceinline__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
       } else {
         if (G.fwd) run_gemm<Op, 1, 1, true>(c, G); else run_gemm<Op, 1, 1, false>(c, G);
       }
+    }
+    __syncthreads();
+    if (energy && g == H - 1) {
+      row_sums<Op, false>(c, c.epart, c.ld_epart, p.dims[H] / 16, 1.f, p.vecs[p.blast_off], kRowE);
       __syncthreads();
-      if (energy && g == H - 1) {
-        row_sums<Op, false>(c, c.epart, c.ld_epart, p.dims[H] / 16, 1.f, p.vecs[p.blast_off], kRowE);
-        __syncthreads();
-      }
+    }
+  }
+  if constexpr (Op::kWgmma) {
+    if (full) {
+      wg_update(c);
+      wg::fence_shared_for_async();  // the states' operand copy, for the next evaluation's first product
+      __syncthreads();
     }
   }
 }
