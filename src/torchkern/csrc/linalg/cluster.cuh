@@ -44,6 +44,26 @@ __device__ __forceinline__ int cluster_rank() {
 #endif
 }
 
+// A launch on `blocks` blocks of `threads` in clusters of `size`, for cudaLaunchKernelEx and
+// cudaOccupancyMaxActiveClusters; `attach` = false leaves the cluster attribute off (a launch of single blocks,
+// which devices before sm_90 take). Not copyable: config points at the attribute.
+struct ClusterLaunch {
+  cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config{};
+
+  ClusterLaunch(unsigned blocks, unsigned threads, unsigned size, size_t smem, cudaStream_t stream, bool attach) {
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = size, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = attach ? 1 : 0;
+  }
+  ClusterLaunch(const ClusterLaunch&) = delete;
+};
+
 // Block `rank`'s copy of a shared buffer (before sm_90 only rank 0, this block, exists).
 template <typename X>
 __device__ __forceinline__ X* cluster_peer(X* p, int rank) {

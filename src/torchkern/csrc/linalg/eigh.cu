@@ -972,17 +972,10 @@ int tridiagonal_cluster(int64_t B, int n, size_t* smem) {
     if (bytes > smem_optin_bytes()) break;  // fewer blocks need more
     fits = K;
     *smem = bytes;
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute cluster{};
-    config.gridDim = dim3(static_cast<unsigned>(K));
-    config.blockDim = dim3(td::kThreads);
-    config.dynamicSmemBytes = bytes;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = static_cast<unsigned>(K), cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
+    const ClusterLaunch launch(static_cast<unsigned>(K), td::kThreads, static_cast<unsigned>(K), bytes, nullptr,
+                               /*attach=*/true);
     int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, td::sytrd_kernel, &config) != cudaSuccess) {
+    if (cudaOccupancyMaxActiveClusters(&clusters, td::sytrd_kernel, &launch.config) != cudaSuccess) {
       (void)cudaGetLastError();  // a refused query leaves its error behind
       continue;
     }
@@ -1019,19 +1012,11 @@ std::tuple<at::Tensor, at::Tensor> eigh_tridiagonal(const at::Tensor& X, const a
   TORCH_CHECK(K > 0, "torchkern.eigh: the tridiagonal solver's reduction does not fit this GPU's shared memory at n = ",
               n, " (solver='auto' or 'jacobi' take it)");
   {
-    cudaLaunchConfig_t config{};
-    cudaLaunchAttribute cluster{};
-    config.gridDim = dim3(static_cast<unsigned>(B * K));
-    config.blockDim = dim3(td::kThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = static_cast<unsigned>(K), cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = K > 1 ? 1 : 0;
+    const ClusterLaunch launch(static_cast<unsigned>(B * K), td::kThreads, static_cast<unsigned>(K), smem, stream,
+                               /*attach=*/K > 1);
     const td::SytrdArgs args{S.mutable_data_ptr<float>(), Wt.mutable_data_ptr<float>(), d.mutable_data_ptr<double>(),
                              e.mutable_data_ptr<double>(), tau.mutable_data_ptr<float>(), ni, static_cast<int>(ld)};
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, td::sytrd_kernel, args, K));
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, td::sytrd_kernel, args, K));
   }
   // T's eigenvalues, ascending, and eigenvectors Z (columns, in that order); the kernels' shared memory is dynamic
   // only, so that all of the opt-in is theirs to take

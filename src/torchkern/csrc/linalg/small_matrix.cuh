@@ -772,25 +772,16 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
 
 // The kernel for Cfg, with its shared memory opted in (once per device), and its launch config.
 template <typename Cfg, typename T, typename C>
-struct SmallLaunch {
+struct SmallLaunch : ClusterLaunch {
   static constexpr size_t smem = Cfg::template smem_bytes<C>();
   static constexpr auto kernel = newton_small_kernel<Cfg, T, C>;
-  cudaLaunchAttribute cluster{};
-  cudaLaunchConfig_t config{};
 
-  SmallLaunch(int64_t batch, cudaStream_t stream) {
+  SmallLaunch(int64_t batch, cudaStream_t stream)
+      : ClusterLaunch(static_cast<unsigned>(batch * Cfg::CLUSTER), Cfg::THREADS, Cfg::CLUSTER, smem, stream,
+                      /*attach=*/Cfg::CLUSTER > 1) {
     static int opted_in[kCachedDevices] = {};
     opt_in_smem(opted_in, kernel, smem);
-    config.gridDim = dim3(static_cast<unsigned>(batch * Cfg::CLUSTER));
-    config.blockDim = dim3(Cfg::THREADS);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = Cfg::CLUSTER, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = Cfg::CLUSTER > 1 ? 1 : 0;
   }
-  SmallLaunch(const SmallLaunch&) = delete;  // config points at cluster
 };
 
 template <typename Cfg, typename T, typename C>
