@@ -902,37 +902,17 @@ def test_eigh_nan_names_the_matrices(device, solver):
 
 
 @requires_cuda
-@pytest.mark.parametrize("B, n", [(64, 256), (4, 128)])
-def test_eigh_warm_start_goes_to_cusolver(B, n):
-    # float32 warm starts that cuSOLVER's batched solver takes (Q0 unused), as it takes their cold starts (the same
-    # results, bit for bit): 64 x 256^2, above EIGH_SYEV_WARM_MIN_ELEMS, and 4 x 128^2, the in-block kernel's
-    # largest sizes (EIGH_SYEV_WARM_MIN_N); the results meet the bars, and a non-finite A or Q0 still makes its
-    # matrix NaN
-    assert B * n * n >= constants.EIGH_SYEV_WARM_MIN_ELEMS or n >= constants.EIGH_SYEV_WARM_MIN_N
-    assert n <= constants.EIGH_SYEV_MAX_N_F32
-    A = spectrum("cond1e8", n, batch=(B,))
-    Q0 = torch.linalg.eigh(A + 1e-3 * torch.eye(n, dtype=torch.float64))[1].float().cuda()
-    X = A.float().cuda()
-    w, V = torch.ops.torchkern.eigh(X, Q0)
-    check_eigh(A, w, V, torch.float32)
-    w_cold, V_cold = torch.ops.torchkern.eigh(X, None)
-    torch.testing.assert_close(w, w_cold, rtol=0, atol=0)
-    torch.testing.assert_close(V, V_cold, rtol=0, atol=0)
-    X[B - 1, 0, 1] = float("inf")
-    Q0[1, 2, 2] = float("nan")
-    w, V = torch.ops.torchkern.eigh(X, Q0)
-    bad = torch.isin(torch.arange(B), torch.tensor([1, B - 1]))
-    assert torch.isnan(w[bad]).all() and torch.isnan(V[bad]).all()
-    check_eigh(A[~bad], w[~bad], V[~bad], torch.float32)
-
-
-@requires_cuda
-def test_eigh_large_warm_start_goes_to_tridiagonal():
-    # float32 at n = EIGH_TRIDIAGONAL_MIN_N with a warm start at full accuracy: the tridiagonal solver takes it as it
-    # takes the cold start (Q0 unused: the same results, bit for bit, from the same deterministic solver); at tol =
-    # EIGH_WARM_JACOBI_MIN_TOL the Jacobi kernels' warm start takes it (the same as solver="jacobi"); a non-finite
-    # Q0 still makes its matrix NaN
-    B, n = 3, constants.EIGH_TRIDIAGONAL_MIN_N
+@pytest.mark.parametrize("B, n", [(64, 256), (4, 128), (3, constants.EIGH_TRIDIAGONAL_MIN_N)])
+def test_eigh_warm_start_goes_to_the_cold_solver(B, n):
+    # float32 warm starts that a direct solver takes as it takes their cold starts (Q0 unused: the same results, bit
+    # for bit, from the same deterministic solver): cuSOLVER's batched solver at 64 x 256^2, above
+    # EIGH_SYEV_WARM_MIN_ELEMS, and at 4 x 128^2, the in-block kernel's largest sizes (EIGH_SYEV_WARM_MIN_N); the
+    # tridiagonal solver from EIGH_TRIDIAGONAL_MIN_N at full accuracy, but at tol = EIGH_WARM_JACOBI_MIN_TOL the
+    # Jacobi kernels' warm start (the same as solver="jacobi"). The results meet the bars, and a non-finite A or Q0
+    # still makes its matrix NaN.
+    tridiagonal = n >= constants.EIGH_TRIDIAGONAL_MIN_N
+    assert tridiagonal or B * n * n >= constants.EIGH_SYEV_WARM_MIN_ELEMS or n >= constants.EIGH_SYEV_WARM_MIN_N
+    assert tridiagonal or n <= constants.EIGH_SYEV_MAX_N_F32
     A = spectrum("cond1e8", n, batch=(B,))
     Q0 = torch.linalg.eigh(A + 1e-3 * torch.eye(n, dtype=torch.float64))[1].float().cuda()
     X = A.float().cuda()
@@ -941,15 +921,18 @@ def test_eigh_large_warm_start_goes_to_tridiagonal():
     w_cold, V_cold = linalg.eigh(X)
     torch.testing.assert_close(w, w_cold, rtol=0, atol=0)
     torch.testing.assert_close(V, V_cold, rtol=0, atol=0)
-    tol = constants.EIGH_WARM_JACOBI_MIN_TOL
-    w, V = linalg.eigh(X, Q0, tol=tol)
-    w_jacobi, V_jacobi = linalg.eigh(X, Q0, solver="jacobi", tol=tol)
-    torch.testing.assert_close(w, w_jacobi, rtol=0, atol=0)
-    torch.testing.assert_close(V, V_jacobi, rtol=0, atol=0)
+    if tridiagonal:
+        tol = constants.EIGH_WARM_JACOBI_MIN_TOL
+        w, V = linalg.eigh(X, Q0, tol=tol)
+        w_jacobi, V_jacobi = linalg.eigh(X, Q0, solver="jacobi", tol=tol)
+        torch.testing.assert_close(w, w_jacobi, rtol=0, atol=0)
+        torch.testing.assert_close(V, V_jacobi, rtol=0, atol=0)
+    X[B - 1, 0, 1] = float("inf")
     Q0[1, 2, 2] = float("nan")
     w, V = torch.ops.torchkern.eigh(X, Q0)
-    assert torch.isnan(w[1]).all() and torch.isnan(V[1]).all()
-    check_eigh(A[[0, 2]], w[[0, 2]], V[[0, 2]], torch.float32)
+    bad = torch.isin(torch.arange(B), torch.tensor([1, B - 1]))
+    assert torch.isnan(w[bad]).all() and torch.isnan(V[bad]).all()
+    check_eigh(A[~bad], w[~bad], V[~bad], torch.float32)
 
 
 def test_eigh_bad_inputs():
