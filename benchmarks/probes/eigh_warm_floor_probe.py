@@ -7,7 +7,6 @@ the 4.7 ms a warm call took (H200, torch 2.11); at n = 512 and 1024 the kernels'
 
     PYTHONPATH=src python benchmarks/probes/eigh_warm_floor_probe.py [BxN ...]
 """
-import sys
 import time
 
 import torch
@@ -15,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import torchkern
 from _timing import per_call
-from eigh_warm_models_probe import perturbed, statistics
+from eigh_warm_models_probe import perturbed, warm_cases
 
 # H200 SXM (NVIDIA's datasheet): float64 tensor cores 67 TFLOP/s, float64 scalar 34 TFLOP/s, HBM3e 4.8 TB/s
 PEAK_DMMA, PEAK_FP64, PEAK_BYTES = 67e12, 34e12, 4.8e12
@@ -61,15 +60,9 @@ def ms(by_kernel, name):
 
 
 def main():
-    shapes = [(16, 512), (16, 1024)]
-    only = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a]
-    print(torch.cuda.get_device_name(), torch.__version__, torchkern.backend_info().backend, flush=True)
-    print("B x n^2 model start | sweeps | GPU ms: rounds, tile solves, rest | ms per sweep (floor: compute, memory) "
-          "| wall ms | cold (auto) ms, bar = half | sweeps x floor + Q0 products at peak", flush=True)
-    for B, n in [s for s in shapes if s in only] or shapes:
-        gen = torch.Generator(device="cuda").manual_seed(n)
-        P = statistics(B, n, gen)
-        Q0 = torch.linalg.eigh(P)[1].float()
+    header = ("B x n^2 model start | sweeps | GPU ms: rounds, tile solves, rest | ms per sweep (floor: compute, "
+              "memory) | wall ms | cold (auto) ms, bar = half | sweeps x floor + Q0 products at peak")
+    for B, n, gen, P, Q0 in warm_cases([(16, 512), (16, 1024)], header):
         floor, floor_c, floor_m = sweep_floor_ms(B, n)
         products_ms = 3 * B * 2 * n ** 3 / PEAK_DMMA * 1e3  # Q0^T A Q0 and Q0 V' in float64
         for model in ("isotropic", "ema", "ema10"):

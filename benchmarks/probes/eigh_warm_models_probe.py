@@ -43,16 +43,23 @@ def residual(A64, w, V):
     return (torch.linalg.matrix_norm(A64 @ V - V * w.unsqueeze(-2)) / torch.linalg.matrix_norm(A64)).max().item()
 
 
-def main():
-    shapes = [(256, 64), (64, 128), (64, 256), (16, 384), (64, 384), (16, 512), (64, 512), (8, 1025), (16, 1024)]
+def warm_cases(shapes, header):
+    """Prints the device and the table's header, then yields (B, n, generator, P, Q0) for the shapes named on the
+    command line (BxN), else for `shapes`: the statistics P and their eigenbasis, the warm start."""
     only = [tuple(map(int, a.split("x"))) for a in sys.argv[1:] if "x" in a]
     print(torch.cuda.get_device_name(), torch.__version__, torchkern.backend_info().backend, flush=True)
-    print("B x n^2 model | cold | warm (auto) | jacobi warm | jacobi warm tol 1e-4 | torch | cold / warm "
-          "| residuals (cold, warm, jacobi, jacobi 1e-4)", flush=True)
+    print(header, flush=True)
     for B, n in [s for s in shapes if s in only] or shapes:
         gen = torch.Generator(device="cuda").manual_seed(n)
         P = statistics(B, n, gen)
-        Q0 = torch.linalg.eigh(P)[1].float()
+        yield B, n, gen, P, torch.linalg.eigh(P)[1].float()
+
+
+def main():
+    shapes = [(256, 64), (64, 128), (64, 256), (16, 384), (64, 384), (16, 512), (64, 512), (8, 1025), (16, 1024)]
+    header = ("B x n^2 model | cold | warm (auto) | jacobi warm | jacobi warm tol 1e-4 | torch | cold / warm "
+              "| residuals (cold, warm, jacobi, jacobi 1e-4)")
+    for B, n, gen, P, Q0 in warm_cases(shapes, header):
         for model in ("isotropic", "ema", "ema10"):
             A64 = perturbed(P, model, gen)
             A = A64.float()
