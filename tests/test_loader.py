@@ -130,6 +130,18 @@ def test_torchkern_kernel_plan_covers_every_source_header_and_shared_constant(mo
     assert "-DTORCHKERN_ENERGY_KINDS=5" in plan.cuda_cflags
     monkeypatch.setattr(_backend, "compile_definitions", lambda: ["-DTORCHKERN_NEWTON_STALL_BELOW=0.002"])
     assert _backend.kernel_plan(("9.0",)).key != plan.key
+    # ninja gets the sources longest compile first (the key does not depend on the order)
+    assert list(plan.sources) == _backend.build_order(plan.sources)
+
+
+def test_build_order_starts_the_longest_compiles_first_and_unknown_sources_before_them():
+    csrc = _backend.CSRC
+    listed = {csrc / name for name in _backend.COMPILE_SECONDS}
+    assert all(path.is_file() for path in listed)  # no entry outlives its source
+    order = _backend.build_order([csrc / "primitives/mul.cu", csrc / "ebm/new_op.cu", csrc / "ebm/hmc_chain.cu"])
+    assert [p.name for p in order] == ["new_op.cu", "hmc_chain.cu", "mul.cu"]
+    costs = [_backend.COMPILE_SECONDS[p.relative_to(csrc).as_posix()] for p in _backend.build_order(listed)]
+    assert costs == sorted(costs, reverse=True)
 
 
 def test_shared_constants_are_the_ones_the_twins_use():
