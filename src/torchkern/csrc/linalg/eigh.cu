@@ -981,8 +981,7 @@ int tridiagonal_cluster(int64_t B, int n, size_t* smem) {
     }
     if (B <= clusters) return K;
   }
-  if (fits > 0) *smem = td::sytrd_smem_floats(n, fits) * sizeof(float);
-  return fits;
+  return fits;  // (*smem: its bytes, set when it fit)
 }
 
 // The tridiagonal solver (float32 compute; tridiagonal.cuh has the kernels and the method): the block method's way
@@ -1151,14 +1150,10 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
     const auto [w, V] = block_method(A.reshape({B, n, n}).contiguous(), Q, tol, /*polish=*/f64);
     return {w.reshape(w_shape), V.reshape(A.sizes())};
   }
-  if (solver == Solver::kTridiagonal) {
+  if (solver == Solver::kTridiagonal || solver == Solver::kSyevBatched) {  // the direct solvers: Q0 only checked
+    const at::Tensor M = A.reshape({B, n, n}).contiguous();
     const at::Tensor Q = warm_start.has_value() ? warm_start->reshape({B, n, n}).contiguous() : at::Tensor();
-    const auto [w, V] = eigh_tridiagonal(A.reshape({B, n, n}).contiguous(), Q);
-    return {w.reshape(w_shape), V.reshape(A.sizes())};
-  }
-  if (solver == Solver::kSyevBatched) {
-    const at::Tensor Q = warm_start.has_value() ? warm_start->reshape({B, n, n}).contiguous() : at::Tensor();
-    const auto [w, V] = eigh_syev_batched(A.reshape({B, n, n}).contiguous(), Q, f64);
+    const auto [w, V] = solver == Solver::kTridiagonal ? eigh_tridiagonal(M, Q) : eigh_syev_batched(M, Q, f64);
     return {w.reshape(w_shape), V.reshape(A.sizes())};
   }
   at::Tensor X = A.reshape({B, n, n}).to(cdt);
