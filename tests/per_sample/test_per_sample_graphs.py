@@ -1,0 +1,161 @@
+"""cuda_graph=True: captures that follow the model, fresh inputs every replay, streams, capture failures, no
+host sync, clip_and_accumulate through a graph (micro-batches, padded variable batch sizes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchkern.per_sample import bench, graphs
+from torchkern.per_sample import clip_and_accumulate, per_sample_grad_norms
+from testing import cuda_devices, randn
+from per_sample_testing import mlp, mse_sum, INPUTS, func_norms
+
+
+def test_cuda_graph_needs_cuda_inputs():
+    model, x, y = mlp(), randn(4, 10), randn(4, 3)
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs CUDA inputs and targets, got cpu and cpu"):
+        per_sample_grad_norms(model, mse_sum, x, y, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="method must be 'auto', 'fused' or 'func', got 'fast'"):
+        per_sample_grad_norms(model, mse_sum, x, y, method="fast", use_cuda_graph=True)
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+@pytest.mark.parametrize("shape", INPUTS, ids=str)
+@pytest.mark.parametrize("method", ["auto", "func"])
+def test_cuda_graph_matches_plain(device, shape, method):
+    model = mlp().to(device)
+    results = []
+    for i in range(3):  # fresh data every call: the replays must read the new inputs (the last one requiring grad)
+        x, y = randn(*shape, device=device, requires_grad=i == 2), randn(*shape[:-1], 3, device=device)
+        out = per_sample_grad_norms(model, mse_sum, x, y, method=method, use_cuda_graph=True)
+        expected = func_norms(model, mse_sum, x, y)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+        results.append((out, expected.clone()))
+    for out, expected in results:  # every call returned its own tensor, not the graph's output buffer
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+def test_cuda_graph_follows_the_model(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, 3)).to(device).eval()
+    x, y = randn(6, 10, device=device), randn(6, 3, device=device)
+
+    def check():
+        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+        torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+        return next(iter(graphs.CAPTURES[model].values()))
+
+    first = check()
+    with torch.no_grad():
+        model[0].weight.mul_(2.0)  # in place, as an optimizer: the same graph sees it
+    assert check() is first
+    model[3].weight.data = model[3].weight.data.clone()  # new storage: captured anew
+    second = check()
+    assert second is not first
+    model[0].bias.requires_grad_(False)  # trainable set
+    assert check() is not second
+    model[2] = nn.ReLU()  # a replaced module
+    check()
+    model.train()  # dropout on: a new capture, random, so only its shape and finiteness are checked here
+    out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+    assert out.shape == (6,) and torch.isfinite(out).all()
+    model.eval()
+    check()
+    # another batch size and another loss: captures of their own, the earlier ones kept
+    labels = torch.randint(0, 3, (4,), device=device)
+    ce = nn.functional.cross_entropy
+    out = per_sample_grad_norms(model, ce, x[:4], labels, loss_reduction="mean", use_cuda_graph=True)
+    torch.testing.assert_close(out, func_norms(model, ce, x[:4], labels), rtol=1e-5, atol=1e-6)
+    assert len(graphs.CAPTURES[model]) == 2
+    check()
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+def test_cuda_graph_calls_from_two_streams(device):
+    # each call refills the graph's static inputs: one on another stream must wait for the last replay
+    model = mlp().to(device)
+    batches = [(randn(64, 10, device=device), randn(64, 3, device=device)) for _ in range(4)]
+    side = torch.cuda.Stream(device)
+    outs = []
+    for i, (x, y) in enumerate(batches):
+        stream = side if i % 2 else torch.cuda.current_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            outs.append(per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True))
+    torch.cuda.synchronize(device)
+    for (x, y), out in zip(batches, outs):
+        torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+
+
+class _Syncing(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(10, 3)
+
+    def forward(self, x):
+        if x.abs().max().item() > 1e30:  # waits for the device: not capturable
+            x = x.clamp(-1e30, 1e30)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+def test_cuda_graph_capture_failure_is_clear(device):
+    model = _Syncing().to(device)
+    x, y = randn(4, 10, device=device), randn(4, 3, device=device)
+    with pytest.raises(RuntimeError, match="use_cuda_graph=True could not capture the computation"):
+        per_sample_grad_norms(model, mse_sum, x, y, use_cuda_graph=True)
+    plain = nn.Linear(10, 3).to(device)  # the same layer without the sync, for torch.func's reference
+    plain.load_state_dict(model.lin.state_dict())
+    expected = func_norms(plain, mse_sum, x, y)  # nothing left broken: the plain path and other captures work
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y), expected, rtol=1e-5, atol=1e-5)
+    other = mlp().to(device)
+    torch.testing.assert_close(per_sample_grad_norms(other, mse_sum, x, y, use_cuda_graph=True),
+                               func_norms(other, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+def test_cuda_graph_replay_does_not_sync(device):
+    model = mlp().to(device)
+    x, y = randn(6, 4, 10, device=device), randn(6, 4, 3, device=device)
+    per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)  # capture
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", cuda_devices())
+@pytest.mark.parametrize("name", ["mlp", "transformer", "cnn"])
+def test_clip_cuda_graph_matches_plain(device, name):
+    """use_cuda_graph=True: the replays read fresh data each call, accumulate micro-batches, and leave .grad
+    owned by the caller (the next replay must not overwrite it)."""
+    model, x, y = bench.dp_problem(name, device, quick=True)
+    grads = []
+    with bench.no_tf32():
+        for i in range(3):
+            xi, yi = (x.roll(i, 0), y.roll(i, 0))
+            plain = clip_and_accumulate(model, F.cross_entropy, xi, yi, 1.0, loss_reduction="mean")
+            expected = {k: p.grad.clone() for k, p in model.named_parameters()}
+            out = clip_and_accumulate(model, F.cross_entropy, xi, yi, 1.0, loss_reduction="mean",
+                                      use_cuda_graph=True)
+            torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
+            grads.append(({k: p.grad for k, p in model.named_parameters()}, expected))
+        for got, expected in grads:
+            for k in expected:
+                torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-6)
+        half = x.shape[0] // 2
+        clip_and_accumulate(model, F.cross_entropy, x[:half], y[:half], 1.0, loss_reduction="mean",
+                            use_cuda_graph=True, finalize=False)
+        clip_and_accumulate(model, F.cross_entropy, x[half:], y[half:], 1.0, loss_reduction="mean",
+                            use_cuda_graph=True)
+        micro = {k: p.grad.clone() for k, p in model.named_parameters()}
+        clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, loss_reduction="mean")
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(micro[k], p.grad, rtol=1e-4, atol=1e-6)
