@@ -27,7 +27,7 @@ Environment variables (read and validated by :func:`settings` and nowhere else):
 ``TORCHKERN_CACHE``         cache root, a directory; default ``~/.cache/torchkern``
 ``TORCHKERN_LOCK_TIMEOUT``  seconds (finite, >= 0) to wait for another process's build; default 600
 ``TORCHKERN_VERBOSE``       ``1``/``0`` (also true/false, yes/no, on/off): stream the ninja build
-``TORCH_CUDA_ARCH_LIST``    archs to build for (``9.0``, ``8.0;9.0+PTX``); default: the visible GPUs
+``TORCH_CUDA_ARCH_LIST``    archs to build for (``9.0``, ``sm_90``, ``8.0;9.0+PTX``; KNOWN_ARCHS); default: the visible GPUs
 ``MAX_JOBS``                parallel compile jobs, a positive integer (torch's ninja driver reads it)
 ``CUDA_HOME``/``CUDA_PATH`` the CUDA toolkit; when set it is the one used, else ``nvcc`` on ``PATH``
 """
@@ -58,7 +58,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-__all__ = ["BuildError", "ConfigError", "LoadedLibrary", "LockTimeout", "Plan", "load", "plan", "settings"]
+__all__ = ["BuildError", "ConfigError", "LoadedLibrary", "LockTimeout", "Plan", "ReloadError", "load", "plan",
+           "settings"]
 
 HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inl")
 SOURCE_SUFFIXES = (".cpp", ".cc", ".cu")
@@ -75,6 +76,10 @@ class BuildError(RuntimeError):
 
 class LockTimeout(TimeoutError):
     """Another process held the build lock for longer than TORCHKERN_LOCK_TIMEOUT."""
+
+
+class ReloadError(RuntimeError):
+    """A library would redefine, in this process, an op namespace that another build of it defined (restart Python)."""
 
 
 class ConfigError(ValueError):
@@ -120,7 +125,8 @@ def settings() -> Settings:
     if verbose not in _FLAGS:
         raise ConfigError(f"TORCHKERN_VERBOSE must be 1 or 0 (or true/false, yes/no, on/off), got {verbose!r}")
     max_jobs = env.get("MAX_JOBS", "").strip() or None
-    if max_jobs is not None and not (max_jobs.isdigit() and int(max_jobs) > 0):
+    # ASCII digits: str.isdigit() also accepts '²', which int() and ninja refuse
+    if max_jobs is not None and not (re.fullmatch(r"[0-9]+", max_jobs) and int(max_jobs) > 0):
         raise ConfigError(f"MAX_JOBS must be a positive integer, got {max_jobs!r}")
     arch_spec = env.get("TORCH_CUDA_ARCH_LIST", "").strip()
     try:
@@ -175,19 +181,41 @@ def ninja_available() -> bool:
     return shutil.which("ninja") is not None
 
 
+# Compute capabilities of NVIDIA's GPUs (sm_XY is X.Y): an arch outside this list is a typo (0.0, 9.9) that would
+# otherwise fail inside nvcc with a compiler dump. A GPU newer than the list needs its entry here.
+KNOWN_ARCHS = ("3.5", "3.7", "5.0", "5.2", "5.3", "6.0", "6.1", "6.2", "7.0", "7.2", "7.5", "8.0", "8.6", "8.7", "8.9",
+               "9.0", "10.0", "10.1", "10.3", "11.0", "12.0", "12.1")
+# Archs whose arch-specific code ("a") runs on every GPU the plain arch's does: 9.0 is Hopper's only arch, so a
+# build for it is always sm_90a, which has wgmma; one GPU then gets one key however its arch is spelled.
+WHOLE_ARCH_SPECIFIC = ("9.0",)
+
+
+def canonical_arch(major: int, minor: int, suffix: str = "", ptx: bool = False) -> str:
+    """'9.0a', '8.6+PTX': how torchkern spells the arch it builds for (see WHOLE_ARCH_SPECIFIC)."""
+    base = f"{major}.{minor}"
+    if base in WHOLE_ARCH_SPECIFIC and not suffix:
+        suffix = "a"
+    return f"{base}{suffix}{'+PTX' if ptx else ''}"
+
+
 def parse_arch_list(spec: str) -> tuple[str, ...]:
-    """'8.0;9.0+PTX' / '8.0 9.0' / 'sm_90' -> ('8.0', '9.0+PTX'). Raises ValueError on nonsense."""
-    archs = []
+    """'8.0;9.0+PTX' / '8.0 9.0' / 'sm_90' -> ('8.0', '9.0a+PTX'), canonical (:func:`canonical_arch`) and sorted.
+    Raises ValueError naming what it accepts."""
+    archs = set()
     for item in re.split(r"[;,\s]+", spec.strip()):
         if not item:
             continue
-        m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d)([af]?)(\+PTX)?", item, re.I)
-        if not m:
-            raise ValueError(f"cannot parse CUDA arch {item!r} (expected e.g. '9.0', '9.0a', '8.6+PTX')")
-        archs.append(f"{m.group(1)}.{m.group(2)}{m.group(3).lower()}{'+PTX' if m.group(4) else ''}")
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d+?)\.?(\d)([af]?)(\+PTX)?", item, re.I)
+        base = f"{m.group(1)}.{m.group(2)}" if m else None
+        suffix = m.group(3).lower() if m else ""
+        if base not in KNOWN_ARCHS or (suffix == "a" and float(base) < 9) or (suffix == "f" and float(base) < 10):
+            raise ValueError(f"unknown CUDA arch {item!r}: expected a compute capability ({', '.join(KNOWN_ARCHS)}), "
+                             "optionally with 'a' (9.0 and later) or 'f' (10.0 and later) and '+PTX', e.g. '9.0', "
+                             "'8.0;9.0+PTX', 'sm_90'")
+        archs.add(canonical_arch(int(m.group(1)), int(m.group(2)), suffix, bool(m.group(4))))
     if not archs:
         raise ValueError(f"empty CUDA arch list {spec!r}")
-    return tuple(sorted(set(archs)))
+    return tuple(sorted(archs, key=lambda a: (float(re.match(r"[\d.]+", a).group()), a)))
 
 
 def _nvml_capabilities() -> list[tuple[int, int]] | None:
@@ -224,19 +252,18 @@ def default_archs() -> tuple[str, ...]:
     caps = _nvml_capabilities()
     if caps is None:
         caps = [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
-    return tuple(sorted({f"{major}.{minor}" for major, minor in caps}))
+    return parse_arch_list(" ".join(f"{major}.{minor}" for major, minor in caps)) if caps else ()
 
 
 def gencode_flags(archs: Sequence[str]) -> list[str]:
-    """nvcc's -gencode flags. 9.0 builds sm_90a, the arch-specific code of 9.0 (the only 9.x; wgmma and the other
-    Hopper-only instructions compile there); "+PTX" adds the portable PTX of the plain arch."""
+    """nvcc's -gencode flags for canonical archs ('9.0a' -> sm_90a); "+PTX" adds the portable PTX of the plain arch."""
     flags = []
     for arch in archs:
-        num = arch.removesuffix("+PTX").replace(".", "")
-        real = "90a" if num == "90" else num
+        real = arch.removesuffix("+PTX").replace(".", "")
         flags.append(f"-gencode=arch=compute_{real},code=sm_{real}")
         if arch.endswith("+PTX"):
-            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+            plain = real.rstrip("af")
+            flags.append(f"-gencode=arch=compute_{plain},code=compute_{plain}")
     return list(dict.fromkeys(flags))
 
 
@@ -268,15 +295,63 @@ def toolchain_problems(need_gpu: bool = True) -> tuple[list[str], str | None]:
 # --------------------------------------------------------------------------- key
 
 
+# An #include directive: the quote (" or <) and the name. Directives inside #if branches or comments count too: a
+# file listed that the build does not read costs a hash, a file missed loads a stale library.
+_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*([<"])([^>"\r\n]+)[>"]', re.M)
+# TORCH_LIBRARY(ns, m) defines the namespace ns; a process can define a namespace once (_claim_namespaces).
+_TORCH_LIBRARY = re.compile(rb"\bTORCH_LIBRARY[ \t]*\([ \t]*([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def included_files(sources: Sequence[Path], include_paths: Sequence[Path]) -> set[Path]:
+    """Every file that the ``#include`` directives of ``sources`` reach, at any depth and of any extension, found
+    as the compiler finds it: a quoted name beside the file that includes it, then in ``include_paths``; an angled
+    one in ``include_paths``. Torch's and the system's headers are not found there: their versions are in the key."""
+    found: set[Path] = set()
+    todo = [Path(s).resolve() for s in sources]
+    while todo:
+        path = todo.pop()
+        try:
+            text = path.read_bytes()
+        except OSError:
+            continue
+        for quote, name in _INCLUDE.findall(text):
+            where = [path.parent, *include_paths] if quote == b'"' else include_paths
+            for directory in where:
+                candidate = Path(directory) / os.fsdecode(name.strip())
+                if candidate.is_file():
+                    candidate = candidate.resolve()
+                    if candidate not in found:
+                        found.add(candidate)
+                        todo.append(candidate)
+                    break
+    return found
+
+
 def collect_files(sources: Sequence[Path], depends: Sequence[Path], include_paths: Sequence[Path]) -> list[Path]:
-    """Every file whose contents shape the binary: sources, ``depends``, headers beside each source and
-    under each include path."""
-    files = {Path(s).resolve() for s in [*sources, *depends]}
+    """Every file whose contents shape the binary: sources, ``depends`` (a directory: every file under it), every
+    file their ``#include`` directives reach (:func:`included_files`), and the headers beside each source and under
+    each include path (which a computed ``#include MACRO`` may reach)."""
+    files = {Path(s).resolve() for s in sources}
+    for dep in map(Path, depends):
+        if dep.is_dir():
+            files.update(p.resolve() for p in dep.rglob("*") if p.is_file())
+        else:
+            files.add(dep.resolve())
     for src in sources:
         files.update(p.resolve() for p in Path(src).resolve().parent.iterdir() if p.suffix in HEADER_SUFFIXES)
     for inc in include_paths:
         files.update(p.resolve() for p in Path(inc).rglob("*") if p.suffix in HEADER_SUFFIXES)
+    files |= included_files(sources, [Path(i).resolve() for i in include_paths])
     return sorted(files)
+
+
+def torch_library_namespaces(files: Sequence[Path]) -> tuple[str, ...]:
+    """The op namespaces that ``TORCH_LIBRARY(ns, m)`` blocks in ``files`` define."""
+    names = set()
+    for path in files:
+        with contextlib.suppress(OSError):
+            names.update(n.decode() for n in _TORCH_LIBRARY.findall(path.read_bytes()))
+    return tuple(sorted(names))
 
 
 def compute_key(name: str, files: Sequence[Path], flags: Sequence[str], archs: Sequence[str],
@@ -449,19 +524,22 @@ class Plan:
     nvcc_version: str | None
     is_python_module: bool
     key: str
+    namespaces: tuple[str, ...] = ()  # what its TORCH_LIBRARY blocks define
 
     @property
     def entry(self) -> Path:
         return settings().cache / self.key
 
 
-def plan(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Sequence[str] = (),
+def plan(name: str, sources: Sequence[str | os.PathLike] | str | os.PathLike, *, extra_cflags: Sequence[str] = (),
          extra_cuda_cflags: Sequence[str] = (), extra_ldflags: Sequence[str] = (),
          extra_include_paths: Sequence[str | os.PathLike] = (), depends: Sequence[str | os.PathLike] = (),
          archs: Sequence[str] | str | None = None, is_python_module: bool = False) -> Plan:
     """The build of ``sources`` and its key (see :func:`load` for the arguments); builds nothing."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"name must be a valid identifier (it names the library), got {name!r}")
+    if isinstance(sources, (str, os.PathLike)):  # one source
+        sources = [sources]
     paths = tuple(Path(s).resolve() for s in sources)
     if not paths:
         raise ValueError("sources must name at least one .cpp or .cu file")
@@ -475,7 +553,7 @@ def plan(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Seque
         if nvcc is None:
             raise BuildError("torchkern: nvcc not found; set CUDA_HOME or put nvcc on PATH")
         version = nvcc_version(nvcc)
-        archs = parse_arch_list(archs) if isinstance(archs, str) else tuple(archs or default_archs())
+        archs = parse_arch_list(archs if isinstance(archs, str) else " ".join(archs)) if archs else default_archs()
         if not archs:
             raise BuildError("torchkern: no CUDA arch to build for: no GPU is visible and TORCH_CUDA_ARCH_LIST is "
                              "unset")
@@ -487,7 +565,7 @@ def plan(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Seque
     files = collect_files(paths, [Path(d) for d in depends], includes)
     key = compute_key(name, files, [*cflags, "|", *cuda_cflags, "|", *extra_ldflags], archs, version)
     return Plan(name, paths, cflags, cuda_cflags, tuple(extra_ldflags), includes, tuple(archs), nvcc, version,
-                is_python_module, key)
+                is_python_module, key, torch_library_namespaces(files))
 
 
 # The build runs in this child. It leads its own process group, and ninja joins it; but ninja starts each
@@ -582,11 +660,29 @@ def _compile(p: Plan, build_dir: Path, verbose: bool) -> None:
         raise BuildError(f"torchkern: building {p.name} failed:\n{detail}")
 
 
-def _remove_stale_staging(staging: Path, locks: Path, key: str) -> None:
+@contextlib.contextmanager
+def _free_lock(path: Path) -> Iterator[bool]:
+    """Whether the lock file ``path`` exists and no process holds it (then held here until the block ends)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: that build is alive
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _remove_stale_staging(staging: Path, locks: Path, key: str | None) -> None:
     """Remove the staging directories of builds that were killed: this key's (the caller holds its lock) and
     every other key's whose lock is free (a live build holds its key's lock; the kernel released a dead
-    one's). A directory whose lock file is missing is left alone (``clean`` may have removed the lock of a
-    live build)."""
+    one's). A directory whose lock file is missing is left alone (its build's lock is unknowable)."""
     try:
         entries = list(staging.iterdir())
     except FileNotFoundError:  # another build's cleanup removed the empty .staging just now
@@ -596,17 +692,59 @@ def _remove_stale_staging(staging: Path, locks: Path, key: str) -> None:
         if other == key:
             shutil.rmtree(stale, ignore_errors=True)
             continue
-        try:
-            fd = os.open(locks / f"{other}.lock", os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            shutil.rmtree(stale, ignore_errors=True)
-        except OSError:  # held: that build is alive
-            pass
-        finally:
-            os.close(fd)
+        with _free_lock(locks / f"{other}.lock") as free:
+            if free:
+                shutil.rmtree(stale, ignore_errors=True)
+
+
+def _is_entry(path: Path) -> bool:
+    """A published entry: a directory whose manifest names it."""
+    manifest = read_manifest(path) if path.is_dir() else None
+    return manifest is not None and manifest.get("key") == path.name
+
+
+def clean(root: Path) -> tuple[list[Path], list[Path]]:
+    """Remove from the cache ``root`` what torchkern created: published entries, the lock files and staging
+    directories of builds that are not running (``locks/``, ``.staging/``), then ``root`` itself if that empties
+    it. Returns (removed, left alone). Raises ConfigError, removing nothing, where ``root`` holds files and none
+    of them is torchkern's: it is not a torchkern cache (``TORCHKERN_CACHE=$HOME`` must not erase a home). OSError
+    where a removal fails (a read-only cache)."""
+    children = sorted(root.iterdir())
+    locks, staging = root / "locks", root / ".staging"
+
+    def created_here(path: Path) -> bool:
+        if path in (locks, staging):  # only lock files, or only build directories
+            return path.is_dir() and all(f.is_file() and f.suffix == ".lock" if path == locks else f.is_dir()
+                                         for f in path.iterdir())
+        return _is_entry(path)
+
+    ours = [c for c in children if created_here(c)]
+    if children and not ours:
+        shown = ", ".join(c.name for c in children[:5]) + (", ..." if len(children) > 5 else "")
+        raise ConfigError(f"TORCHKERN_CACHE={root} does not look like a torchkern cache (it holds {shown}, and no "
+                          "build, lock or staging directory of torchkern's); clean removes nothing there")
+    removed = []
+    if staging in ours:
+        _remove_stale_staging(staging, locks, None)
+        with contextlib.suppress(OSError):
+            staging.rmdir()
+    if locks in ours:
+        for lock in sorted(locks.iterdir()):
+            with _free_lock(lock) as free:
+                if free:
+                    lock.unlink()
+        with contextlib.suppress(OSError):
+            locks.rmdir()
+    for entry in ours:
+        if entry not in (locks, staging):
+            shutil.rmtree(entry)
+        if not entry.exists():
+            removed.append(entry)
+    with contextlib.suppress(OSError):
+        root.rmdir()  # only when empty
+    if not root.exists():
+        removed.append(root)
+    return removed, [c for c in children if c not in removed]
 
 
 def _build(p: Plan, root: Path, why: str, verbose: bool) -> float:
@@ -644,41 +782,66 @@ def _build(p: Plan, root: Path, why: str, verbose: bool) -> float:
     return seconds
 
 
+# What this process loaded: library by key, and the key of the library that defined each TORCH_LIBRARY namespace.
+_OPENED: dict[str, LoadedLibrary] = {}
+_NAMESPACE_OWNERS: dict[str, str] = {}
+
+
+def _claim_namespaces(p: Plan) -> None:
+    """Raise ReloadError where ``p`` defines a namespace that another build loaded in this process: the
+    dispatcher takes one TORCH_LIBRARY per namespace and per process, and a second one, met inside
+    ``dlopen``, aborts the process."""
+    for namespace in p.namespaces:
+        owner = _NAMESPACE_OWNERS.get(namespace)
+        if owner is not None and owner != p.key:
+            raise ReloadError(
+                f"torchkern_jit: {p.name} defines the op namespace {namespace!r} (TORCH_LIBRARY), which this process "
+                f"already loaded from another build ({owner}); a process cannot replace a namespace's ops. Restart "
+                f"Python to load the edited library, or give its TORCH_LIBRARY a new namespace.")
+
+
+def _opened(p: Plan, library: Path, built: bool, build_seconds: float | None) -> LoadedLibrary:
+    lib = LoadedLibrary(p.name, str(library), p.key, built, build_seconds, _open_library(library, p.is_python_module))
+    _OPENED[p.key] = lib
+    _NAMESPACE_OWNERS.update(dict.fromkeys(p.namespaces, p.key))
+    return lib
+
+
 def load_plan(p: Plan) -> LoadedLibrary:
     """Load ``p``'s published library, building and publishing it first where there is none (or the one
-    there fails verification or fails to load: rebuilt once)."""
+    there fails verification or fails to load: rebuilt once). A library this process loaded already is
+    not opened again."""
+    if p.key in _OPENED:
+        return dataclasses.replace(_OPENED[p.key], built=False)
+    _claim_namespaces(p)
     config = settings()
     root = config.cache
     library, why = verify_entry(p.entry, p.key)
     if library is not None:  # published entries are immutable: no lock, no write access needed
         try:
-            module = _open_library(library, p.is_python_module)
-            return LoadedLibrary(p.name, str(library), p.key, False, read_manifest(p.entry).get("build_seconds"),
-                                 module)
+            return _opened(p, library, False, read_manifest(p.entry).get("build_seconds"))
         except (OSError, ImportError) as exc:
             why = f"the cached library {library} failed to load ({exc})"
     _writable_root(root, p.name, p.key, why)
     with file_lock(root / "locks" / f"{p.key}.lock", config.lock_timeout):
         again, _ = verify_entry(p.entry, p.key)
         if again is not None and library is None:  # another process published it while this one waited
-            module = _open_library(again, p.is_python_module)
-            return LoadedLibrary(p.name, str(again), p.key, False, read_manifest(p.entry).get("build_seconds"), module)
+            return _opened(p, again, False, read_manifest(p.entry).get("build_seconds"))
         seconds = _build(p, root, why, config.verbose)
-    library = p.entry / read_manifest(p.entry)["library"]
-    return LoadedLibrary(p.name, str(library), p.key, True, round(seconds, 2),
-                         _open_library(library, p.is_python_module))
+    return _opened(p, p.entry / read_manifest(p.entry)["library"], True, round(seconds, 2))
 
 
-def load(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Sequence[str] = (),
+def load(name: str, sources: Sequence[str | os.PathLike] | str | os.PathLike, *, extra_cflags: Sequence[str] = (),
          extra_cuda_cflags: Sequence[str] = (), extra_ldflags: Sequence[str] = (),
          extra_include_paths: Sequence[str | os.PathLike] = (), depends: Sequence[str | os.PathLike] = (),
          archs: Sequence[str] | str | None = None, is_python_module: bool = False) -> LoadedLibrary:
-    """Build (once per cache key) and load a library from C++/CUDA ``sources``.
+    """Build (once per cache key) and load a library from C++/CUDA ``sources`` (a list of paths, or one path).
 
-    The key covers versions, archs, flags and the contents of the sources, of the headers beside
-    them, of the headers under ``extra_include_paths`` and of ``depends``. A published library is
-    verified against its manifest before it is loaded; one that fails verification or fails to load
-    is rebuilt once.
+    The key covers versions, archs, flags and the contents of the sources, of every file their
+    ``#include`` directives reach (beside them or through ``extra_include_paths``, at any depth), of
+    the headers beside them and under ``extra_include_paths``, and of ``depends`` (files or
+    directories). A published library is verified against its manifest before it is loaded; one that
+    fails verification or fails to load is rebuilt once.
 
     With ``is_python_module=False`` the library is loaded with ``torch.ops.load_library`` (register ops
     with ``TORCH_LIBRARY``); with True it is imported as a Python module (``PYBIND11_MODULE``) returned
@@ -686,7 +849,9 @@ def load(name: str, sources: Sequence[str | os.PathLike], *, extra_cflags: Seque
 
     Raises FileNotFoundError for a missing source, ValueError for a bad name, BuildError with the
     compiler output when the build fails (or naming the directory when the cache cannot take a build),
-    LockTimeout when another build holds the lock too long, ConfigError for a bad environment variable.
+    LockTimeout when another build holds the lock too long, ConfigError for a bad environment variable,
+    ReloadError when the sources define (``TORCH_LIBRARY``) an op namespace that this process loaded
+    from another build: an edited library loads in a new process, or under a new namespace.
     """
     return load_plan(plan(name, sources, extra_cflags=extra_cflags, extra_cuda_cflags=extra_cuda_cflags,
                           extra_ldflags=extra_ldflags, extra_include_paths=extra_include_paths, depends=depends,

@@ -1,7 +1,8 @@
-"""``python -m torchkern info | build [--arch 9.0] | bench [--quick] [--family F] | clean``.
+"""``python -m torchkern info | build [--arch 9.0] | bench [--quick] [--family F] [--out DIR] | clean``.
 
 Each subcommand loads only what it needs: ``info`` looks at the cache without building, ``build``
-builds for the archs asked for, ``clean`` deletes the cache, ``bench`` loads the kernels and runs.
+builds for the archs asked for, ``clean`` removes what torchkern put in the cache, ``bench`` loads the
+kernels and runs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ def _info(args) -> int:
         width = max(map(len, info))
         for field, value in info.items():
             print(f"{field:<{width}}  {value}")
+    if info["backend"] == "unavailable":  # TORCHKERN_BACKEND=cuda, and `import torchkern` would raise
+        print(f"torchkern: TORCHKERN_BACKEND=cuda, but {info['reason']}: importing torchkern raises", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -42,19 +46,24 @@ def _clean(args) -> int:
         print(f"nothing to remove at {root}")
         return 0
     try:
-        shutil.rmtree(root)
+        removed, left = jit.clean(root)
     except OSError as exc:
         print(f"torchkern: cannot remove the cache {root}: {exc.strerror} ({exc.filename}); "
               "it belongs to someone else or is read-only (TORCHKERN_CACHE chooses another)", file=sys.stderr)
         return 1
-    print(f"removed {root}")
+    if root in removed:
+        print(f"removed {root}")
+    else:
+        print(f"removed {len(removed)} torchkern entries from {root}")
+    if left:
+        print(f"left what torchkern did not create, or builds still running: {', '.join(p.name for p in left)}")
     return 0
 
 
 def _bench(args) -> int:
-    from torchkern import _bench
+    from torchkern import _bench_runner
 
-    return _bench.main(quick=args.quick, families=args.family, json_path=args.json)
+    return _bench_runner.main(quick=args.quick, families=args.family, out=args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,14 +77,18 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--arch",
                        help="CUDA archs, e.g. 9.0 or '8.0;9.0' (default: TORCH_CUDA_ARCH_LIST, else visible GPUs)")
     build.set_defaults(run=_build)
-    bench = commands.add_parser("bench", help="run the benchmarks on this machine and print a table of ratios")
-    bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (smoke run)")
-    bench.add_argument("--family", action="append",
-                       help="primitives, ebm, linalg, per_sample, optim or quality (default: all but quality); "
-                            "repeatable")
-    bench.add_argument("--json", help="also write the raw results to this file")
+    from torchkern._bench_runner import CHOICES  # torch only: the package has imported it already
+
+    bench = commands.add_parser("bench", help="time the ops against the baselines on this machine; print a table")
+    bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (a smoke run)")
+    bench.add_argument("--family", action="append", choices=CHOICES,
+                       help="a family to run, repeatable (default: every family but quality, the optimizers' "
+                            "training runs)")
+    bench.add_argument("--out", metavar="DIR",
+                       help="where bench.json (and quality's files) go (default: a new temporary directory, "
+                            "printed at the end)")
     bench.set_defaults(run=_bench)
-    clean = commands.add_parser("clean", help="delete the kernel cache")
+    clean = commands.add_parser("clean", help="remove torchkern's builds, locks and staging from the cache")
     clean.set_defaults(run=_clean)
     args = parser.parse_args(argv)
     try:

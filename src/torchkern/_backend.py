@@ -157,7 +157,8 @@ def backend_info() -> BackendInfo:
 
 def cache_status() -> dict:
     """What the first ``import torchkern`` would do on this machine, found without building or loading:
-    the backend, why, the cache key and whether a verified build is cached for it."""
+    the backend ("cuda", "torch", or "unavailable" where TORCHKERN_BACKEND=cuda and the import would raise),
+    why, the cache key and whether a verified build is cached for it."""
     config = jit.settings()
     status = dict(backend="torch", reason="", cache_dir=str(config.cache), key=None, cached=False, library=None,
                   build_seconds=None, torch_version=torch.__version__, cuda_version=torch.version.cuda,
@@ -168,6 +169,8 @@ def cache_status() -> dict:
     problems, status["nvcc_version"] = jit.toolchain_problems()
     if problems:
         status["reason"] = "; ".join(problems)
+        if config.backend == "cuda":  # importing torchkern raises
+            status["backend"] = "unavailable"
         return status
     p = kernel_plan()
     library, why = jit.verify_entry(p.entry, p.key)

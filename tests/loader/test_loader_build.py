@@ -1,0 +1,157 @@
+"""Building and loading through torchkern_jit.load: once per key, a new entry for an edit, one build among racing
+processes, clear failures, and a user's TORCH_LIBRARY kernel (which a process loads once per namespace)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from loader_testing import LOAD_ANSWER, child_env, run_python, write_source
+
+import torchkern_jit as jit
+
+
+@pytest.mark.slow
+def test_build_once_then_load_from_cache(cache, tmp_path):
+    src = write_source(tmp_path / "src", answer=7)
+    first = jit.load("tk_answer", [src])
+    assert first.built and first.build_seconds > 0
+    assert ctypes.CDLL(first.path).torchkern_test_answer() == 7
+    assert Path(first.path).parent == cache / first.key
+    manifest = json.loads((cache / first.key / jit.MANIFEST).read_text())
+    assert manifest["key"] == first.key and manifest["torch"] == torch.__version__
+    assert manifest["size"] == Path(first.path).stat().st_size and len(manifest["sha256"]) == 64
+    assert sorted(p.name for p in (cache / first.key).iterdir()) == sorted([jit.MANIFEST, Path(first.path).name])
+    # A later process compiles nothing: it loads the published library.
+    out = run_python(LOAD_ANSWER.format(name="tk_answer", src=str(src)))
+    assert out.returncode == 0, out.stderr
+    built, answer, path = out.stdout.split()
+    assert (built, answer, path) == ("False", "7", first.path)
+    assert "compiling" not in out.stderr
+    assert not (cache / ".staging").exists(), "the staging area is removed once empty"
+
+
+@pytest.mark.slow
+def test_changed_source_builds_a_new_entry(cache, tmp_path):
+    src = write_source(tmp_path / "src", answer=1)
+    one = jit.load("tk_answer", [src])
+    write_source(tmp_path / "src", answer=2)
+    two = jit.load("tk_answer", [src])
+    assert two.built and two.key != one.key
+    assert ctypes.CDLL(two.path).torchkern_test_answer() == 2
+
+
+@pytest.mark.slow
+def test_an_edited_header_in_a_subfolder_builds_a_new_entry(cache, tmp_path):
+    src = write_source(tmp_path / "src", extra='#include "detail/off.hxx"\n#undef ANSWER\n#define ANSWER OFF')
+    (tmp_path / "src" / "detail").mkdir()
+    header = tmp_path / "src" / "detail" / "off.hxx"
+    header.write_text("#define OFF 2\n")
+    assert ctypes.CDLL(jit.load("tk_header", src).path).torchkern_test_answer() == 2
+    header.write_text("#define OFF 105\n")
+    again = jit.load("tk_header", src)
+    assert again.built and ctypes.CDLL(again.path).torchkern_test_answer() == 105
+
+
+@pytest.mark.slow
+def test_four_processes_on_a_cold_cache_build_once(cache, tmp_path):
+    src = write_source(tmp_path / "src", answer=4)
+    code = textwrap.dedent(LOAD_ANSWER.format(name="tk_race", src=str(src)))
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=child_env()) for _ in range(4)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1] for r in results]
+    outcomes = [r[0].split() for r in results]
+    assert sorted(o[0] for o in outcomes) == ["False", "False", "False", "True"], outcomes
+    assert all(o[1] == "4" for o in outcomes)
+    assert len([d for d in cache.iterdir() if d.name.startswith("tk_race-")]) == 1
+
+
+def test_a_failed_build_raises_with_the_compiler_output(cache, tmp_path):
+    bad = tmp_path / "bad.cpp"
+    bad.write_text("int main( { this is not C++ }\n")
+    with pytest.raises(jit.BuildError, match=r"(?s)building tk_bad failed.*bad\.cpp.*error"):
+        jit.load("tk_bad", [bad])
+    assert not (cache / ".staging").exists(), "a failed build leaves no staging directory"
+    assert not any(d.name.startswith("tk_bad-") for d in cache.iterdir())
+
+
+def test_no_ninja_fails_clearly_and_leaves_nothing(cache, tmp_path, monkeypatch):
+    monkeypatch.setattr(jit, "ninja_available", lambda: False)
+    with pytest.raises(jit.BuildError, match=r"ninja was not found \(pip install ninja\)"):
+        jit.load("tk_noninja", [write_source(tmp_path / "src")])
+    assert not (cache / ".staging").exists()
+
+
+def test_missing_source_and_bad_name_are_clear_errors(cache, tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        jit.load("tk_missing", [tmp_path / "nope.cpp"])
+    with pytest.raises(ValueError, match="name must be a valid identifier"):
+        jit.load("not a name", [write_source(tmp_path)])
+
+
+def test_lock_wait_is_bounded_and_names_the_lock(tmp_path):
+    path = tmp_path / "locks" / "k.lock"
+    with jit.file_lock(path, timeout=1):
+        start = time.monotonic()
+        with pytest.raises(jit.LockTimeout, match=f"build lock {path}.*held by pid {os.getpid()}"):
+            with jit.file_lock(path, timeout=0.3):
+                pass
+        assert time.monotonic() - start < 5
+    with jit.file_lock(path, timeout=0.3):  # released on exit
+        pass
+
+
+SCALE_CPP = textwrap.dedent("""
+    #include <ATen/ATen.h>
+    #include <torch/library.h>
+    at::Tensor scale(const at::Tensor& x, double s) { return x * s; }
+    TORCH_LIBRARY(NAMESPACE, m) { m.def("scale(Tensor x, float s) -> Tensor"); }
+    TORCH_LIBRARY_IMPL(NAMESPACE, CPU, m) { m.impl("scale", &scale); }
+""")
+
+
+@pytest.mark.slow
+def test_user_kernel_with_a_torch_op(cache, tmp_path):
+    """The README's user-kernel example, on the CPU: a TORCH_LIBRARY op loaded through torchkern_jit.load."""
+    src = tmp_path / "scale.cpp"
+    src.write_text(SCALE_CPP.replace("NAMESPACE", "tk_user_test"))
+    jit.load("tk_user_test", [src])
+    x = torch.randn(5)
+    torch.testing.assert_close(torch.ops.tk_user_test.scale(x, 3.0), x * 3.0)
+
+
+RELOAD = """
+    import torch, torchkern_jit
+    src = {src!r}
+    torchkern_jit.load("tk_reload", src)
+    print(torch.ops.tk_reload.scale(torch.ones(2), 3.0).tolist())
+    print("loaded again:", torchkern_jit.load("tk_reload", src).built)  # the same build: no second dlopen
+    with open(src, "a") as f:
+        f.write("// edited\\n")
+    try:
+        torchkern_jit.load("tk_reload", src)
+    except torchkern_jit.ReloadError as exc:
+        print(exc)
+"""
+
+
+@pytest.mark.slow
+def test_an_edited_torch_library_in_the_same_process_is_a_python_error(cache, tmp_path):
+    """A second TORCH_LIBRARY for one namespace aborts a process inside dlopen; an edited kernel loaded again in the
+    same process (the notebook loop) is refused before that, with a Python error saying what to do."""
+    src = tmp_path / "scale.cpp"
+    src.write_text(SCALE_CPP.replace("NAMESPACE", "tk_reload"))
+    out = run_python(RELOAD.format(src=str(src)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[3.0, 3.0]" in out.stdout and "loaded again: False" in out.stdout
+    assert "defines the op namespace 'tk_reload' (TORCH_LIBRARY), which this process already loaded" in out.stdout
+    assert "Restart Python" in out.stdout and "new namespace" in out.stdout
