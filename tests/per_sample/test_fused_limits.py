@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchkern.per_sample import bench, layers
-from torchkern.per_sample import clip_and_accumulate, per_sample_grad_norms
+from torchkern.per_sample import clip_and_accumulate, per_sample_grad_norms, per_sample_gradients
 from testing import devices, randn
 from per_sample_testing import mse_sum, Head, func_reference, explicit_clip, assert_auto_is_right, forward_counter
 
@@ -219,9 +219,9 @@ class _Latents(nn.Module):
     (lambda: _SequenceFirst(False), (5, 5, 4),
      r"body \(Linear\): dim 0 of its input \[5, 5, 4\] has the batch size 5 but"),
     (lambda: _SequenceFirst(True), (5, 5, 4),
-     r"body.self_attn \(MultiheadAttention\): its output \[5, 5, 4\] has no batch"),
+     r"body.linear1 \(Linear\): dim 0 of its input \[5, 5, 4\] has the batch size 5 but"),
     (lambda: _Queries(False), (5, 3, 4), r"q \(Embedding\): dim 0 of its input \[5\] has the batch size 5 but"),
-    (lambda: _Queries(True), (5, 3, 4), r"q \(_Latents\): its output \[5, 4\] has no batch dim 0 of size 5"),
+    (lambda: _Queries(True), (5, 3, 4), r"q \(_Latents\): its output \[5, 4\] has no batch dim \(one dim of size 5"),
 ], ids=["positions", "sequence_first", "encoder_sequence_first", "embedding_queries", "unit_queries"])
 def test_batch_dim_is_not_taken_from_the_size(device, make, x_shape, message):
     """A layer input whose dim 0 has the batch size without being the batch (T == B; as many learned queries
@@ -284,17 +284,36 @@ class _SequenceFirstContext(nn.Module):
         return self.head(self.ctx(x.mean(1), self.enc(x).transpose(0, 1)))
 
 
+class _Pairs(nn.Module):
+    """Hands a torch.func unit every pair of samples, (B, B, 4): the batch size in two dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.ctx, self.head = _Context(), nn.Linear(4, 3)
+
+    def forward(self, x):  # [B, T, 4]
+        h = x.mean(1)
+        return self.head(self.ctx(h, h.unsqueeze(0) * h.unsqueeze(1)))
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 def test_unit_argument_with_the_batch_in_another_dim(device):
-    """A torch.func unit's argument whose dim 0 is not the batch is shared by every sample's call; one that carries
-    the batch in dim 1 was summed over the samples (norms 76% off, "auto" and "fused" alike, no error). The probe
-    finds the batch there: "fused" raises naming the argument, "auto" is right."""
+    """A torch.func unit's argument that carries the batch in dim 1 (a sequence-first context) is mapped over that
+    dim, as the probe finds it (shared by every sample's call, it was summed over the samples: norms 76% off);
+    one with the batch size in two dims that a forward on one sample makes 1 is refused naming it."""
     torch.manual_seed(0)
     model = _SequenceFirstContext().double().to(device)
     x, y = randn(5, 3, 4, dtype=torch.float64, device=device), randn(5, 3, dtype=torch.float64, device=device)
-    with pytest.raises(ValueError, match=r"ctx \(_Context\): its argument \[3, 5, 4\] has the batch in dim 1"):
-        per_sample_grad_norms(model, mse_sum, x, y, method="fused")
-    assert_auto_is_right(model, x, y)
+    grads, norms = func_reference(model, x, y)
+    torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, method="fused"), norms)
+    clip_and_accumulate(model, mse_sum, x, y, norms.median().item(), method="fused")
+    expected = explicit_clip(grads, norms, norms.median().item(), 5)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k])
+    pairs = _Pairs().double().to(device)
+    with pytest.raises(ValueError, match=r"ctx \(_Context\): its argument \[5, 5, 4\] has the batch size 5 in "
+                                         r"several dims"):
+        per_sample_grad_norms(pairs, mse_sum, x, y, method="fused")
 
 
 def _cnn_problem(batch, side):
@@ -342,3 +361,38 @@ def test_rule_layer_with_other_parameters_falls_back(device):
     with pytest.raises(ValueError, match=r"0: parameters \['bias', 'weight_g', 'weight_v'\] \(expected weight and"):
         per_sample_grad_norms(model, mse_sum, x, y, method="fused")
     assert_auto_is_right(model, x, y)
+
+
+class _Stateful(nn.Module):
+    """A forward with side effects on buffers: a counter updated in place, one reassigned, an EMA of the inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.head = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x):
+        self.calls += 1
+        self.steps = self.steps + 1
+        self.ema.mul_(0.5).add_(x.detach().mean((0, 1)), alpha=0.5)
+        return self.head(torch.tanh(self.lin(x)).mean(1))
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_the_probe_leaves_buffers_as_they_were(device):
+    """B = T = 4 makes every call probe with a forward on one sample; the buffers advance once per call, as in the
+    batch's forward alone (they advanced twice: spectral-norm or EMA buffers moved on the probe's sample)."""
+    torch.manual_seed(0)
+    model, plain = _Stateful().double().to(device), _Stateful().double().to(device)
+    x, y = randn(4, 4, 4, dtype=torch.float64, device=device), randn(4, 3, dtype=torch.float64, device=device)
+    forwards = forward_counter(model)
+    per_sample_grad_norms(model, mse_sum, x, y, method="fused")
+    per_sample_gradients(model, mse_sum, x, y, method="fused")
+    clip_and_accumulate(model, mse_sum, x, y, 1.0, method="fused")
+    assert len(forwards) == 6  # three forwards of the batch, three probes
+    for _ in range(3):
+        plain(x)
+    assert model.calls.item() == model.steps.item() == 3
+    torch.testing.assert_close(model.ema, plain.ema, rtol=0, atol=0)

@@ -278,3 +278,52 @@ def test_conv_unfold_is_f_unfold(device):
             else:
                 want = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
             assert torch.equal(got, want), (dims, k, s, d, p)
+
+
+class _Recurrent(nn.Module):
+    """An nn.RNN / nn.GRU / nn.LSTM on (B, T, 4) inputs (transposed for batch_first=False), the mean of its outputs
+    and its final states into a Linear head; ``state``: an initial state shared by the samples (unbatched)."""
+
+    def __init__(self, kind, batch_first, layers, bidirectional, state):
+        super().__init__()
+        self.rnn = kind(4, 5, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first)
+        self.state, self.dirs = state, 2 if bidirectional else 1
+        self.head = nn.Linear(5 * self.dirs + 5, 3)
+
+    def forward(self, x):
+        seq = x if self.rnn.batch_first else x.transpose(0, 1)
+        args = (seq,)
+        if self.state:
+            h0 = torch.linspace(-1, 1, 5, dtype=x.dtype).expand(self.rnn.num_layers * self.dirs, x.shape[0], 5)
+            args += ((h0, h0) if isinstance(self.rnn, nn.LSTM) else h0,)
+        out, h = self.rnn(*args)
+        h = h[0] if isinstance(h, tuple) else h
+        return self.head(torch.cat([out.mean(1 if self.rnn.batch_first else 0), h.sum(0)], -1))
+
+
+@pytest.mark.parametrize("kind,batch_first,layers,bidirectional,state,batch", [
+    (nn.GRU, True, 1, False, False, 5), (nn.GRU, False, 2, True, False, 5), (nn.GRU, True, 2, False, True, 5),
+    (nn.GRU, True, 2, True, False, 1), (nn.RNN, False, 2, False, True, 5), (nn.LSTM, True, 2, True, True, 5)],
+    ids=["gru", "gru_sequence_first", "gru_state", "gru_one_sample", "rnn", "lstm"])
+def test_recurrent_layers_on_every_path(kind, batch_first, layers, bidirectional, state, batch):
+    """nn.GRU and nn.RNN (whose fused kernels' decomposition vmap refused: every path failed) and nn.LSTM: per-sample
+    gradients, norms and the clipped sum on every path against one backward per sample (their final states carry
+    the batch in dim 1, which the torch.func unit maps over)."""
+    torch.manual_seed(0)
+    model = _Recurrent(kind, batch_first, layers, bidirectional, state).double()
+    x, y = randn(batch, 6, 4, dtype=torch.float64), randn(batch, 3, dtype=torch.float64)
+    params = dict(model.named_parameters())
+    loop = [torch.autograd.grad(mse_sum(model(x[i:i + 1]), y[i:i + 1]), list(params.values())) for i in range(batch)]
+    grads = {k: torch.stack([g[j] for g in loop]) for j, k in enumerate(params)}
+    norms = torch.cat([g.flatten(1) for g in grads.values()], 1).norm(dim=1)
+    max_norm = norms.median().item()
+    expected = explicit_clip(grads, norms, max_norm, batch)
+    for method in ("fused", "auto", "func"):
+        got = per_sample_gradients(model, mse_sum, x, y, method=method)
+        for k in grads:
+            torch.testing.assert_close(got[k], grads[k], rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, method=method), norms, rtol=1e-9,
+                                   atol=1e-12)
+        clip_and_accumulate(model, mse_sum, x, y, max_norm, method=method)
+        for k, p in params.items():
+            torch.testing.assert_close(p.grad, expected[k], rtol=1e-9, atol=1e-12)

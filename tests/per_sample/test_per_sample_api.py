@@ -258,3 +258,23 @@ def test_unsupported_embedding_options():
         model = nn.Sequential(nn.Embedding(5, 3, **kwargs), nn.Flatten(), nn.Linear(6, 3))
         with pytest.raises(ValueError, match="sparse=True or scale_grad_by_freq=True .* is not supported"):
             per_sample_grad_norms(model, mse_sum, torch.randint(0, 5, (4, 2)), randn(4, 3), method="fused")
+
+
+@pytest.mark.parametrize("method", ["auto", "fused", "func"])
+@pytest.mark.parametrize("loss_reduction", [None, "sum", "mean"])
+def test_a_loss_that_is_not_a_scalar_is_refused(method, loss_reduction):
+    """reduction='none' and the like: every function and path raises naming the loss and loss_reduction (it used to
+    return norms x B for "mean", autograd's error for "sum" and a silent sum for None)."""
+    model, x, y = mlp(), randn(5, 10), randn(5, 3)
+    loss = nn.MSELoss(reduction="none")
+    name = r"loss_fn MSELoss\(reduction='none'\) returned a tensor of shape \[(1|5), 3\] for (one sample|the batch) "
+    for call in (lambda: per_sample_grad_norms(model, loss, x, y, method=method, loss_reduction=loss_reduction),
+                 lambda: per_sample_gradients(model, loss, x, y, method=method, loss_reduction=loss_reduction),
+                 lambda: clip_and_accumulate(model, loss, x, y, 1.0, method=method, loss_reduction=loss_reduction)):
+        with pytest.raises(ValueError, match=name + f"with loss_reduction={loss_reduction!r}; it must return a scalar"):
+            call()
+    vector = lambda o, t: mse_sum(o, t).reshape(1)  # noqa: E731  a batch of one's loss with a dim of its own
+    with pytest.raises(ValueError, match=r"loss_fn <lambda> returned a tensor of shape \[1\] for "):
+        per_sample_grad_norms(model, vector, x, y, method=method, loss_reduction=loss_reduction)
+    with pytest.raises(ValueError, match=r"loss_fn <lambda> returned a tuple for "):
+        per_sample_grad_norms(model, lambda o, t: (mse_sum(o, t),), x, y, method=method, loss_reduction=loss_reduction)

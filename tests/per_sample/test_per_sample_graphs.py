@@ -159,3 +159,25 @@ def test_clip_cuda_graph_matches_plain(device, name):
         clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, loss_reduction="mean")
         for k, p in model.named_parameters():
             torch.testing.assert_close(micro[k], p.grad, rtol=1e-4, atol=1e-6)
+
+
+class _Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(10, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+def test_cuda_graph_buffers_advance_once_per_call(device):
+    """The capture's warm-up forwards are undone on the buffers: a counter reads the number of calls."""
+    model = _Counting().to(device)
+    x, y = randn(6, 10, device=device), randn(6, 3, device=device)
+    for i in range(3):
+        per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+        clip_and_accumulate(model, mse_sum, x, y, 1.0, loss_reduction="sum", use_cuda_graph=True)
+        assert model.calls.item() == 2 * (i + 1)

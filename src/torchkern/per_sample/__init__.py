@@ -5,18 +5,18 @@ Semantics (the same on every path): the per-sample gradient of sample ``i`` is
 ``torch.func.vmap(torch.func.grad(...))``. The model must not mix or reorder samples, nor depend on the batch
 size (BatchNorm in training mode raises).
 
-Batch dim rule (fused path): a layer's input (a torch.func unit's arguments and outputs) has the batch in dim 0
-when that dim has size B in the batch's forward and size 1 in a forward on ``inputs[:1]``. The fused path runs
-that one-sample forward (the RNG state is put back after it; forward hooks of your own see it) in every call in
-which B also shows beside dim 0: in the inputs' other dims, in a recorded tensor's position or spatial dims, in a
-torch.func unit's parameters or an embedding's vocabulary (``engine.py`` lists them). Where B shows nowhere else
-it runs on the first call of each input shape (a size B made from a constant of the model's own, such as
-``torch.arange(5)`` for a batch of 5, shows only there), and later calls of that shape skip it if it agreed with
-the sizes. A tensor whose dim 0 has size B by
-coincidence, such as a position embedding on ``arange(T)`` with T = B or a sequence-first (T, B, d) input with
-T = B, is thus never taken for a batch: ``"auto"`` falls back to torch.func and ``"fused"`` raises ValueError
-naming the layer. For the fused path, give every layer holding trainable parameters the batch in dim 0 (e.g.
-positions expanded to (B, T), ``batch_first=True``).
+Batch dim rule (fused path): a layer's input (a torch.func unit's arguments and outputs) has the batch in the dim that
+has size B in the batch's forward and size 1 in a forward on ``inputs[:1]``: dim 0 for the layers with rules, any one
+dim for a torch.func unit (nn.GRU's final state, (layers, B, hidden)). The fused path runs that one-sample forward (the
+RNG state and the model's buffers are put back after it; forward hooks of your own see it) in every call in which B also
+shows beside dim 0: in the inputs' other dims, in a recorded tensor's position or spatial dims, in a torch.func unit's
+parameters or an embedding's vocabulary (``engine.py`` lists them). Where B shows nowhere else it runs on the first call
+of each input shape (a size B made from a constant of the model's own, such as ``torch.arange(5)`` for a batch of 5,
+shows only there), and later calls of that shape skip it if it agreed with the sizes. A tensor whose dim 0 has size B by
+coincidence, such as a position embedding on ``arange(T)`` with T = B or a sequence-first (T, B, d) input with T = B, is
+thus never taken for a batch: ``"auto"`` falls back to torch.func and ``"fused"`` raises ValueError naming the layer.
+For the fused path, give every layer holding trainable parameters the batch in dim 0 (e.g. positions expanded to (B, T),
+``batch_first=True``).
 
 Parameter uses: every trainable parameter must be used only inside the forward of the module that holds it
 (a torch.func unit's forward may use any parameter below it). A parameter also used elsewhere (read by a parent,
@@ -29,16 +29,18 @@ Paths (``method``):
   their outputs; per layer, a rule turns the recorded input a and output gradient g into norms, clipped sums or
   per-sample gradients (``layers.py``: Linear, Embedding, LayerNorm, RMSNorm, GroupNorm, Conv1d, Conv2d without
   materializing per-sample gradients where that is dearer; any other module through torch.func on that module
-  alone). ``engine.py`` lists what it does not cover (tied weights, a module run twice, ...).
+  alone: attention, nn.RNN, nn.GRU, nn.LSTM, modules of your own). ``engine.py`` lists what it does not cover
+  (tied weights, a module run twice, ...).
 * ``"func"``: torch.func over the whole model (``functional_call`` + ``vmap(grad)``): any model.
 * ``"auto"`` (default): ``"fused"`` where it applies, else ``"func"``.
 
-``loss_reduction``: None (default) gets the per-sample losses with ``torch.func.vmap`` over ``loss_fn``, which
-works for any loss but costs ~0.2-0.3 ms of Python per call, unless ``loss_fn`` is an ``nn.MSELoss``,
-``nn.L1Loss``, ``nn.SmoothL1Loss`` or ``nn.HuberLoss`` instance, whose own reduction is then used; ``"sum"`` /
-``"mean"`` declare that ``loss_fn`` on the whole batch is the sum / the mean over samples of the per-sample losses
-(e.g. ``F.mse_loss``, or ``F.cross_entropy`` without class weights or ignored targets, with that reduction) and
-skip vmap on the fused path.
+``loss_fn(outputs, targets)`` must return a scalar: one sample's loss (``loss_reduction=None``) or the batch's
+(``"sum"``, ``"mean"``); any other shape (``reduction="none"``) raises ValueError naming the loss and the reduction.
+``loss_reduction``: None (default) gets the per-sample losses with ``torch.func.vmap`` over ``loss_fn``, which works for
+any loss but costs ~0.2-0.3 ms of Python per call, unless ``loss_fn`` is an ``nn.MSELoss``, ``nn.L1Loss``,
+``nn.SmoothL1Loss`` or ``nn.HuberLoss`` instance, whose own reduction is then used; ``"sum"`` / ``"mean"`` declare that
+``loss_fn`` on the whole batch is the sum / the mean over samples of the per-sample losses (e.g. ``F.mse_loss``, or
+``F.cross_entropy`` without class weights or ignored targets, with that reduction) and skip vmap on the fused path.
 
 ``use_cuda_graph=True`` (CUDA inputs; for training loops, where the call repeats with the same shapes) captures
 the whole computation once and replays it (``graphs.py``): a few launches of host time instead of the forward's
@@ -69,7 +71,7 @@ def per_sample_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor
     """
     p, run = engine.prepare(model, loss_fn, inputs, targets, method, loss_reduction)
     if run is None:
-        return engine.func_gradients(model, loss_fn, inputs, targets, p.params)
+        return engine.func_gradients(model, loss_fn, inputs, targets, p.params, loss_reduction)
     grads: dict[str, torch.Tensor] = {}
     with engine.plain_math(inputs.device.type):
         for entry in run.entries:

@@ -183,7 +183,8 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     adds the noise once and divides by ``batch_size`` if given (e.g. the expected batch size under Poisson
     sampling) or else by the number of samples of the whole step (an empty step without ``batch_size``
     divides by 1). ``max_norm`` must stay the same within a step. ``.grad`` is only written by the finalizing
-    call.
+    call. A call that raises (a rejected argument included) discards the step's pending sum: the next call starts
+    a new step.
 
     ``torch.autocast``: the forward runs under the caller's autocast; each layer's norms use its own compute
     dtype; clip factors, clipped products, sums, norms and noise are float32 (a low-precision activation is
@@ -196,28 +197,29 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     parameters, BatchNorm in training mode, ``method="fused"`` on a model it does not cover, or a step whose
     ``max_norm`` or trainable parameters changed between micro-batches.
     """
-    max_norm, noise_multiplier = _check_args(max_norm, noise_multiplier, generator, batch_size)
-    engine.check_method(method, loss_reduction)
-    engine.check_batch(inputs, targets)
-    if use_cuda_graph:
-        graphs.check_cuda(inputs, targets)
-    plan = engine.plan(model)
-    if not plan.params:
-        engine.fail("the model has no parameter that requires grad")
-    layout = _layout(plan)
-    if generator is not None and noise_multiplier > 0:
-        for device, *_ in layout.groups:  # before any work: the noise comes last
-            _generator(generator, device)
-    pending = _PENDING.get(model)
-    if pending is not None and (pending.layout is not layout or pending.max_norm != max_norm):
-        del _PENDING[model]
-        engine.fail("the trainable parameters (or their devices or dtypes) or max_norm changed between the "
-                    "micro-batches of one step (the step's pending sum was discarded)")
     try:
+        max_norm, noise_multiplier = _check_args(max_norm, noise_multiplier, generator, batch_size)
+        engine.check_method(method, loss_reduction)
+        engine.check_batch(inputs, targets)
+        if use_cuda_graph:
+            graphs.check_cuda(inputs, targets)
+        plan = engine.plan(model)
+        if not plan.params:
+            engine.fail("the model has no parameter that requires grad")
+        layout = _layout(plan)
+        if generator is not None and noise_multiplier > 0:
+            for device, *_ in layout.groups:  # before any work: the noise comes last
+                _generator(generator, device)
+        pending = _PENDING.get(model)
+        if pending is not None and (pending.layout is not layout or pending.max_norm != max_norm):
+            engine.fail("the trainable parameters (or their devices or dtypes) or max_norm changed between the "
+                        "micro-batches of one step (the step's pending sum was discarded)")
         return _step(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, loss_reduction, method,
                      batch_size, finalize, use_cuda_graph, layout, pending)
     except BaseException:
-        _PENDING.pop(model, None)  # a half-written sum must not leak into the next step
+        # any call that raises, its arguments' checks included, ends the step: the micro-batches summed before it
+        # must not leak into the next step (the caller, catching the error, starts a fresh one)
+        _PENDING.pop(model, None)
         raise
 
 

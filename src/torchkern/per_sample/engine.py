@@ -22,16 +22,20 @@ the gradients of the parameters and of those enclosing aliases: all of them must
 nothing computed). Any other answer means a use the units' gradients would miss.
 
 Batch dims. A recorded tensor (a rule layer's input; a torch.func unit's arguments and outputs) has the batch in
-dim 0 when that dim has the batch size B and size 1 in a forward on the first sample alone: B alone cannot tell a
-batch from a sequence of B positions (``arange(T)`` with T = B, a (T, B, d) sequence-first input). That probe
-forward (with autograd, the RNG state put back after it; about the host time of a forward) runs in every call
+the dim that has the batch size B and size 1 in a forward on the first sample alone: B alone cannot tell a batch
+from a sequence of B positions (``arange(T)`` with T = B, a (T, B, d) sequence-first input). A rule layer's input
+must have it in dim 0; a torch.func unit's tensors may have it in any one dim (vmap maps over it: nn.GRU's final
+state (layers, B, hidden), a sequence-first argument), and an argument without one is shared by the samples'
+calls. That probe forward (with autograd; the RNG state and the model's buffers put back after it, so a counter
+or an EMA buffer advances once per call; about the host time of a forward) runs in every call
 in which B also shows somewhere else (``_sizes_decide``): in a dim of the inputs other than dim 0, in a dim
 beside dim 0 of a recorded tensor that its layer does not fix (positions, spatial dims; a rule layer's feature
 and channel dims are its own), in a torch.func unit's parameters or in an embedding's vocabulary. Where it shows
 nowhere else, the first call of each call pattern, input shape and training flag still probes, since a size B
 the model makes from a constant of its own (``torch.arange(5)`` with B = 5) reaches no dim the sizes can see;
 if the probe agrees with the sizes' reading (a dim 0 of size B is the batch, any other is not), later calls of
-that key trust the sizes, else each of them probes. For B = 1 any dim 0 of size 1 is the batch. What no probe
+that key trust the sizes, else each of them probes. For B = 1 the first dim of size 1 is the batch (it holds the
+one sample whichever it is). What no probe
 then checks: a model that feeds a layer differently on a later call of the same shapes.
 
 What the recording pass does not cover (``method="auto"`` then falls back to torch.func over the whole model,
@@ -39,9 +43,9 @@ which is right for all of them; ``method="fused"`` raises ValueError saying whic
 
 * a trainable parameter held by two modules (tied weights), or a unit that ran more than once in one forward;
 * a parameter used outside the call of the module that holds it (e.g. a parent reading a child's weight);
-* a layer input without the batch in dim 0 (see above), a torch.func unit's argument with the batch in another
-  dim (size B there and 1 in the probe's call: vmap would share it between the samples), or an input modified in
-  place after the layer ran;
+* a rule layer's input without the batch in dim 0 (see above), a torch.func unit's output without a batch dim or
+  a tensor of it with the batch size in several dims that the probe's call makes 1, or an input modified in place
+  after the layer ran;
 * a forward on one sample that runs other modules (where the probe runs), or a module whose exception the model
   caught;
 * ``nn.Embedding(sparse=True)`` or ``scale_grad_by_freq=True``.
@@ -211,10 +215,10 @@ def _version(x: object) -> int | None:
 class _Call:
     """One recorded call of a unit: its arguments, their versions then, for each output leaf that requires grad
     its position, metadata and gradient edge, the aliases its call swapped in for parameters below the unit
-    (qualified name -> alias), and (set once the probe is known) which argument leaves and outputs are batched and
-    the argument leaves' shapes in the probe's call (None where no probe ran)."""
+    (qualified name -> alias), and (set once the probe is known) the batch dim of each argument leaf and output
+    (:func:`_reading`)."""
 
-    __slots__ = ("args", "kwargs", "versions", "outs", "edges", "aliases", "batched", "outs_batched", "probe_shapes")
+    __slots__ = ("args", "kwargs", "versions", "outs", "edges", "aliases", "batched", "outs_batched")
 
     def __init__(self, args: tuple, kwargs: dict | None, output: object, aliases: dict | None = None):
         self.args, self.kwargs, self.aliases = args, kwargs, aliases
@@ -266,16 +270,12 @@ def _recorder(unit: _Unit, calls: list, stack: list) -> Callable:
     return hook
 
 
-def _sizes0(tensors) -> tuple:
-    return tuple(t.shape[0] if isinstance(t, torch.Tensor) and t.dim() else None for t in tensors)
+def _shape(t: object) -> tuple | None:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
 
 
 def _shapes(tensors) -> tuple:
-    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in tensors)
-
-
-def _dim0(shape: tuple | None) -> int | None:
-    return shape[0] if shape else None
+    return tuple(map(_shape, tensors))
 
 
 def _sizer(unit: _Unit, calls: list) -> Callable:
@@ -310,6 +310,31 @@ def _forward(p: Plan, model: nn.Module, inputs: torch.Tensor, hooks: list[Callab
     return None if stack else outputs
 
 
+@contextlib.contextmanager
+def buffers_kept(model: nn.Module):
+    """The body runs, then the model's buffers are as they were before it: the values of those it updated in place
+    (a counter, an EMA, spectral norm's power-iteration vectors) and the entries of those it reassigned. Costs a
+    copy of every buffer; inference tensors, which nothing outside inference mode updates, are not copied."""
+    entries = [(m, dict(m._buffers)) for m in model.modules() if m._buffers]
+    saved = {}
+    for _, buffers in entries:
+        for b in buffers.values():
+            if b is not None and id(b) not in saved and not b.is_inference():
+                saved[id(b)] = (b, b._version, b.detach().clone())
+    try:
+        yield
+    finally:
+        for m, buffers in entries:
+            now = m._buffers
+            if len(now) != len(buffers) or any(now.get(k) is not b for k, b in buffers.items()):
+                now.clear()
+                now.update(buffers)
+        with torch.no_grad():
+            for b, version, value in saved.values():
+                if b._version != version:
+                    b.copy_(value)
+
+
 class Entry:
     """One active unit of a recorded call: its call, the output gradients (one per recorded output leaf), and the
     (relative, qualified) names of parameters folded into it from units that did not run."""
@@ -330,6 +355,29 @@ class Run:
         self.batch, self.entries, self.zeros, self.autocast = batch, entries, zeros, autocast
 
 
+def _loss_name(loss_fn: LossFn) -> str:
+    if isinstance(loss_fn, nn.Module):
+        reduction = getattr(loss_fn, "reduction", None)
+        return type(loss_fn).__name__ + ("" if reduction is None else f"(reduction={reduction!r})")
+    return getattr(loss_fn, "__name__", None) or type(loss_fn).__name__
+
+
+def check_loss(loss_fn: LossFn, loss_reduction: str | None, loss: object, batched: bool = False) -> None:
+    """A loss must be a scalar: one sample's (``loss_reduction=None``; ``batched``: the per-sample losses (B,)
+    from vmap) or the batch's sum or mean of them. Anything else would be summed or scaled silently."""
+    ok = isinstance(loss, torch.Tensor) and loss.dim() == (1 if batched else 0)
+    if ok:
+        return
+    shape = list(loss.shape[1:] if batched else loss.shape) if isinstance(loss, torch.Tensor) else None
+    got = f"a tensor of shape {shape}" if shape is not None else f"a {type(loss).__name__}"
+    if loss_reduction is None:
+        what, hint = "one sample", "that sample's loss"
+    else:
+        what, hint = "the batch", f"the {loss_reduction} of the per-sample losses (reduction={loss_reduction!r})"
+    fail(f"loss_fn {_loss_name(loss_fn)} returned {got} for {what} with loss_reduction={loss_reduction!r}; it must "
+         f"return a scalar: {hint}")
+
+
 def per_sample_losses(loss_fn: LossFn, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
 
@@ -337,13 +385,10 @@ def per_sample_losses(loss_fn: LossFn, outputs: torch.Tensor, targets: torch.Ten
 _SEEDS: dict[tuple, torch.Tensor] = {}
 
 
-def _seed(total: torch.Tensor, scale: int) -> torch.Tensor | None:
-    """The backward seed (d total = scale) for a 0-dim ``total``, cached per device, dtype, scale and stream
+def _seed(total: torch.Tensor, scale: int) -> torch.Tensor:
+    """The backward seed (d total = scale) for the 0-dim ``total``, cached per device, dtype, scale and stream
     (the stream: a seed filled on one stream is only read, in order, on that stream): autograd would
-    otherwise launch a fill kernel on every call, about 20 us of host time on the GPU hosts. None (autograd's
-    own seed and error) when ``total`` is not a scalar."""
-    if total.dim() != 0:
-        return None if scale == 1 else torch.full_like(total, scale)
+    otherwise launch a fill kernel on every call, about 20 us of host time on the GPU hosts."""
     if total.is_cuda and torch.cuda.is_current_stream_capturing():
         # under CUDA-graph capture: a seed of the graph's own (a cached one could be freed under the graph, and
         # one made here lives in the graph's memory pool, which the cache must not hand out)
@@ -449,7 +494,7 @@ def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, .
     # with autograd, as recorded (some modules take other paths without it); the RNG state put back after
     rng = contextlib.nullcontext() if capturing else torch.random.fork_rng([inputs.device] if inputs.is_cuda else [])
     try:
-        with rng, torch.enable_grad():
+        with rng, torch.enable_grad(), buffers_kept(model):
             _forward(p, model, inputs[:1], [_sizer(unit, c) for unit, c in zip(p.units, probe)])
         failed = None
     except Exception as exc:  # per-sample gradients are those of batches of one: the fallback will say more
@@ -464,17 +509,32 @@ def _probe(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple[int, .
     return dims
 
 
-def _reading(call: _Call, batch: int, dims: tuple | None) -> tuple | None:
-    """Which of the call's argument leaves and outputs have the batch in dim 0: size B here and size 1 in the
-    probe's call, ``dims``; None, no probe (B = 1, or the sizes decide): size B here. None if the calls differ."""
-    size0 = _sizes0(call.leaves())
-    if dims is None:
-        return (tuple(s == batch for s in size0),
-                tuple(len(shape) > 0 and shape[0] == batch for _, shape, _, _ in call.outs))
-    if len(dims[0]) != len(size0) or any(i >= len(dims[1]) for i, *_ in call.outs):
+def _batch_dim(shape: tuple | None, probed: tuple | None, batch: int) -> int | None:
+    """The batch dim of a recorded tensor of ``shape`` (None: not batched, or not a tensor). With its shape in the
+    probe's call (``probed``): the dim of size B here and 1 there, -1 if several are. Without a probe (the sizes
+    decide, or B = 1): dim 0 if its size is B; for B = 1 the first dim of size 1, which holds the one sample
+    whichever it is."""
+    if not shape:
         return None
-    return (tuple(s == batch and _dim0(d) == 1 for s, d in zip(size0, dims[0])),
-            tuple(len(shape) > 0 and shape[0] == batch and _dim0(dims[1][i]) == 1 for i, shape, _, _ in call.outs))
+    if probed is None:
+        if batch != 1:
+            return 0 if shape[0] == batch else None
+        return shape.index(1) if 1 in shape else None
+    dims = [k for k in range(min(len(shape), len(probed))) if shape[k] == batch and probed[k] == 1]
+    return (dims[0] if len(dims) == 1 else -1) if dims else None
+
+
+def _reading(call: _Call, batch: int, dims: tuple | None) -> tuple | None:
+    """The batch dim (:func:`_batch_dim`) of each of the call's argument leaves and outputs, given the probe's
+    shapes of that call (``dims``, None where no probe ran); None if the two calls differ."""
+    leaves = call.leaves()
+    if dims is None:
+        return (tuple(_batch_dim(_shape(t), None, batch) for t in leaves),
+                tuple(_batch_dim(tuple(shape), None, batch) for _, shape, _, _ in call.outs))
+    if len(dims[0]) != len(leaves) or any(i >= len(dims[1]) for i, *_ in call.outs):
+        return None
+    return (tuple(_batch_dim(_shape(t), d, batch) for t, d in zip(leaves, dims[0])),
+            tuple(_batch_dim(tuple(shape), dims[1][i], batch) for i, shape, _, _ in call.outs))
 
 
 def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
@@ -483,7 +543,6 @@ def _mark_batched(call: _Call, batch: int, dims: tuple | None) -> bool:
     if reading is None:
         return False
     call.batched, call.outs_batched = reading
-    call.probe_shapes = None if dims is None else dims[0]
     return True
 
 
@@ -517,23 +576,20 @@ def _check_call(unit: _Unit, call: _Call, batch: int) -> str | None:
     if unit.rule is not None:
         x = call.args[0] if call.args else None
         reason = unit.rule.check(unit.module, x, batch)
-        if reason is None and not call.batched[0]:
+        if reason is None and call.batched[0] != 0:
             reason = (f"dim 0 of its input {list(x.shape)} has the batch size {batch} but is not the batch (a "
                       f"forward on one sample does not make it 1): {_AMBIGUOUS}")
         return None if reason is None else f"{unit.describe()}: {reason}"
-    for (_, shape, _, _), ok in zip(call.outs, call.outs_batched):
-        if not ok:
-            return (f"{unit.describe()}: its output {list(shape)} has no batch dim 0 of size {batch} (or that dim "
-                    f"is not the batch: a forward on one sample does not make it 1)")
-    # an argument without the batch in dim 0 is shared by every sample's vmapped call: one that carries the batch
-    # in another dim (size B there, 1 in the probe's call) would be summed over the samples, silently
-    for leaf, ok, probed in zip(call.leaves(), call.batched, call.probe_shapes or ()):
-        if ok or not isinstance(leaf, torch.Tensor) or probed is None or len(probed) != leaf.dim():
-            continue
-        dims = [k for k in range(1, leaf.dim()) if leaf.shape[k] == batch and probed[k] == 1]
-        if dims:
-            return (f"{unit.describe()}: its argument {list(leaf.shape)} has the batch in dim {dims[0]}, not dim 0 "
-                    f"(a forward on one sample makes that dim 1)")
+    # a torch.func unit's tensors may carry the batch in any dim (vmap's in_dims); an argument without one is
+    # shared by every sample's call, an output without one (B > 1) has no per-sample gradient to seed
+    for (_, shape, _, _), dim in zip(call.outs, call.outs_batched):
+        if dim == -1 or dim is None and batch > 1:
+            return (f"{unit.describe()}: its output {list(shape)} has no batch dim (one dim of size {batch} that a "
+                    "forward on one sample makes 1)")
+    for leaf, dim in zip(call.leaves(), call.batched):
+        if dim == -1:
+            return (f"{unit.describe()}: its argument {list(leaf.shape)} has the batch size {batch} in several dims "
+                    "that a forward on one sample makes 1")
     return None
 
 
@@ -550,9 +606,12 @@ def _record(p: Plan, model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, ta
         if outputs is None:
             return None, "a module's forward raised an exception that the model caught"
         if loss_reduction is None:  # any loss_fn: per-sample losses through vmap (~0.2 ms of Python)
-            total = per_sample_losses(loss_fn, outputs, targets).sum()
+            losses = per_sample_losses(loss_fn, outputs, targets)
+            check_loss(loss_fn, loss_reduction, losses, batched=True)
+            total = losses.sum()
         else:  # the caller vouches that the batch loss is the sum (or the mean) of the per-sample losses
             total = loss_fn(outputs, targets)
+            check_loss(loss_fn, loss_reduction, total)
     counts = tuple(map(len, calls))
     resolution = p.resolved.get(counts)
     if resolution is None:
@@ -664,23 +723,62 @@ def plain_math(device_type: str):
 # ---------------------------------------------------------------------------------------------------- gradients
 
 
+def _batched_state(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook of nn.RNN, nn.GRU and nn.LSTM under vmap: their kernels' decomposition updates the initial
+    state in place, which vmap refuses when that state is not batched (nn.RNN's and nn.GRU's default zeros, or a
+    state shared by the samples) and the input is; adding a zero made from the input gives the state the input's
+    batching."""
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, torch.Tensor) or x.numel() == 0:  # a PackedSequence: left as it is
+        return None
+    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    if hx is None:
+        layers = module.num_layers * (2 if module.bidirectional else 1)
+        batch = () if x.dim() == 2 else (x.shape[0 if module.batch_first else 1],)
+        proj = getattr(module, "proj_size", 0)
+        hx = x.new_zeros(layers, *batch, proj if proj > 0 else module.hidden_size)
+        if isinstance(module, nn.LSTM):
+            hx = (hx, x.new_zeros(layers, *batch, module.hidden_size))
+    zero = torch.zeros_like(x.reshape(-1)[:1])
+    hx = tuple(t + zero for t in hx) if isinstance(hx, tuple) else hx + zero
+    return (x, hx), {k: v for k, v in kwargs.items() if k not in ("input", "hx")}
+
+
+# Exact types, as the rules
+_RNNS = (nn.RNN, nn.GRU, nn.LSTM)
+
+
+@contextlib.contextmanager
+def rnn_state_batched(module: nn.Module):
+    """The recurrent layers at or below ``module`` can run under vmap (:func:`_batched_state`) in the body."""
+    handles = [m.register_forward_pre_hook(_batched_state, with_kwargs=True)
+               for m in module.modules() if type(m) in _RNNS]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def func_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
-                   params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+                   params: dict[str, nn.Parameter], loss_reduction: str | None) -> dict[str, torch.Tensor]:
     """Per-sample gradients of the whole model through torch.func (the fallback)."""
     detached = {k: v.detach() for k, v in params.items()}
     buffers = dict(model.named_buffers())
 
     def loss_one(prm, x, y):
         out = torch.func.functional_call(model, (prm, buffers), (x.unsqueeze(0),))
-        return loss_fn(out, y.unsqueeze(0))
+        loss = loss_fn(out, y.unsqueeze(0))
+        check_loss(loss_fn, loss_reduction, loss)
+        return loss
 
-    with torch.enable_grad():
+    with torch.enable_grad(), rnn_state_batched(model):
         return torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(detached, inputs, targets)
 
 
 def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
     """Per-sample gradients of a torch.func unit's parameters: functional_call on that module alone, with its
-    recorded arguments (those with the batch in dim 0 batched, the rest shared), vmapped over the batch,
+    recorded arguments (those with a batch dim batched along it, the rest shared), vmapped over the batch,
     differentiating <module(x_i), g_i>."""
     unit, call = entry.unit, entry.call
     module = unit.module
@@ -688,22 +786,26 @@ def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
     params = {rel: module.get_parameter(rel).detach() for rel, _ in names}
     leaves = call.leaves()
     spec = tree_flatten((call.args, call.kwargs or {}))[1]
-    batched = call.batched
-    xs = [t.detach() for t, b in zip(leaves, batched) if b]
-    shared = [None if b else (t.detach() if isinstance(t, torch.Tensor) else t) for t, b in zip(leaves, batched)]
+    dims, out_dims = call.batched, list(call.outs_batched)
+    xs = [t.detach() for t, d in zip(leaves, dims) if d is not None]
+    shared = [None if d is not None else (t.detach() if isinstance(t, torch.Tensor) else t)
+              for t, d in zip(leaves, dims)]
     picks = [i for i, *_ in call.outs]
+    # B = 1 with no dim of size 1 anywhere: nothing to map over but this (every tensor is the one sample's)
+    anchor = None if xs or any(d is not None for d in out_dims) else torch.empty(1, 0)
 
-    def one(prm, xs_i, gs_i):
+    def one(prm, xs_i, gs_i, _):
         it = iter(xs_i)
-        full = [next(it).unsqueeze(0) if b else s for b, s in zip(batched, shared)]
+        full = [next(it).unsqueeze(d) if d is not None else s for d, s in zip(dims, shared)]
         args, kwargs = tree_unflatten(full, spec)
         out = torch.func.functional_call(module, prm, tuple(args), kwargs)
         outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-        return sum((outs[i] * g.unsqueeze(0)).sum() for i, g in zip(picks, gs_i))
+        return sum((outs[i] * (g if d is None else g.unsqueeze(d))).sum() for i, g, d in zip(picks, gs_i, out_dims))
 
     context = torch.autocast(run.autocast[0], dtype=run.autocast[1]) if run.autocast else contextlib.nullcontext()
-    with torch.enable_grad(), context:
-        grads = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0))(params, xs, list(entry.grads))
+    in_dims = (None, [d for d in dims if d is not None], out_dims, None if anchor is None else 0)
+    with torch.enable_grad(), context, rnn_state_batched(module):
+        grads = torch.func.vmap(torch.func.grad(one), in_dims=in_dims)(params, xs, list(entry.grads), anchor)
     return {q: grads[rel] for rel, q in names}
 
 
@@ -820,7 +922,7 @@ def norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torc
     """Per-sample total gradient norms (B,)."""
     p, run = prepare(model, loss_fn, inputs, targets, method, loss_reduction)
     if run is None:
-        grads = func_gradients(model, loss_fn, inputs, targets, p.params)
+        grads = func_gradients(model, loss_fn, inputs, targets, p.params, loss_reduction)
         with torch.no_grad():
             return sum_terms([_sq_any(g) for g in grads.values()]).sqrt_()
     with plain_math(inputs.device.type):
@@ -837,7 +939,7 @@ def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: to
     for ``beta=0``, add for ``beta=1``); returns the per-sample norms (B,)."""
     p, run = prepare(model, loss_fn, inputs, targets, method, loss_reduction)
     writer = Writer(views, beta)
-    grads = func_gradients(model, loss_fn, inputs, targets, p.params) if run is None else None
+    grads = func_gradients(model, loss_fn, inputs, targets, p.params, loss_reduction) if run is None else None
     with plain_math(inputs.device.type):
         if run is None:
             sq = sum_terms([_sq_any(g) for g in grads.values()])

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .._cuda_graph import capture, follow
+from .engine import buffers_kept
 
 
 class _Capture:
@@ -22,13 +23,14 @@ class _Capture:
 
     __slots__ = ("graph", "inputs", "targets", "out", "loss_fn", "model_state", "stream")
 
-    def __init__(self, compute: Callable, loss_fn, inputs, targets, model_state):
+    def __init__(self, compute: Callable, model, loss_fn, inputs, targets, model_state):
         self.inputs, self.targets = inputs.detach().clone(), targets.detach().clone()
         self.loss_fn = loss_fn  # keeps it alive: the cache key holds its id
         self.model_state = model_state
         self.stream: torch.cuda.Stream | None = None  # where the last replay ran
         try:
-            self.graph, self.out = capture(lambda: compute(self.inputs, self.targets), inputs.device)
+            with buffers_kept(model):  # the warm-up forwards' buffer updates undone: the replay makes the call's
+                self.graph, self.out = capture(lambda: compute(self.inputs, self.targets), inputs.device)
         except Exception as exc:
             raise RuntimeError(f"torchkern.per_sample: use_cuda_graph=True could not capture the computation "
                                f"({type(exc).__name__}: {exc}); the model and loss must run without waiting for "
@@ -74,7 +76,7 @@ def replay(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tenso
         captures.pop(key, None)  # its graph and memory go before the new capture allocates
         if len(captures) >= _MAX_CAPTURES:
             captures.clear()
-        entry = captures[key] = _Capture(compute, loss_fn, inputs, targets, state)
+        entry = captures[key] = _Capture(compute, model, loss_fn, inputs, targets, state)
     entry.stream = follow(entry.stream, device)
     entry.inputs.copy_(inputs.detach())
     entry.targets.copy_(targets.detach())
