@@ -195,8 +195,8 @@ def test_clip_bad_arguments():
         args.update(kwargs)
         with pytest.raises(ValueError, match="torchkern.per_sample: " + message.replace("(", r"\(")):
             clip_and_accumulate(model, mse_sum, x, y, **args)
-    with pytest.raises(ValueError, match="use_cuda_graph=True needs CUDA inputs and targets, got cpu and cpu"):
-        clip_and_accumulate(model, mse_sum, x, y, 1.0, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph=True needs CUDA inputs and targets, got cpu and cpu"):
+        clip_and_accumulate(model, mse_sum, x, y, 1.0, cuda_graph=True)
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="generator must be on cpu, the parameters' device, got cuda"):
             clip_and_accumulate(model, mse_sum, x, y, 1.0, 1.0, generator=torch.Generator("cuda"))

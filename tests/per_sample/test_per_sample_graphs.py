@@ -16,10 +16,10 @@ from per_sample_testing import mlp, mse_sum, INPUTS, func_norms
 
 def test_cuda_graph_needs_cuda_inputs():
     model, x, y = mlp(), randn(4, 10), randn(4, 3)
-    with pytest.raises(ValueError, match="use_cuda_graph=True needs CUDA inputs and targets, got cpu and cpu"):
-        per_sample_grad_norms(model, mse_sum, x, y, use_cuda_graph=True)
+    with pytest.raises(ValueError, match="cuda_graph=True needs CUDA inputs and targets, got cpu and cpu"):
+        per_sample_grad_norms(model, mse_sum, x, y, cuda_graph=True)
     with pytest.raises(ValueError, match="method must be 'auto', 'fused' or 'func', got 'fast'"):
-        per_sample_grad_norms(model, mse_sum, x, y, method="fast", use_cuda_graph=True)
+        per_sample_grad_norms(model, mse_sum, x, y, method="fast", cuda_graph=True)
 
 
 @pytest.mark.parametrize("device", cuda_devices())
@@ -30,7 +30,7 @@ def test_cuda_graph_matches_plain(device, shape, method):
     results = []
     for i in range(3):  # fresh data every call: the replays must read the new inputs (the last one requiring grad)
         x, y = randn(*shape, device=device, requires_grad=i == 2), randn(*shape[:-1], 3, device=device)
-        out = per_sample_grad_norms(model, mse_sum, x, y, method=method, use_cuda_graph=True)
+        out = per_sample_grad_norms(model, mse_sum, x, y, method=method, cuda_graph=True)
         expected = func_norms(model, mse_sum, x, y)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         results.append((out, expected.clone()))
@@ -45,7 +45,7 @@ def test_cuda_graph_follows_the_model(device):
     x, y = randn(6, 10, device=device), randn(6, 3, device=device)
 
     def check():
-        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", cuda_graph=True)
         torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
         return next(iter(graphs.CAPTURES[model].values()))
 
@@ -61,14 +61,14 @@ def test_cuda_graph_follows_the_model(device):
     model[2] = nn.ReLU()  # a replaced module
     check()
     model.train()  # dropout on: a new capture, random, so only its shape and finiteness are checked here
-    out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+    out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", cuda_graph=True)
     assert out.shape == (6,) and torch.isfinite(out).all()
     model.eval()
     check()
     # another batch size and another loss: captures of their own, the earlier ones kept
     labels = torch.randint(0, 3, (4,), device=device)
     ce = nn.functional.cross_entropy
-    out = per_sample_grad_norms(model, ce, x[:4], labels, loss_reduction="mean", use_cuda_graph=True)
+    out = per_sample_grad_norms(model, ce, x[:4], labels, loss_reduction="mean", cuda_graph=True)
     torch.testing.assert_close(out, func_norms(model, ce, x[:4], labels), rtol=1e-5, atol=1e-6)
     assert len(graphs.CAPTURES[model]) == 2
     check()
@@ -85,7 +85,7 @@ def test_cuda_graph_calls_from_two_streams(device):
         stream = side if i % 2 else torch.cuda.current_stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            outs.append(per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True))
+            outs.append(per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", cuda_graph=True))
     torch.cuda.synchronize(device)
     for (x, y), out in zip(batches, outs):
         torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
@@ -106,14 +106,14 @@ class _Syncing(nn.Module):
 def test_cuda_graph_capture_failure_is_clear(device):
     model = _Syncing().to(device)
     x, y = randn(4, 10, device=device), randn(4, 3, device=device)
-    with pytest.raises(RuntimeError, match="use_cuda_graph=True could not capture the computation"):
-        per_sample_grad_norms(model, mse_sum, x, y, use_cuda_graph=True)
+    with pytest.raises(RuntimeError, match="cuda_graph=True could not capture the computation"):
+        per_sample_grad_norms(model, mse_sum, x, y, cuda_graph=True)
     plain = nn.Linear(10, 3).to(device)  # the same layer without the sync, for torch.func's reference
     plain.load_state_dict(model.lin.state_dict())
     expected = func_norms(plain, mse_sum, x, y)  # nothing left broken: the plain path and other captures work
     torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y), expected, rtol=1e-5, atol=1e-5)
     other = mlp().to(device)
-    torch.testing.assert_close(per_sample_grad_norms(other, mse_sum, x, y, use_cuda_graph=True),
+    torch.testing.assert_close(per_sample_grad_norms(other, mse_sum, x, y, cuda_graph=True),
                                func_norms(other, mse_sum, x, y), rtol=1e-5, atol=1e-5)
 
 
@@ -121,11 +121,11 @@ def test_cuda_graph_capture_failure_is_clear(device):
 def test_cuda_graph_replay_does_not_sync(device):
     model = mlp().to(device)
     x, y = randn(6, 4, 10, device=device), randn(6, 4, 3, device=device)
-    per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)  # capture
+    per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", cuda_graph=True)  # capture
     torch.cuda.synchronize(device)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
+        out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", cuda_graph=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
@@ -134,7 +134,7 @@ def test_cuda_graph_replay_does_not_sync(device):
 @pytest.mark.parametrize("device", cuda_devices())
 @pytest.mark.parametrize("name", ["mlp", "transformer", "cnn"])
 def test_clip_cuda_graph_matches_plain(device, name):
-    """use_cuda_graph=True: the replays read fresh data each call, accumulate micro-batches, and leave .grad
+    """cuda_graph=True: the replays read fresh data each call, accumulate micro-batches, and leave .grad
     owned by the caller (the next replay must not overwrite it)."""
     model, x, y = bench.dp_problem(name, device, quick=True)
     grads = []
@@ -144,7 +144,7 @@ def test_clip_cuda_graph_matches_plain(device, name):
             plain = clip_and_accumulate(model, F.cross_entropy, xi, yi, 1.0, loss_reduction="mean")
             expected = {k: p.grad.clone() for k, p in model.named_parameters()}
             out = clip_and_accumulate(model, F.cross_entropy, xi, yi, 1.0, loss_reduction="mean",
-                                      use_cuda_graph=True)
+                                      cuda_graph=True)
             torch.testing.assert_close(out, plain, rtol=1e-5, atol=1e-6)
             grads.append(({k: p.grad for k, p in model.named_parameters()}, expected))
         for got, expected in grads:
@@ -152,9 +152,9 @@ def test_clip_cuda_graph_matches_plain(device, name):
                 torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-6)
         half = x.shape[0] // 2
         clip_and_accumulate(model, F.cross_entropy, x[:half], y[:half], 1.0, loss_reduction="mean",
-                            use_cuda_graph=True, finalize=False)
+                            cuda_graph=True, finalize=False)
         clip_and_accumulate(model, F.cross_entropy, x[half:], y[half:], 1.0, loss_reduction="mean",
-                            use_cuda_graph=True)
+                            cuda_graph=True)
         micro = {k: p.grad.clone() for k, p in model.named_parameters()}
         clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, loss_reduction="mean")
         for k, p in model.named_parameters():
@@ -178,6 +178,23 @@ def test_cuda_graph_buffers_advance_once_per_call(device):
     model = _Counting().to(device)
     x, y = randn(6, 10, device=device), randn(6, 3, device=device)
     for i in range(3):
-        per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", use_cuda_graph=True)
-        clip_and_accumulate(model, mse_sum, x, y, 1.0, loss_reduction="sum", use_cuda_graph=True)
+        per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", cuda_graph=True)
+        clip_and_accumulate(model, mse_sum, x, y, 1.0, loss_reduction="sum", cuda_graph=True)
         assert model.calls.item() == 2 * (i + 1)
+
+
+def test_use_cuda_graph_is_a_deprecated_spelling():
+    """use_cuda_graph= still works, with a FutureWarning naming cuda_graph=; both at once, or a non-bool, raise."""
+    model, x, y = mlp(), randn(4, 10), randn(4, 3)
+    expected = func_norms(model, mse_sum, x, y)
+    with pytest.warns(FutureWarning, match="use_cuda_graph= is deprecated, pass cuda_graph= instead"):
+        torch.testing.assert_close(per_sample_grad_norms(model, mse_sum, x, y, use_cuda_graph=False), expected)
+    with pytest.warns(FutureWarning, match="use_cuda_graph= is deprecated"):
+        torch.testing.assert_close(clip_and_accumulate(model, mse_sum, x, y, 1.0, use_cuda_graph=False), expected)
+    for call in (per_sample_grad_norms, lambda *args, **kw: clip_and_accumulate(*args, 1.0, **kw)):
+        with pytest.warns(FutureWarning), pytest.raises(ValueError, match="cuda_graph=True needs CUDA inputs"):
+            call(model, mse_sum, x, y, use_cuda_graph=True)
+        with pytest.warns(FutureWarning), pytest.raises(ValueError, match="pass cuda_graph= only, not also"):
+            call(model, mse_sum, x, y, cuda_graph=True, use_cuda_graph=True)
+        with pytest.raises(ValueError, match="cuda_graph must be True or False, got 'yes'"):
+            call(model, mse_sum, x, y, cuda_graph="yes")

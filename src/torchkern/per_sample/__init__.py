@@ -42,7 +42,7 @@ any loss but costs ~0.2-0.3 ms of Python per call, unless ``loss_fn`` is an ``nn
 ``loss_fn`` on the whole batch is the sum / the mean over samples of the per-sample losses (e.g. ``F.mse_loss``, or
 ``F.cross_entropy`` without class weights or ignored targets, with that reduction) and skip vmap on the fused path.
 
-``use_cuda_graph=True`` (CUDA inputs; for training loops, where the call repeats with the same shapes) captures
+``cuda_graph=True`` (CUDA inputs; for training loops, where the call repeats with the same shapes) captures
 the whole computation once and replays it (``graphs.py``): a few launches of host time instead of the forward's
 and autograd's, which dominate at DP-SGD sizes.
 """
@@ -83,7 +83,7 @@ def per_sample_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor
 
 def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,
                           method: str = "auto", loss_reduction: str | None = None,
-                          use_cuda_graph: bool = False) -> torch.Tensor:
+                          cuda_graph: bool = False, use_cuda_graph: bool | None = None) -> torch.Tensor:
     """Per-sample total gradient norms (B,) over every parameter that requires grad: float32 (float64 for
     float64 models); an empty batch gives an empty tensor.
 
@@ -91,7 +91,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     :func:`linear_grad_sq_norms`); otherwise the norms of :func:`per_sample_gradients`. ``method`` and
     ``loss_reduction``: see the module docstring.
 
-    ``use_cuda_graph=True`` (CUDA inputs): the first call for a model, loss, shapes and dtypes captures the
+    ``cuda_graph=True`` (CUDA inputs): the first call for a model, loss, shapes and dtypes captures the
     whole computation in a CUDA graph, later calls copy the inputs in and replay it. The graph reads the
     parameters and buffers where they are, so in-place updates (optimizers, ``load_state_dict``) are seen; a
     new parameter or buffer tensor, a replaced module, a changed ``requires_grad`` or ``train()``/``eval()``
@@ -99,9 +99,11 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     attribute read in ``forward``, data-dependent control flow) are replayed as captured. The model and loss
     must not synchronize with the host (no ``.item()``); a capture that fails raises RuntimeError. Each
     capture keeps its activations' memory (up to 8 per model). Raises ValueError as
-    :func:`per_sample_gradients`, and for non-CUDA inputs with ``use_cuda_graph=True``.
+    :func:`per_sample_gradients`, and for non-CUDA inputs with ``cuda_graph=True``. ``use_cuda_graph``: the
+    former spelling of ``cuda_graph``, deprecated (a FutureWarning).
     """
-    if not use_cuda_graph:
+    cuda_graph = graphs.flag(cuda_graph, use_cuda_graph)
+    if not cuda_graph:
         return engine.norms(model, loss_fn, inputs, targets, method, loss_reduction)
     engine.check_method(method, loss_reduction)
     engine.check_batch(inputs, targets)

@@ -6,7 +6,7 @@
   (``vmap(grad(functional_call))``, then one norm per parameter and the norm of those), both over every
   weight and bias. ``b256`` / ``b256_t32``: one Linear(1024, 1024) with a summed MSE; ``mlp_b256``:
   Linear(1024, 1024) - ReLU - Linear(1024, 10) with cross-entropy (mean); ``..._graph``: the same calls with
-  ``use_cuda_graph=True`` (captured in setup's warm-up, then replayed, as in a DP-SGD loop). The note gives
+  ``cuda_graph=True`` (captured in setup's warm-up, then replayed, as in a DP-SGD loop). The note gives
   each one's peak extra memory: ``torch.cuda.max_memory_allocated`` after a reset, minus the memory allocated
   before the call.
 * ``ghost_norm/...``: the norm op alone on captured (a, g) against the same formula in eager torch and compiled;
@@ -19,7 +19,7 @@
   ``mlp_b256`` (4 Linear layers 1024 wide, B = 256), ``transformer_b64_t128`` (embedding 8k x 256, 2 pre-LN blocks
   of attention built from nn.Linear + MLP, mean-pooled classifier; B = 64, T = 128), ``cnn_b128`` (3 convolutions
   + GroupNorm + linear head on 32 x 32 inputs, B = 128). ``torchkern``: ``clip_and_accumulate``;
-  ``torchkern_graph``: the same with ``use_cuda_graph=True`` (CUDA); ``opacus``: Opacus 1.6's ghost clipping
+  ``torchkern_graph``: the same with ``cuda_graph=True`` (CUDA); ``opacus``: Opacus 1.6's ghost clipping
   (``GradSampleModuleFastGradientClipping`` + ``DPLossFastGradientClipping`` + ``DPOptimizerFastGradientClipping``'s
   ``pre_step``) for the MLP and the transformer, its hooks mode (``GradSampleModule`` + ``DPOptimizer.pre_step``)
   for the CNN, skipped where opacus is not installed; ``torch_func``: vmap(grad) per-sample gradients, then
@@ -118,7 +118,7 @@ def _norms_case(device: str, seq: int | None, quick: bool, mlp: bool = False, gr
         else:
             (model, x, y), loss, reduction = _problem(device, seq, quick), _loss, "sum"
         impls = {"torchkern": lambda: per_sample.per_sample_grad_norms(model, loss, x, y, loss_reduction=reduction,
-                                                                       use_cuda_graph=graph),
+                                                                       cuda_graph=graph),
                  "torch_func": lambda: _torch_func_norms(model, loss, x, y)}
         check = lambda: torch.testing.assert_close(impls["torchkern"](), impls["torch_func"](), rtol=1e-4, atol=1e-3)
         return Prepared(impls, check=check, note=_memory_note(impls, device))
@@ -255,7 +255,7 @@ def torchkern_step(model, x, y, noise: float = SIGMA, graph: bool = False):
     def step():
         model.zero_grad(set_to_none=True)
         return per_sample.clip_and_accumulate(model, F.cross_entropy, x, y, MAX_NORM, noise, loss_reduction="mean",
-                                              use_cuda_graph=graph)
+                                              cuda_graph=graph)
 
     return step
 
@@ -397,7 +397,7 @@ def cases(device: str, quick: bool) -> list[Case]:
         out += [_norms_case(device, seq, quick), _ghost_case(device, seq, quick), _grads_case(device, seq, quick),
                 _e2e_grads_case(device, seq, quick)]
     out.append(_norms_case(device, None, quick, mlp=True))
-    if torch.device(device).type == "cuda":  # the CUDA-graph replay (use_cuda_graph=True) of the same calls
+    if torch.device(device).type == "cuda":  # the CUDA-graph replay (cuda_graph=True) of the same calls
         out += [_norms_case(device, None, quick, graph=True), _norms_case(device, None, quick, mlp=True, graph=True)]
     out.append(_ghost_case(device, None, quick, fc1=True))
     out += [_dp_case(device, name, quick) for name in ("mlp", "transformer", "cnn")]

@@ -151,7 +151,8 @@ def _write_grads(layout: Layout, flats: list[torch.Tensor], views: dict[str, tor
 def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
                         max_norm: float, noise_multiplier: float = 0.0, generator: torch.Generator | None = None, *,
                         loss_reduction: str | None = None, method: str = "auto", batch_size: int | None = None,
-                        finalize: bool = True, use_cuda_graph: bool = False) -> torch.Tensor:
+                        finalize: bool = True, cuda_graph: bool = False,
+                        use_cuda_graph: bool | None = None) -> torch.Tensor:
     """One DP-SGD gradient: every trainable parameter's ``.grad`` becomes
     ``(sum_i min(1, C / ||grad_i||) grad_i + sigma C N(0, I)) / B`` with C = ``max_norm``, sigma =
     ``noise_multiplier``, grad_i the gradient of sample i's loss over all trainable parameters (each sample a
@@ -188,9 +189,10 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
 
     ``torch.autocast``: the forward runs under the caller's autocast; each layer's norms use its own compute
     dtype; clip factors, clipped products, sums, norms and noise are float32 (a low-precision activation is
-    scaled by its sample's factor in float32, never by a factor rounded to its dtype). ``use_cuda_graph=True``
+    scaled by its sample's factor in float32, never by a factor rounded to its dtype). ``cuda_graph=True``
     (CUDA inputs; as for :func:`per_sample_grad_norms`): the norms and clipped sums are captured once per model,
-    loss, shapes and ``max_norm`` and replayed; the noise is drawn outside the graph.
+    loss, shapes and ``max_norm`` and replayed; the noise is drawn outside the graph. ``use_cuda_graph``: the
+    former spelling of ``cuda_graph``, deprecated (a FutureWarning).
 
     Raises ValueError for a non-finite or non-positive ``max_norm``, a negative ``noise_multiplier``, a
     ``generator`` on another device, ``batch_size`` <= 0, mismatched batch sizes, a model without trainable
@@ -198,10 +200,11 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     ``max_norm`` or trainable parameters changed between micro-batches.
     """
     try:
+        cuda_graph = graphs.flag(cuda_graph, use_cuda_graph)
         max_norm, noise_multiplier = _check_args(max_norm, noise_multiplier, generator, batch_size)
         engine.check_method(method, loss_reduction)
         engine.check_batch(inputs, targets)
-        if use_cuda_graph:
+        if cuda_graph:
             graphs.check_cuda(inputs, targets)
         plan = engine.plan(model)
         if not plan.params:
@@ -215,7 +218,7 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
             engine.fail("the trainable parameters (or their devices or dtypes) or max_norm changed between the "
                         "micro-batches of one step (the step's pending sum was discarded)")
         return _step(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, loss_reduction, method,
-                     batch_size, finalize, use_cuda_graph, layout, pending)
+                     batch_size, finalize, cuda_graph, layout, pending)
     except BaseException:
         # any call that raises, its arguments' checks included, ends the step: the micro-batches summed before it
         # must not leak into the next step (the caller, catching the error, starts a fresh one)
@@ -224,9 +227,9 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
 
 
 def _step(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, loss_reduction, method, batch_size,
-          finalize, use_cuda_graph, layout, pending) -> torch.Tensor:
+          finalize, cuda_graph, layout, pending) -> torch.Tensor:
     batch = inputs.shape[0]
-    if use_cuda_graph and batch > 0:
+    if cuda_graph and batch > 0:
         def compute(x, y):
             flats = layout.empty()
             out = engine.clipped(model, loss_fn, x, y, method, loss_reduction, max_norm, layout.views(flats), 0)

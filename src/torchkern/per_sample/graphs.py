@@ -1,4 +1,4 @@
-"""``use_cuda_graph=True``: a per-sample computation captured once per model, loss, shapes and model state, then
+"""``cuda_graph=True``: a per-sample computation captured once per model, loss, shapes and model state, then
 replayed (a few launches of host time instead of the forward's, autograd's and the rules' own).
 
 The graph reads the parameters and buffers where they are, so in-place updates (optimizers, ``load_state_dict``)
@@ -8,6 +8,7 @@ flag, or a different autocast state captures anew. Its outputs are static: calle
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Callable
 
@@ -32,10 +33,10 @@ class _Capture:
             with buffers_kept(model):  # the warm-up forwards' buffer updates undone: the replay makes the call's
                 self.graph, self.out = capture(lambda: compute(self.inputs, self.targets), inputs.device)
         except Exception as exc:
-            raise RuntimeError(f"torchkern.per_sample: use_cuda_graph=True could not capture the computation "
+            raise RuntimeError(f"torchkern.per_sample: cuda_graph=True could not capture the computation "
                                f"({type(exc).__name__}: {exc}); the model and loss must run without waiting for "
                                "the device (no .item(), .tolist() or data-dependent shapes): use "
-                               "use_cuda_graph=False for this model") from exc
+                               "cuda_graph=False for this model") from exc
 
 
 CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
@@ -53,9 +54,22 @@ def _model_state(model: nn.Module) -> tuple:
     return tuple(state)
 
 
+def flag(cuda_graph: object, use_cuda_graph: object) -> bool:
+    """``cuda_graph``, or its former spelling ``use_cuda_graph`` (deprecated: a FutureWarning)."""
+    if use_cuda_graph is not None:
+        warnings.warn("torchkern.per_sample: use_cuda_graph= is deprecated, pass cuda_graph= instead", FutureWarning,
+                      stacklevel=3)
+        if cuda_graph:
+            raise ValueError("torchkern.per_sample: pass cuda_graph= only, not also use_cuda_graph=")
+        cuda_graph = use_cuda_graph
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"torchkern.per_sample: cuda_graph must be True or False, got {cuda_graph!r}")
+    return cuda_graph
+
+
 def check_cuda(inputs: torch.Tensor, targets: torch.Tensor) -> None:
     if not (inputs.is_cuda and targets.is_cuda):
-        raise ValueError("torchkern.per_sample: use_cuda_graph=True needs CUDA inputs and targets, got "
+        raise ValueError("torchkern.per_sample: cuda_graph=True needs CUDA inputs and targets, got "
                          f"{inputs.device} and {targets.device}")
 
 
