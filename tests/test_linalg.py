@@ -308,7 +308,8 @@ def test_root_bad_inputs():
         linalg.matrix_inverse_root(G, 4, method="svd")
     with _raises("torchkern.matrix_inverse_root: G must be float32, float64, float16 or bfloat16, got int64"):
         linalg.matrix_inverse_root(torch.eye(3, dtype=torch.long), 4)
-    with _raises("torchkern.matrix_inverse_root: eps must be >= 0, got -1.0"):
+    with _raises("torchkern.matrix_inverse_root: eps must be a finite number in [0, 3.40282e+38] (the range of "
+                 "float32, the compute dtype), got -1"):
         linalg.matrix_inverse_root(G, 4, eps=-1.0)
 
 
@@ -481,7 +482,8 @@ def test_kron_precondition_bad_inputs():
     with _raises("torchkern.kron_precondition: right must have shape [3, 3] (n = grad.shape[-1]) or be a tuple "
                  "(Q, d), got [4, 4]"):
         linalg.kron_precondition(grad, L, L)
-    with _raises("torchkern.kron_precondition: left[1] (d) must have shape [4], got [3]"):
+    with _raises("torchkern.kron_precondition: left[1] (d) must have shape [4] like left[0] (Q) without its last "
+                 "dim, got [3]"):
         linalg.kron_precondition(grad, (Q, torch.ones(3)), (R, torch.ones(3)))
     with _raises("torchkern.kron_precondition: left and right must both be inverse factors or both be (Q, d) "
                  "eigendecompositions, got left as (Q, d) and right as a tensor"):
@@ -1008,7 +1010,7 @@ def test_root_issue_repro_rank_deficient_statistics(device):
     assert torch.isfinite(R).all() and torch.isfinite(err).all()
     assert rel_err(R, Re.double().cpu()) <= 1e-3
     with pytest.raises(RuntimeError, match=r"^torchkern\.matrix_inverse_root: the Newton iteration did not converge "
-                                           r"for the matrices at batch indices \["):
+                                           r"in the matrices at batch indices \["):
         linalg.matrix_inverse_root(G, 4, eps=1e-6, method="newton", fallback=False)
 
 
@@ -1099,8 +1101,8 @@ def test_root_fallback_for_a_spent_budget():
     G = spd(16, 1e3, batch=(2,)).float()
     X = linalg.matrix_inverse_root(G, 4, method="newton", max_iters=2)
     assert rel_err(X, root_ref(G, 4, 1e-6)) <= 1e-5
-    with pytest.raises(RuntimeError, match=r"did not converge for the matrices at batch indices \[0, 1\]"):
+    with pytest.raises(RuntimeError, match=r"did not converge in the matrices at batch indices \[0, 1\]"):
         linalg.matrix_inverse_root(G, 4, method="newton", max_iters=2, fallback=False)
     with pytest.raises(RuntimeError, match=r"^torchkern\.matrix_inverse_root: the Newton iteration did not converge "
-                                           r"for the matrices \(error"):
+                                           r"\(error"):
         linalg.matrix_inverse_root(G[0], 4, method="newton", max_iters=2, fallback=False)

@@ -35,6 +35,11 @@ COMPILE_DEFINITIONS = {
 # (float32 and half input: EIGH_TOL_F32; float64: EIGH_TOL_F64); entries below TOL ||A||_F / n are not rotated.
 EIGH_TOL_F32 = 1e-6
 EIGH_TOL_F64 = 1e-13
+# The public eigh refuses a warm start Q0 with ||Q0^T Q0 v - v|| > TOL ||v|| on its probe vectors (linalg/finish.py):
+# ten times eigh's own float32 orthogonality bar (1e-5) and a hundred times its float64 one (1e-12), so that every
+# basis an eigensolver or a QR returns passes; float16 and bfloat16 Q0 allow 16 of their eps (their own rounding).
+EIGH_Q0_ORTH_TOL_F32 = 1e-4
+EIGH_Q0_ORTH_TOL_F64 = 1e-10
 # Sweep caps: the whole-matrix solve and the block method's outer sweeps (cyclic Jacobi converges in 6 to 14
 # sweeps on the test spectra; the cap only bounds the time on pathological input), and the sweeps of each
 # subproblem per round of the block method: one (an emulation, n = 256, b = 32, condition 1e8: 14 outer sweeps

@@ -6,7 +6,7 @@ import torch
 
 from .._library import define, save_inputs
 from .._checks import opmath_dtype
-from . import twins
+from . import finish, twins
 
 
 def _newton_fake(G, p, eps, max_iters, tol, wait=True):
@@ -58,3 +58,17 @@ def _eigh_backward(ctx, grad_w, grad_V):
 # tol: the Jacobi kernels' stopping tolerance (off-diagonal norm relative to ||A||_F), None for the dtype's smallest.
 define("eigh(Tensor A, Tensor? Q0=None, str solver=\"auto\", float? tol=None) -> (Tensor, Tensor)", twin=twins.eigh,
        fake=_eigh_fake, backward=_eigh_backward, setup_context=_eigh_setup)
+
+
+# The public functions' one host sync, as ops so that torch.compile(fullgraph=True) keeps them as opaque calls
+# (linalg/finish.py): each returns a copy of its first input once the results are known good, or raises naming
+# the bad argument; _newton_finish also replaces the matrices whose iteration did not converge.
+def _eigh_finish_backward(ctx, grad):
+    return grad, None, None, None, None
+
+
+define("_eigh_finish(Tensor w, Tensor A, Tensor? Q0, str op=\"eigh\", str name=\"A\") -> Tensor",
+       twin=finish.eigh_finish, fake=finish.eigh_finish_fake, backward=_eigh_finish_backward,
+       setup_context=lambda ctx, inputs, output: None)
+define("_newton_finish(Tensor G, Tensor root, Tensor err, int p, float eps, float tol, bool fallback) -> Tensor",
+       twin=finish.newton_finish, fake=finish.newton_finish_fake)

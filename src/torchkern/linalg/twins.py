@@ -56,14 +56,20 @@ from .._checks import (check, check_float, check_same_device, check_same_dtype, 
 
 
 
-def check_root_args(op: str, G: torch.Tensor, p: int, max_iters: int = 1, tol: float = 0.0, eps: float = 0.0) -> None:
+def check_root_args(op: str, G: torch.Tensor, p: int, max_iters: int = 1, tol: float = 0.0, eps: float = 0.0,
+                    compute: torch.dtype | None = None) -> None:
+    """Checks of the roots' arguments; ``compute``: the dtype the root is computed in (default: G's opmath dtype),
+    whose range bounds eps (G + eps I must be finite there)."""
     check_float(op, "G", G)
     check(G.dim() >= 2 and G.shape[-1] == G.shape[-2], op,
           f"G must have shape [..., n, n] (square matrices), got {shape(G)}")
     check(isinstance(p, int) and not isinstance(p, bool) and p >= 1, op, f"p must be a positive integer, got {p!r}")
     check(max_iters >= 0, op, f"max_iters must be >= 0, got {max_iters}")
-    check(tol >= 0, op, f"tol must be >= 0, got {tol}")
-    check(eps >= 0, op, f"eps must be >= 0, got {eps}")
+    check(tol >= 0, op, f"tol must be >= 0, got {tol:g}")
+    cdt = compute or opmath_dtype(G.dtype)
+    top = torch.finfo(cdt).max
+    check(0 <= eps <= top, op, f"eps must be a finite number in [0, {top:g}] (the range of {dtype_name(cdt)}, "
+                               f"the compute dtype), got {eps:g}")
 
 
 def _matrix_power(M: torch.Tensor, p: int) -> torch.Tensor:
@@ -201,28 +207,42 @@ def matrix_inverse_root_newton(G: torch.Tensor, p: int, eps: float, max_iters: i
     return (X.to(G.dtype).reshape(G.shape).contiguous(), err.reshape(batch), iters.reshape(batch))
 
 
-def root_from_eigh(w: torch.Tensor, V: torch.Tensor, p: int, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """V diag(max(w, floor)^(-1/p)) V^T with floor = max(eps, the smallest normal number of ``dtype``, the
-    result's dtype): eigenvalues at or below eps (rounding, or a singular G with eps = 0) are clamped, and every
-    entry of the root stays finite in ``dtype`` (floor^(-1/p) <= 1 / floor; |V D V^T| <= max D for orthonormal V)."""
-    floor = max(eps, torch.finfo(dtype).tiny)
-    return (V * w.clamp_min(floor).pow(-1.0 / p).unsqueeze(-2)) @ V.mT
+def root_from_eigh(w: torch.Tensor, V: torch.Tensor, e: torch.Tensor, p: int, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """V diag(d) V^T for the eigenpairs (w, V) of A 2^-e (e: an int tensor per matrix), d = max(w 2^e, floor)^(-1/p),
+    floor = max(eps, the smallest normal number of ``dtype``, the result's dtype): eigenvalues at or below eps
+    (rounding, or a singular G with eps = 0) are clamped. d is formed in float64 from the scaled eigenvalues, so
+    nothing overflows on the way, and every entry of the root stays finite in ``dtype`` (d <= floor^(-1/p) <=
+    max(1, 1 / floor); |V D V^T| <= max D for orthonormal V)."""
+    floor = torch.tensor(max(eps, torch.finfo(dtype).tiny), dtype=torch.float64, device=w.device)
+    e = e.unsqueeze(-1)
+    # the floor in A 2^-e's units; in float64 only an extreme e makes it underflow, where it stays at the smallest
+    # normal float64 (a clamp at eigenvalues far below the matrix's rounding either way)
+    floor_scaled = times_pow2(floor, -e).clamp_min(torch.finfo(torch.float64).tiny)
+    d = torch.exp2(-(torch.log2(torch.maximum(w.double(), floor_scaled)) + e) / p)
+    return (V * d.to(V.dtype).unsqueeze(-2)) @ V.mT
 
 
 def matrix_inverse_root_eigh(G: torch.Tensor, p: int, eps: float, compute: torch.dtype | None = None,
-                             eigh=torch.linalg.eigh):
+                             eigh=torch.linalg.eigh) -> torch.Tensor:
     """(G + eps I)^(-1/p) by eigendecomposition of A = (G + G^T) / 2 + eps I = Q diag(l) Q^T:
     root = Q diag(max(l, floor)^(-1/p)) Q^T (:func:`root_from_eigh`).
 
     Computed in ``compute`` (default: float64 for float64 input, float32 otherwise; half types are upcast), by
-    ``eigh`` (torch.linalg.eigh here; the public function passes torchkern's); returns (root in the compute
-    dtype, A). No checks: the caller checks.
+    ``eigh`` (torch.linalg.eigh here; the public function passes torchkern's) on A 2^-e, e per matrix from
+    frexp of max(max |g|, eps): an exact scaling under which neither the sum with eps I nor an eigenvalue can
+    overflow. Returns the root in the compute dtype. No checks: the caller checks.
     """
     n = G.shape[-1]
     cdt = compute or opmath_dtype(G.dtype)
-    A = symmetric_part(G.to(cdt)) + eps * torch.eye(n, dtype=cdt, device=G.device)
+    X = G.to(cdt)
+    top = torch.clamp_min(X.abs().amax((-2, -1)), eps) if n else X.new_zeros(X.shape[:-2])
+    e = torch.frexp(top).exponent
+    eye = torch.eye(n, dtype=cdt, device=G.device)
+    eps_scaled = times_pow2(torch.full_like(top, eps), -e)[..., None, None]
+    A = symmetric_part(times_pow2(X, -e[..., None, None])) + eps_scaled * eye
     w, V = eigh(A)
-    return root_from_eigh(w, V, p, eps, G.dtype), A
+    return root_from_eigh(w, V, e, p, eps, G.dtype)
 
 
 def root_residual(X: torch.Tensor, G: torch.Tensor, p: int, eps: float) -> torch.Tensor:
@@ -235,10 +255,15 @@ def root_residual(X: torch.Tensor, G: torch.Tensor, p: int, eps: float) -> torch
     return inf_norm_residual(_matrix_power(X.double(), p) @ A)
 
 
-def newton_failed(err: torch.Tensor, tol: float) -> torch.Tensor:
+def newton_failed(err: torch.Tensor, tol: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """The matrices whose Newton iteration did not converge: error above max(tol, NEWTON_ACCEPT), or not finite
-    (a non-finite iterate, a diverging iteration, or a spent budget all end there)."""
-    return ~(err <= max(tol, NEWTON_ACCEPT))
+    (a non-finite iterate, a diverging iteration, or a spent budget all end there); given ``out``, the root in the
+    caller's dtype, also those whose root does not fit that dtype where its range is narrower than the compute
+    dtype's (float16 roots of matrices below about 1.5e-5, computed in float32)."""
+    failed = ~(err <= max(tol, NEWTON_ACCEPT))
+    if out is not None and torch.finfo(out.dtype).max < torch.finfo(err.dtype).max:
+        failed = failed | ~torch.isfinite(out).flatten(-2).all(-1)
+    return failed
 
 
 def replace_failed(G: torch.Tensor, root: torch.Tensor, failed: torch.Tensor, p: int, eps: float,
@@ -247,7 +272,7 @@ def replace_failed(G: torch.Tensor, root: torch.Tensor, failed: torch.Tensor, p:
     roots (:func:`matrix_inverse_root_eigh`): the work is only for those matrices."""
     n = G.shape[-1]
     idx = failed.reshape(-1).nonzero().flatten()
-    fixed, _ = matrix_inverse_root_eigh(G.reshape(-1, n, n)[idx], p, eps, torch.float64, eigh)
+    fixed = matrix_inverse_root_eigh(G.reshape(-1, n, n)[idx], p, eps, torch.float64, eigh)
     out = root.reshape(-1, n, n).clone()
     out[idx] = fixed.to(out.dtype)
     return out.reshape(root.shape)
@@ -259,22 +284,21 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
     """Pure-PyTorch twin of :func:`torchkern.linalg.matrix_inverse_root` (no kernels, no NaN check: a matrix
     with a NaN or Inf entry gets a NaN root; with ``fallback=False`` a matrix that did not converge keeps its
     Newton root)."""
-    check_root_args("matrix_inverse_root", G, p, max_iters, tol, eps)
+    compute = torch.float64 if float64 else opmath_dtype(G.dtype)
+    check_root_args("matrix_inverse_root", G, p, max_iters, tol, eps, compute)
     if method == "auto":
         method = "eigh" if (float64 or G.dtype == torch.float64 or G.device.type == "cpu") else "newton"
     if method == "eigh":
-        root, _ = matrix_inverse_root_eigh(G, p, eps, torch.float64 if float64 else None)
+        out = matrix_inverse_root_eigh(G, p, eps, compute).to(G.dtype)
     else:
-        H = G.double() if float64 else G
-        root, err, _ = matrix_inverse_root_newton(H, p, eps, max_iters, tol)
-        finite = torch.isfinite(G).flatten(-2).all(-1)
-        failed = newton_failed(err, tol) & finite
+        root, err, _ = matrix_inverse_root_newton(G.to(compute) if float64 else G, p, eps, max_iters, tol)
+        out = root.to(G.dtype)
+        failed = newton_failed(err, tol, out) & torch.isfinite(G).flatten(-2).all(-1)
         if fallback and bool(failed.any()):
-            root = replace_failed(G, root, failed, p, eps)
-    out = root.to(G.dtype)
+            out = replace_failed(G, out, failed, p, eps)
     if not return_error:
         return out
-    return out, root_residual(out, G, p, eps).to(opmath_dtype(torch.float64 if float64 else G.dtype))
+    return out, root_residual(out, G, p, eps).to(compute)
 
 
 # ----------------------------------------------------------------------------- eigh
@@ -410,7 +434,6 @@ def kron_shape(A: torch.Tensor, B: torch.Tensor, batch: torch.Size) -> tuple[int
 def kron(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     """out[..., i*p + k, j*q + l] = A[..., i, j] * B[..., k, l] (batch dims broadcast)."""
     batch = check_kron(A, B)
-    (m, n), (p, q) = A.shape[-2:], B.shape[-2:]
     out = A[..., :, None, :, None] * B[..., None, :, None, :]
     return out.reshape(kron_shape(A, B, batch)).contiguous()
 
@@ -440,7 +463,10 @@ def _factor_form(op: str, name: str, factor, size: int, dim_name: str, grad: tor
         Q, d = factor
         check(Q.dim() >= 2 and Q.shape[-2:] == (size, size), op,
               f"{name}[0] (Q) must have shape [{size}, {size}], got {shape(Q)}")
-        check(d.dim() >= 1 and d.shape[-1] == size, op, f"{name}[1] (d) must have shape [{size}], got {shape(d)}")
+        # d pairs with Q matrix by matrix: a d of other batch dims would broadcast into a result of another shape
+        check(d.shape == Q.shape[:-1], op,
+              f"{name}[1] (d) must have shape {list(Q.shape[:-1])} like {name}[0] (Q) without its last dim, "
+              f"got {shape(d)}")
         for part, t in ((f"{name}[0]", Q), (f"{name}[1]", d)):
             check_same_dtype(op, "grad", grad, part, t)
             check_same_device(op, "grad", grad, part, t)
@@ -460,11 +486,16 @@ def check_kron_precondition(grad: torch.Tensor, left, right, damping: float):
         fail(op, f"left and right must both be inverse factors or both be (Q, d) eigendecompositions, "
                  f"got left as {'(Q, d)' if lf[0] == 'eigen' else 'a tensor'} and right as "
                  f"{'(Q, d)' if rf[0] == 'eigen' else 'a tensor'}")
+    try:
+        torch.broadcast_shapes(grad.shape[:-2], lf[1].shape[:-2], rf[1].shape[:-2])
+    except RuntimeError:
+        fail(op, f"the batch dims of grad {shape(grad)}, left {shape(lf[1])} and right {shape(rf[1])} do not "
+                 f"broadcast")
     if lf[0] == "inverse":
         check(damping == 0, op, f"damping applies to the (Q, d) form only (fold it into the inverse factors), "
-                                f"got damping={damping} with inverse factors")
+                                f"got damping={damping:g} with inverse factors")
     else:
-        check(damping >= 0, op, f"damping must be >= 0, got {damping}")
+        check(0 <= damping < float("inf"), op, f"damping must be a finite number >= 0, got {damping:g}")
     return lf, rf
 
 

@@ -472,12 +472,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(c
   TORCHKERN_CHECK(p >= 1, "p must be a positive integer, got ", p);
   TORCHKERN_CHECK(max_iters >= 0, "max_iters must be >= 0, got ", max_iters);
   TORCHKERN_CHECK(tol >= 0, "tol must be >= 0, got ", tol);
-  TORCHKERN_CHECK(eps >= 0, "eps must be >= 0, got ", eps);
+  // G + eps I must be finite in the compute type (float32 for the half types)
+  const bool f64 = G.scalar_type() == at::kDouble;
+  const double top = f64 ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+  TORCHKERN_CHECK(eps >= 0 && eps <= top, "eps must be a finite number in [0, ", top, "] (the range of ",
+                  f64 ? "float64" : "float32", ", the compute dtype), got ", eps);
   TORCHKERN_CHECK_CUDA(G);
   TORCHKERN_CHECK(G.size(-1) < (1 << 20) && max_iters < (1 << 30), "n and max_iters are too large");
   const at::cuda::OptionalCUDAGuard guard(G.device());
   const auto batch_shape = G.sizes().slice(0, G.dim() - 2);
-  const at::ScalarType cdt = G.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType cdt = f64 ? at::kDouble : at::kFloat;
   at::Tensor root = at::empty(G.sizes(), G.options());
   at::Tensor err = at::empty(batch_shape, G.options().dtype(cdt));
   at::Tensor iters = at::empty(batch_shape, G.options().dtype(at::kInt));
