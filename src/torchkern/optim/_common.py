@@ -17,10 +17,11 @@ from .._library import has_cuda_kernel
 PRECISIONS = ("fp32", "bf16")
 
 
-def check_arg(cls: str, name: str, value, ok: bool, requirement: str) -> None:
-    """Raise ``ValueError("<cls>: invalid <name> <value>: <requirement>")`` unless ``ok``."""
+def check_arg(cls: str, name: str, value, ok: bool, requirement: str, where: str = "") -> None:
+    """Raise ``ValueError("<cls>: invalid <name> <value><where>: <requirement>")`` unless ``ok``; ``where`` names the
+    param group (" in param_groups[1]") when the value is a group's."""
     if not ok:
-        raise ValueError(f"{cls}: invalid {name} {value!r}: {requirement}")
+        raise ValueError(f"{cls}: invalid {name} {value!r}{where}: {requirement}")
 
 
 def is_int(value) -> bool:
@@ -327,11 +328,53 @@ class GuardedOptimizer(torch.optim.Optimizer):
     _name = "optimizer"
 
     def __init__(self, params: Iterable, defaults: dict) -> None:
-        super().__init__(params, defaults)
+        self._check_hyperparameters(defaults, "")  # the constructor's arguments, named plainly
+        self._checked: dict[int, tuple] = {}
+        super().__init__(params, defaults)  # add_param_group checks every group
         self._init_caches()
 
     def _init_caches(self) -> None:
         self._guard = StepGuard(self._name)
+        self._checked = {}  # param group index -> (its values, its parameter count) when last checked
+
+    def _check_hyperparameters(self, group: dict, where: str) -> None:
+        """Raise ValueError naming the argument (and ``where``, the group) for any invalid hyperparameter of
+        ``group``."""
+        raise NotImplementedError
+
+    def _check_group(self, index: int, group: dict) -> None:
+        """A param group's hyperparameters, and no parameter listed twice (it would be updated twice per step)."""
+        where = f" in param_groups[{index}]"
+        seen = set()
+        for i, p in enumerate(group["params"]):
+            if p in seen:
+                raise ValueError(f"{self._name}: parameter {i}{where} (shape {list(p.shape)}) is listed twice; "
+                                 f"list each parameter once")
+            seen.add(p)
+        self._check_hyperparameters(group, where)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``Optimizer.add_param_group``, then the group's checks (``_check_group``): an invalid group is not added."""
+        with warnings.catch_warnings():  # torch only warns about a parameter listed twice: the check below raises
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate")
+            super().add_param_group(param_group)
+        try:
+            self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_groups(self) -> None:
+        """Check the param groups whose values changed since they were last checked (a schedule or a user writing
+        ``param_groups`` mid-run), before a step uses them. The values are held, so a changed value is never
+        mistaken for an old one that had its id."""
+        for i, group in enumerate(self.param_groups):
+            values, count = list(group.values()), len(group["params"])
+            seen = self._checked.get(i)
+            if (seen is None or seen[1] != count or len(seen[0]) != len(values)
+                    or any(a is not b for a, b in zip(seen[0], values))):
+                self._check_group(i, group)
+                self._checked[i] = (values, count)
 
     def __setstate__(self, state: dict) -> None:  # unpickling / deepcopy: the caches are not part of the state
         super().__setstate__(state)
@@ -354,6 +397,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_groups()
         with no_autocast():
             self._step()
         return loss
@@ -375,7 +419,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
 
 def load_state_dict_keeping_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict, keys: frozenset) -> None:
-    """``Optimizer.load_state_dict``, but the tensors under ``keys`` keep their saved dtype.
+    """``Optimizer.load_state_dict``, but the tensors under ``keys`` keep their saved dtype, and step counts saved as
+    one-element tensors become ints (``check_state_dict`` has checked them).
 
     The base class casts every floating-point state tensor to its parameter's dtype; statistics
     kept in float32 for a bfloat16 parameter would be rounded to bfloat16 on load.
@@ -386,8 +431,12 @@ def load_state_dict_keeping_dtypes(optimizer: torch.optim.Optimizer, state_dict:
     torch.optim.Optimizer.load_state_dict(optimizer, state_dict)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     for pid, param in zip(ids, params):
+        state = optimizer.state[param]
         for key, value in originals.get(pid, {}).items():
-            optimizer.state[param][key] = _to_device(value, param.device)
+            state[key] = _to_device(value, param.device)
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = int(state["step"].item())
+    optimizer._checked.clear()  # the loaded groups are checked again before the next step
 
 
 def _to_device(value, device):
@@ -405,11 +454,12 @@ def _to_device(value, device):
 StateSpec = dict
 
 
-def check_state_dict(cls: str, optimizer: torch.optim.Optimizer, state_dict, spec: Callable[[torch.Tensor, dict],
+def check_state_dict(cls: str, optimizer: "GuardedOptimizer", state_dict, spec: Callable[[torch.Tensor, dict],
                      StateSpec], names: dict | None = None) -> None:
-    """Check a state dict against the optimizer's parameters before loading it: structure, group sizes, and every
-    saved state entry's keys, types and shapes (``spec(param, group)`` gives what is expected). Raises
-    ValueError naming the parameter (``names``: parameter -> name, else its index, group and shape)."""
+    """Check a state dict against the optimizer's parameters before loading it: structure, group sizes, each saved
+    group's hyperparameters (the optimizer's ``_check_hyperparameters``), and every saved state entry's keys, types
+    and shapes (``spec(param, group)`` gives what is expected). Raises ValueError naming the group's argument or the
+    parameter (``names``: parameter -> name, else its index, group and shape)."""
     def bad(message: str):
         raise ValueError(f"{cls}: cannot load state_dict: {message}")
 
@@ -425,6 +475,8 @@ def check_state_dict(cls: str, optimizer: torch.optim.Optimizer, state_dict, spe
         if len(saved_group["params"]) != len(group["params"]):
             bad(f"param_groups[{gi}] holds {len(saved_group['params'])} parameters, this optimizer's "
                 f"{len(group['params'])}")
+        merged = {**group, **{k: v for k, v in saved_group.items() if k != "params"}}
+        optimizer._check_hyperparameters(merged, f" in param_groups[{gi}] of the state dict")
         for pi, (pid, p) in enumerate(zip(saved_group["params"], group["params"])):
             state = state_dict["state"].get(pid)
             if state is None:
@@ -433,7 +485,7 @@ def check_state_dict(cls: str, optimizer: torch.optim.Optimizer, state_dict, spe
                    f"parameter {pi} of group {gi} (shape {list(p.shape)})")
             if not isinstance(state, dict):
                 bad(f"the state of {who} must be a dict, got {type(state).__name__}")
-            expected = spec(p, {**group, **{k: v for k, v in saved_group.items() if k != "params"}})
+            expected = spec(p, merged)
             for key, value in state.items():
                 if key not in expected:
                     bad(f"the state of {who} has an unexpected entry {key!r} (expected some of {sorted(expected)})")
@@ -443,9 +495,9 @@ def check_state_dict(cls: str, optimizer: torch.optim.Optimizer, state_dict, spe
 def _check_entry(bad, who: str, key: str, value, want) -> None:
     if want == "any":
         return
-    if want == "int":
-        ok = (is_int(value) and value >= 0) or (isinstance(value, torch.Tensor) and value.numel() == 1)
-        if not ok:
+    if want == "int":  # a step count: an int, or a one-element tensor holding one (torch's optimizers' form)
+        number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+        if not (is_int(number) or (is_real(number) and float(number).is_integer())) or number < 0:
             bad(f"the state of {who}: {key!r} must be a non-negative integer, got {value!r}")
         return
     if isinstance(want, list):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections import defaultdict
 
 import torch
@@ -130,6 +131,10 @@ class KFAC(GuardedOptimizer):
         cuda_graph: on CUDA, replay the steps between refreshes (fold, preconditioning, update) as one CUDA graph
             once the same layers have stepped three times in a row (``_common.StepGraph``; docs/design.md,
             "The update as a CUDA graph"); False runs every step eagerly.
+        max_preconditioner_dim: a layer whose weight matrix (out_features x in_features times the kernel's area)
+            has a dimension above this takes SGD steps like the other parameters (a warning names it): its factor
+            would take that dimension squared in memory and cubed in each eigendecomposition, with no blocks to
+            split it into. The default 4096 is Google's Shampoo's limit for preconditioning a dimension.
 
     Factors and their captured contributions are kept in float32 (float64 for float64 weights)
     with autocast off. Captured contributions are folded into A and G inside ``step`` (never
@@ -157,12 +162,9 @@ class KFAC(GuardedOptimizer):
                  factor_update_freq: int = 1, inv_update_freq: int = 10, kl_clip: float | None = 1e-3,
                  momentum: float = 0.0, weight_decay: float = 0.0, batch_averaged: bool = True,
                  grad_scaler: torch.amp.GradScaler | None = None, refresh: str = "eigh", precision: str = "fp32",
-                 cuda_graph: bool = True, eigh_tol: float | None = 1e-4):
+                 cuda_graph: bool = True, eigh_tol: float | None = 1e-4, max_preconditioner_dim: int = 4096):
         name = self._name
         check_arg(name, "model", type(model).__name__, isinstance(model, nn.Module), "must be a torch.nn.Module")
-        check_arg(name, "lr", lr, is_real(lr) and lr > 0, "must be a finite number > 0")
-        check_arg(name, "damping", damping, is_real(damping) and damping > 0,
-                  "must be a finite number > 0 (rank-deficient factors are singular without it)")
         check_arg(name, "factor_decay", factor_decay, is_real(factor_decay) and 0 <= factor_decay < 1,
                   "must be in [0, 1)")
         check_arg(name, "factor_update_freq", factor_update_freq,
@@ -170,11 +172,8 @@ class KFAC(GuardedOptimizer):
                   "must be an integer >= 1")
         check_arg(name, "inv_update_freq", inv_update_freq, is_int(inv_update_freq) and inv_update_freq >= 1,
                   "must be an integer >= 1")
-        check_arg(name, "kl_clip", kl_clip, kl_clip is None or (is_real(kl_clip) and kl_clip > 0),
-                  "must be a number > 0 or None")
-        check_arg(name, "momentum", momentum, is_real(momentum) and 0 <= momentum < 1, "must be in [0, 1)")
-        check_arg(name, "weight_decay", weight_decay, is_real(weight_decay) and weight_decay >= 0,
-                  "must be a finite number >= 0")
+        check_arg(name, "max_preconditioner_dim", max_preconditioner_dim,
+                  is_int(max_preconditioner_dim) and max_preconditioner_dim >= 1, "must be an integer >= 1")
         check_arg(name, "batch_averaged", batch_averaged, isinstance(batch_averaged, bool), "must be True or False")
         check_arg(name, "refresh", refresh, refresh in ("eigh", "qr"), "must be 'eigh' or 'qr'")
         check_arg(name, "precision", precision, precision in ("bf16", "fp32"), "must be 'bf16' or 'fp32'")
@@ -200,12 +199,34 @@ class KFAC(GuardedOptimizer):
         self._layers: list[_Layer] = []
         self._handles = []
         self._names = {p: n for n, p in model.named_parameters()}
-        for module in model.modules():
-            if _supported(module):
-                layer = _Layer(module)
-                self._layers.append(layer)
-                self._handles.append(module.register_forward_pre_hook(self._make_input_hook(layer)))
-                self._handles.append(module.register_forward_hook(self._make_output_hook(layer)))
+        too_large = []
+        for module_name, module in model.named_modules():
+            if not _supported(module):
+                continue
+            shape = module.weight.shape
+            if max(shape[0], math.prod(shape[1:])) > max_preconditioner_dim:
+                too_large.append(module_name or type(module).__name__)
+                continue
+            layer = _Layer(module)
+            self._layers.append(layer)
+            self._handles.append(module.register_forward_pre_hook(self._make_input_hook(layer)))
+            self._handles.append(module.register_forward_hook(self._make_output_hook(layer)))
+        if too_large:
+            warnings.warn(f"KFAC: the layers {too_large} have a weight dimension above max_preconditioner_dim "
+                          f"({max_preconditioner_dim}) and take SGD steps", RuntimeWarning, stacklevel=2)
+
+    def _check_hyperparameters(self, h: dict, where: str) -> None:
+        name = self._name
+        lr, damping, kl_clip = h.get("lr"), h.get("damping"), h.get("kl_clip")
+        momentum, weight_decay = h.get("momentum"), h.get("weight_decay")
+        check_arg(name, "lr", lr, is_real(lr) and lr > 0, "must be a finite number > 0", where)
+        check_arg(name, "damping", damping, is_real(damping) and damping > 0,
+                  "must be a finite number > 0 (rank-deficient factors are singular without it)", where)
+        check_arg(name, "kl_clip", kl_clip, kl_clip is None or (is_real(kl_clip) and kl_clip > 0),
+                  "must be a number > 0 or None", where)
+        check_arg(name, "momentum", momentum, is_real(momentum) and 0 <= momentum < 1, "must be in [0, 1)", where)
+        check_arg(name, "weight_decay", weight_decay, is_real(weight_decay) and weight_decay >= 0,
+                  "must be a finite number >= 0", where)
 
     # ------------------------------------------------------------------ hooks
 

@@ -13,8 +13,9 @@ on each side) and per block with gradient block ``G``:
 EMA of the gradient with Adam's bias correction; the raw gradient when beta1 = 0) and ``D`` the grafting
 method's direction for ``M``: Adam's ``M / (sqrt(v_hat) + grafting_eps)`` with ``v`` an EMA of squared
 gradients (``grafting_beta2``), or AdaGrad's ``M / (sqrt(sum g^2) + grafting_eps)``. With ``grafting=None``
-the direction is ``P`` itself. Parameters with fewer than 2 dims take ``D`` (``M`` when ``grafting=None``);
-parameters with more (conv weights) are viewed as ``(shape[0], prod(shape[1:]))``.
+the direction is ``P`` itself. Parameters with more than 2 dims (conv weights) are viewed as
+``(shape[0], prod(shape[1:]))``; those with fewer, and vector-shaped ones such as (1, n) (:func:`has_factors`), take
+``D`` (``M`` when ``grafting=None``).
 
 The grafting step (the gradient EMA, the second moment, the direction and its norm) is one fused op
 per param group (``torch.ops.torchkern.shampoo_graft``; ``csrc/optim``), the products are batched per
@@ -128,6 +129,15 @@ def _splits(size: int, max_dim: int) -> tuple[int, ...]:
     return (base + 1,) * extra + (base,) * (count - extra)
 
 
+def has_factors(shape: torch.Size) -> bool:
+    """Whether a parameter of ``shape`` is preconditioned as a matrix: at least 2 dims and both sides of its matrix
+    view ``(shape[0], prod(shape[1:]))`` longer than 1. A vector-shaped one ((1, n), (n, 1), a convolution with one
+    output channel) takes the diagonal step of a 1-D parameter, as in the reference implementations, which
+    precondition no side of size 1: its factors would be a scalar and an n x n matrix (or n / max_dim blocks of
+    them), n times its own size in state and a root or eigenbasis of that size per update."""
+    return len(shape) >= 2 and shape[0] > 1 and math.prod(shape[1:]) > 1
+
+
 @functools.lru_cache(maxsize=1024)
 def block_grid(shape: torch.Size, max_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Row and column block sizes of a parameter of ``shape`` viewed as ``(shape[0], prod(shape[1:]))``."""
@@ -169,16 +179,23 @@ def apply_updates(items: list, gi: int, group: dict, scalars: UpdateScalars, ok:
         torch._foreach_add_(params, [_like(d, p) for p, d in zip(params, dirs)])
 
 
-def check_common_hyperparameters(name: str, lr, weight_decay, max_preconditioner_dim, precondition_frequency,
-                                 precision) -> None:
-    check_arg(name, "lr", lr, is_real(lr) and lr >= 0, "must be a finite number >= 0")
+def check_common_hyperparameters(name: str, h: dict, where: str) -> None:
+    """The hyperparameters Shampoo and SOAP share, from a param group or the defaults ``h``."""
+    lr, weight_decay = h.get("lr"), h.get("weight_decay")
+    check_arg(name, "lr", lr, is_real(lr) and lr >= 0, "must be a finite number >= 0", where)
     check_arg(name, "weight_decay", weight_decay, is_real(weight_decay) and weight_decay >= 0,
-              "must be a finite number >= 0")
-    check_arg(name, "precondition_frequency", precondition_frequency,
-              is_int(precondition_frequency) and precondition_frequency >= 1, "must be an integer >= 1")
-    check_arg(name, "max_preconditioner_dim", max_preconditioner_dim,
-              is_int(max_preconditioner_dim) and max_preconditioner_dim >= 1, "must be an integer >= 1")
-    check_arg(name, "precision", precision, precision in PRECISIONS, "must be 'fp32' or 'bf16'")
+              "must be a finite number >= 0", where)
+    for key in ("precondition_frequency", "max_preconditioner_dim"):
+        value = h.get(key)
+        check_arg(name, key, value, is_int(value) and value >= 1, "must be an integer >= 1", where)
+    check_arg(name, "precision", h.get("precision"), h.get("precision") in PRECISIONS, "must be 'fp32' or 'bf16'",
+              where)
+    check_arg(name, "cuda_graph", h.get("cuda_graph"), isinstance(h.get("cuda_graph"), bool),
+              "must be True or False", where)
+    betas = h.get("betas")
+    check_arg(name, "betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
+              and all(is_real(b) for b in betas), "must be a pair of numbers (beta1, beta2)", where)
+    check_arg(name, "betas[0]", betas[0], 0.0 <= betas[0] < 1.0, "beta1 must be in [0, 1)", where)
 
 
 class Shampoo(GuardedOptimizer):
@@ -246,36 +263,34 @@ class Shampoo(GuardedOptimizer):
                  max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
                  grafting_beta2: float = 0.999, grafting_eps: float = 1e-8, root_method: str = "auto",
                  relative_eps: bool = True, precision: str = "fp32", cuda_graph: bool = True):
-        name = self._name
-        check_common_hyperparameters(name, lr, weight_decay, max_preconditioner_dim, precondition_frequency,
-                                     precision)
-        check_arg(name, "betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
-                  and all(is_real(b) for b in betas), "must be a pair of numbers (beta1, beta2)")
-        check_arg(name, "betas[0]", betas[0], 0.0 <= betas[0] < 1.0, "beta1 must be in [0, 1)")
-        check_arg(name, "betas[1]", betas[1], 0.0 < betas[1] <= 1.0, "beta2 must be in (0, 1]")
-        check_arg(name, "relative_eps", relative_eps, isinstance(relative_eps, bool), "must be True or False")
-        check_arg(name, "eps", eps, is_real(eps) and eps > 0,
-                  "must be a finite number > 0 (" + ("relative to each factor's norm)" if relative_eps is True
-                                                     else "added to each factor's diagonal)"))
-        if start_preconditioning_step is None:
-            start_preconditioning_step = precondition_frequency
-        check_arg(name, "start_preconditioning_step", start_preconditioning_step,
-                  is_int(start_preconditioning_step) and start_preconditioning_step >= 1,
-                  "must be an integer >= 1 (steps count from 1) or None")
-        check_arg(name, "grafting", grafting, grafting in _GRAFTINGS, "must be 'adam', 'adagrad' or None")
-        check_arg(name, "grafting_beta2", grafting_beta2, is_real(grafting_beta2) and 0.0 <= grafting_beta2 < 1.0,
-                  "must be in [0, 1)")
-        check_arg(name, "grafting_eps", grafting_eps, is_real(grafting_eps) and grafting_eps > 0,
-                  "must be a finite number > 0")
-        check_arg(name, "root_method", root_method, root_method in _ROOT_METHODS,
-                  "must be 'auto', 'eigh', 'newton' or 'qr'")
-        check_arg(name, "cuda_graph", cuda_graph, isinstance(cuda_graph, bool), "must be True or False")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, precondition_frequency=precondition_frequency,
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
+                        precondition_frequency=precondition_frequency,
                         start_preconditioning_step=start_preconditioning_step,
                         max_preconditioner_dim=max_preconditioner_dim, grafting=grafting, weight_decay=weight_decay,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps, root_method=root_method,
                         relative_eps=relative_eps, precision=precision, cuda_graph=cuda_graph)
         super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, h: dict, where: str) -> None:
+        name = self._name
+        check_common_hyperparameters(name, h, where)
+        check_arg(name, "betas[1]", h["betas"][1], 0.0 < h["betas"][1] <= 1.0, "beta2 must be in (0, 1]", where)
+        relative_eps, eps = h.get("relative_eps"), h.get("eps")
+        check_arg(name, "relative_eps", relative_eps, isinstance(relative_eps, bool), "must be True or False", where)
+        check_arg(name, "eps", eps, is_real(eps) and eps > 0,
+                  "must be a finite number > 0 (" + ("relative to each factor's norm)" if relative_eps
+                                                     else "added to each factor's diagonal)"), where)
+        start = h.get("start_preconditioning_step")
+        check_arg(name, "start_preconditioning_step", start, start is None or (is_int(start) and start >= 1),
+                  "must be an integer >= 1 (steps count from 1) or None (precondition_frequency)", where)
+        check_arg(name, "grafting", h.get("grafting"), h.get("grafting") in _GRAFTINGS,
+                  "must be 'adam', 'adagrad' or None", where)
+        beta2, graft_eps = h.get("grafting_beta2"), h.get("grafting_eps")
+        check_arg(name, "grafting_beta2", beta2, is_real(beta2) and 0.0 <= beta2 < 1.0, "must be in [0, 1)", where)
+        check_arg(name, "grafting_eps", graft_eps, is_real(graft_eps) and graft_eps > 0,
+                  "must be a finite number > 0", where)
+        check_arg(name, "root_method", h.get("root_method"), h.get("root_method") in _ROOT_METHODS,
+                  "must be 'auto', 'eigh', 'newton' or 'qr'", where)
 
     def _init_caches(self) -> None:
         super()._init_caches()
@@ -298,7 +313,7 @@ class Shampoo(GuardedOptimizer):
             state["exp_avg"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
         if group["grafting"] is not None:
             state["graft_sq"] = torch.zeros(p.shape, dtype=dtype, device=p.device)
-        if p.dim() >= 2 and p.numel() > 0:
+        if has_factors(p.shape):
             rows, cols = self._block_sizes(p, group)
             eye = lambda n: torch.eye(n, dtype=dtype, device=p.device)  # noqa: E731
             state["L"] = [torch.zeros(r, r, dtype=dtype, device=p.device) for r in rows for _ in cols]
@@ -314,7 +329,7 @@ class Shampoo(GuardedOptimizer):
             spec["exp_avg"] = tuple(p.shape)
         if group["grafting"] is not None:
             spec["graft_sq"] = tuple(p.shape)
-        if p.dim() >= 2 and p.numel() > 0:
+        if has_factors(p.shape):
             rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
             spec["L"] = spec["L_root"] = spec["L_basis"] = [(r, r) for r in rows for _ in cols]
             spec["R"] = spec["R_root"] = spec["R_basis"] = [(c, c) for _ in rows for c in cols]
@@ -352,7 +367,7 @@ class Shampoo(GuardedOptimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            start, preconditioned = group["start_preconditioning_step"], []
+            start, preconditioned = group["start_preconditioning_step"] or group["precondition_frequency"], []
             for p in params:
                 state = self._init_state(p, group)
                 t = state["step"] + 1  # this step's number

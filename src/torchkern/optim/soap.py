@@ -11,7 +11,7 @@ Per parameter viewed as a matrix (conv weights as ``(shape[0], prod(shape[1:]))`
     N = Q_L (m_hat / (sqrt(v_hat) + eps)) Q_R^T                                            (rotated back)
     param <- param (1 - lr weight_decay) - lr N
 
-Parameters with fewer than 2 dims take AdamW steps. As in the paper's implementation, a matrix parameter's first
+Parameters with fewer than 2 dims, and vector-shaped ones such as (1, n) (``has_factors``), take AdamW steps. As in the paper's implementation, a matrix parameter's first
 step only accumulates the statistics and computes the bases (no update), so a gradient is never used in its own
 projection; the bases are refreshed after the update of every ``precondition_frequency``-th Adam step.
 
@@ -47,7 +47,8 @@ from .._checks import opmath_dtype
 from ._common import (DeviceSteps, GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg,
                       check_state_dict, eigh, is_real, load_state_dict_keeping_dtypes, step_counts, update_key)
 from ._buckets import Storage, cached_plan
-from .shampoo import _as_matrix, apply_updates, assemble, block_grid, blocks, check_common_hyperparameters
+from .shampoo import (_as_matrix, apply_updates, assemble, block_grid, blocks, check_common_hyperparameters,
+                      has_factors)
 
 _REFRESHES = ("eigh", "qr")
 _STAT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "L", "R", "QL", "QR"})
@@ -149,23 +150,22 @@ class SOAP(GuardedOptimizer):
                  shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
                  precondition_frequency: int = 10, max_preconditioner_dim: int = 1024, refresh: str = "qr",
                  precision: str = "bf16", cuda_graph: bool = True):
-        name = self._name
-        check_common_hyperparameters(name, lr, weight_decay, max_preconditioner_dim, precondition_frequency,
-                                     precision)
-        check_arg(name, "betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
-                  and all(is_real(b) for b in betas), "must be a pair of numbers (beta1, beta2)")
-        check_arg(name, "betas[0]", betas[0], 0.0 <= betas[0] < 1.0, "beta1 must be in [0, 1)")
-        check_arg(name, "betas[1]", betas[1], 0.0 <= betas[1] < 1.0, "beta2 must be in [0, 1)")
-        check_arg(name, "shampoo_beta", shampoo_beta,
-                  shampoo_beta is None or (is_real(shampoo_beta) and 0.0 <= shampoo_beta < 1.0),
-                  "must be in [0, 1) or None")
-        check_arg(name, "eps", eps, is_real(eps) and eps > 0, "must be a finite number > 0")
-        check_arg(name, "refresh", refresh, refresh in _REFRESHES, "must be 'eigh' or 'qr'")
-        check_arg(name, "cuda_graph", cuda_graph, isinstance(cuda_graph, bool), "must be True or False")
-        defaults = dict(lr=lr, betas=tuple(betas), shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
+        defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
+                        shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         precondition_frequency=precondition_frequency, max_preconditioner_dim=max_preconditioner_dim,
                         refresh=refresh, precision=precision, cuda_graph=cuda_graph)
         super().__init__(params, defaults)
+
+    def _check_hyperparameters(self, h: dict, where: str) -> None:
+        name = self._name
+        check_common_hyperparameters(name, h, where)
+        check_arg(name, "betas[1]", h["betas"][1], 0.0 <= h["betas"][1] < 1.0, "beta2 must be in [0, 1)", where)
+        shampoo_beta, eps = h.get("shampoo_beta"), h.get("eps")
+        check_arg(name, "shampoo_beta", shampoo_beta,
+                  shampoo_beta is None or (is_real(shampoo_beta) and 0.0 <= shampoo_beta < 1.0),
+                  "must be in [0, 1) or None", where)
+        check_arg(name, "eps", eps, is_real(eps) and eps > 0, "must be a finite number > 0", where)
+        check_arg(name, "refresh", h.get("refresh"), h.get("refresh") in _REFRESHES, "must be 'eigh' or 'qr'", where)
 
     def _init_caches(self) -> None:
         super()._init_caches()
@@ -179,7 +179,7 @@ class SOAP(GuardedOptimizer):
     @staticmethod
     def _state_spec(p: torch.Tensor, group: dict) -> dict:
         spec: dict = {"step": "int"}
-        if p.dim() >= 2 and p.numel() > 0:
+        if has_factors(p.shape):
             rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
             spec["L"] = spec["QL"] = [(r, r) for r in rows for _ in cols]
             spec["R"] = spec["QR"] = [(c, c) for _ in rows for c in cols]
@@ -195,7 +195,7 @@ class SOAP(GuardedOptimizer):
         dtype = opmath_dtype(p.dtype)
         zeros = functools.partial(torch.zeros, dtype=dtype, device=p.device)
         state["step"] = 0
-        if p.dim() >= 2 and p.numel() > 0:
+        if has_factors(p.shape):
             rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
             state["L"] = [zeros(r, r) for r in rows for _ in cols]
             state["R"] = [zeros(c, c) for _ in rows for c in cols]
