@@ -1,9 +1,9 @@
-"""pytest-benchmark over the cases in ``torchkern.bench``: one benchmark per (case, implementation).
+"""pytest-benchmark over each family's cases (``torchkern/<family>/bench.py``): a benchmark per case and impl.
 
 Run: ``python -m pytest benchmarks/`` (``--quick-bench`` for small sizes); each case is a
 benchmark group whose rows are torchkern and the baselines. Each bench file calls
 :func:`family_benchmark` once. ``python -m torchkern bench`` times the same cases and
-prints the ratio table.
+prints the table.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from torchkern import _bench as bench
+from torchkern._bench_runner import family_cases
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _PREPARED: dict[str, bench.Prepared] = {}
@@ -51,6 +52,6 @@ def pytest_generate_tests(metafunc):
     if family is None or "case" not in metafunc.fixturenames:
         return
     quick = metafunc.config.getoption("--quick-bench")
-    cases = bench.family_cases(family, DEVICE, quick)
+    cases = family_cases(family, DEVICE, quick)
     params = [pytest.param(c, impl, id=f"{c.name}-{impl}") for c in cases for impl in c.impls]
     metafunc.parametrize("case,impl", params)
