@@ -1,49 +1,96 @@
-"""Turn the JSON of ``python -m torchkern bench --json F`` into the markdown tables of RESULTS.md."""
+"""RESULTS.md's tables from the JSON that ``python -m torchkern bench --out DIR`` writes (``DIR/bench.json``).
+
+One table per family: each case's torchkern time, its strongest baseline and that baseline's time, and the
+speed-up (the baseline's time over torchkern's); the caption names the device, torch and the commit timed.
+
+    python benchmarks/results_table.py gpu-out/bench.json                 # print the tables
+    python benchmarks/results_table.py gpu-out/bench.json --update benchmarks/RESULTS.md
+
+``--update`` replaces what lies between the ``<!-- results: begin -->`` and ``<!-- results: end -->`` lines.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import sys
-from collections import defaultdict
+from pathlib import Path
+
+BEGIN, END = "<!-- results: begin -->", "<!-- results: end -->"
 
 
-def fmt_time(t: float) -> str:
-    if t != t:
-        return "failed"
-    return f"{t * 1e6:.1f} µs" if t < 1e-3 else f"{t * 1e3:.2f} ms"
+def fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
-def main(path: str) -> None:
-    data = json.load(open(path))
-    ceil = data["ceilings"]
-    print(f"Device: {data['device']}; torch {data['torch']}; copy bandwidth {ceil['copy'] / 1e9:.0f} GB/s "
-          f"(read + write), write bandwidth {ceil['write'] / 1e9:.0f} GB/s, both measured in the same run.\n")
-    cases = defaultdict(list)
+def case_row(rows: list[dict], with_floor: bool) -> str:
+    """One case's line: torchkern's time, the strongest baseline, its time, the speed-up (and the floor reached)."""
+    if rows[0].get("error"):
+        return f"| {rows[0]['case']} | failed: {rows[0]['error']} | | | |" + (" |" if with_floor else "")
+    own = next(row for row in rows if row["impl"] == "torchkern")
+    best = next((row for row in rows if row["impl"] == own["baseline"]), None)
+    cells = [own["case"], fmt_time(own["seconds"]), best["impl"] if best else "",
+             fmt_time(best["seconds"]) if best else "", f"**{own['vs_best']:.2f}×**" if best else ""]
+    if with_floor:
+        fraction = own.get("floor_fraction") or 0
+        cells.append(f"{100 * fraction:.0f}%" if fraction >= 0.01 else "")
+    return "| " + " | ".join(cells) + " |"
+
+
+def tables(data: dict, commit: str | None = None) -> str:
+    """The markdown: a caption, then per family a table and the cases' notes."""
+    commit = commit or data.get("commit") or "unknown"
+    ceilings = data.get("ceilings", {})
+    lines = [f"Device: {data['device']}; torch {data['torch']}; torchkern {data['torchkern']}, commit {commit}"
+             + ("; --quick sizes" if data.get("quick") else "") + ". Speed-up = the strongest baseline's time / "
+             "torchkern's time (> 1: torchkern is faster)."]
+    if ceilings:
+        lines[0] += (f" Floor = the case's bytes at the copy bandwidth measured in the same run "
+                     f"({ceilings['copy'] / 1e9:.0f} GB/s, read + write; write-only ops at "
+                     f"{ceilings['write'] / 1e9:.0f} GB/s), as a fraction of torchkern's time.")
+    cases: dict[tuple[str, str], list[dict]] = {}
     for row in data["rows"]:
-        cases[(row["family"], row["case"])].append(row)
-    family = None
-    for (fam, case), rows in cases.items():
-        if fam != family:
-            family = fam
-            print(f"\n### {fam}\n")
-            print("| case | torchkern | baselines (time, ratio = baseline time / torchkern time) | of peak bandwidth |")
-            print("| --- | --- | --- | --- |")
-        tk = rows[0]
-        others = "; ".join(f"{r['impl']} {fmt_time(r['seconds'])} (**{r['ratio']:.2f}×**)" for r in rows[1:])
-        fraction = tk.get("ceiling_fraction") or 0
-        peak = f"{100 * fraction:.0f}% of {tk['ceiling']}" if fraction >= 0.01 else ""
-        if tk.get("tflops"):
-            peak = (peak + "; " if peak else "") + f"{tk['tflops']:.1f} TFLOP/s"
-        print(f"| {case} | {fmt_time(tk['seconds'])} | {others} | {peak} |")
-    notes = {}
-    for row in data["rows"]:
-        if row.get("note"):
-            notes[f"{row['family']}/{row['case']}"] = row["note"]
-    if notes:
-        print("\nNotes from the cases:\n")
-        for case, note in notes.items():
-            print(f"- {case}: {note}")
+        cases.setdefault((row["family"], row["case"]), []).append(row)
+    for family in dict.fromkeys(fam for fam, _ in cases):
+        family_cases = [rows for (fam, _), rows in cases.items() if fam == family]
+        with_floor = any(row.get("floor_fraction") for rows in family_cases for row in rows)
+        header = ["case", "torchkern", "strongest baseline", "its time", "speed-up"] + (["floor"] if with_floor else [])
+        lines += ["", f"### {family}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        lines += [case_row(rows, with_floor) for rows in family_cases]
+        notes: dict[str, list[str]] = {}  # note -> the cases it is about
+        for rows in family_cases:
+            if rows[0].get("note"):
+                notes.setdefault(rows[0]["note"], []).append(rows[0]["case"])
+        if notes:
+            lines += [""] + [f"- {', '.join(names)}: {note}" for note, names in notes.items()]
+    return "\n".join(lines)
+
+
+def update(path: Path, text: str) -> None:
+    """Replace the block between BEGIN and END in ``path`` with ``text``."""
+    old = path.read_text()
+    pattern = re.compile(rf"{re.escape(BEGIN)}\n.*?{re.escape(END)}", re.S)
+    if not pattern.search(old):
+        raise SystemExit(f"{path}: no block between {BEGIN!r} and {END!r} lines to replace")
+    path.write_text(pattern.sub(lambda _: f"{BEGIN}\n{text}\n{END}", old))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("json", type=Path, help="bench.json from python -m torchkern bench --out DIR")
+    parser.add_argument("--commit", help="the commit timed, where the JSON has none (a run outside a git checkout)")
+    parser.add_argument("--update", type=Path, metavar="MD", help="write the tables into this markdown file")
+    args = parser.parse_args(argv)
+    text = tables(json.loads(args.json.read_text()), args.commit)
+    if args.update:
+        update(args.update, text)
+    else:
+        print(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    sys.exit(main())

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# One device session, in stages: environment, cold build, warm import cost, tests, benchmarks, the optimizers'
-# quality suite, the README's user kernel. Everything printed goes to $OUT/session.txt (default ./gpu-out); the
-# benchmark JSON and the figures (one tarball: the device tool brings back at most 8 files) beside it.
+# One run on a GPU machine, in stages: environment, cold build, warm import cost, tests, benchmarks, the optimizers'
+# quality suite, the README's user kernel. Everything printed goes to $OUT/log.txt (default ./gpu-out); the
+# benchmark's bench.json beside it, the quality suite's quality.json and figures as one tarball (quality.tgz).
 #
-#   bash benchmarks/gpu_session.sh                       # every stage, every family
-#   STAGES="build tests" TEST_ARGS="tests/test_linalg.py -k eigh" bash benchmarks/gpu_session.sh
+#   bash benchmarks/gpu_run.sh                       # every stage, every family
+#   STAGES="build tests" TEST_ARGS="tests/test_linalg.py -k eigh" bash benchmarks/gpu_run.sh
 #   STAGES="tests" TEST_ARGS="tests/test_linalg.py tests/test_optim.py" TEST_K="eigh or kfac" bash ...
 # (TEST_ARGS is split at spaces; a -k expression with spaces goes in TEST_K.)
-#   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_session.sh
+#   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_run.sh
+#   python benchmarks/results_table.py gpu-out/bench.json --update benchmarks/RESULTS.md   # afterwards, here
 #
-# The whole suite takes 410-530 s (2700 tests since the thirteenth session, whose single call, 525 s after a 65 s
-# build, was cut inside the last file) and a cold build 50-110 s: with the device tool's 600 s a call, build first
+# The whole test suite takes 410-530 s and a cold build 50-110 s: with 600 s a call, build first
 # (STAGES="env build") and run STAGES="tests" TEST_SECONDS=580 in the next call on the warm machine, or split the
-# files: ebm + loader + per_sample took 360-394 s, linalg + optim + primitives + utils 76-80 s (fourteenth session).
+# files (ebm + loader + per_sample take about 360-390 s, linalg + optim + primitives + utils about 80 s).
 #
 # Benchmark-only peers (opacus) travel as wheels in .whl/ (ignored by git) and are installed into /tmp/site.
 set -uo pipefail
@@ -25,7 +25,7 @@ BENCH_SECONDS=${BENCH_SECONDS:-420}
 QUALITY_SECONDS=${QUALITY_SECONDS:-300}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
-exec > >(tee -a "$OUT/session.txt") 2>&1
+exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TORCHKERN_CACHE=${TORCHKERN_CACHE:-/tmp/torchkern-cache} MAX_JOBS=${MAX_JOBS:-16}
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -56,7 +56,7 @@ fi
 if has tests; then
   echo "== tests: $TEST_ARGS${TEST_K:+ -k \"$TEST_K\"}"
   # shellcheck disable=SC2086
-  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider --timeout=240 \
+  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider \
     -rfE --maxfail=30 2>&1 \
     | grep -v "^SKIPPED"
 fi
@@ -64,13 +64,13 @@ fi
 if has bench; then
   echo "== benchmarks: ${BENCH_FAMILIES:-all}"
   fam_args=(); for f in $BENCH_FAMILIES; do fam_args+=(--family "$f"); done
-  timeout "$BENCH_SECONDS" python -m torchkern bench "${fam_args[@]}" --json "$OUT/bench.json" 2>&1
+  timeout "$BENCH_SECONDS" python -m torchkern bench "${fam_args[@]}" --out "$OUT" 2>&1
 fi
 
 if has quality; then
   echo "== quality suite"
-  timeout "$QUALITY_SECONDS" python -m torchkern bench --family quality 2>&1
-  tar czf "$OUT/quality.tgz" benchmarks/quality 2>/dev/null
+  timeout "$QUALITY_SECONDS" python -m torchkern bench --family quality --out "$OUT/quality" 2>&1
+  tar czf "$OUT/quality.tgz" -C "$OUT" quality && rm -r "$OUT/quality"
 fi
 
 if has readme; then
