@@ -15,6 +15,7 @@ import argparse
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 BEGIN, END = "<!-- results: begin -->", "<!-- results: end -->"
@@ -26,6 +27,10 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
 
 
+def fmt_ratio(ratio: float) -> str:
+    return f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.1g}"
+
+
 def case_row(rows: list[dict], with_floor: bool) -> str:
     """One case's line: torchkern's time, the strongest baseline, its time, the speed-up (and the floor reached)."""
     if rows[0].get("error"):
@@ -33,7 +38,7 @@ def case_row(rows: list[dict], with_floor: bool) -> str:
     own = next(row for row in rows if row["impl"] == "torchkern")
     best = next((row for row in rows if row["impl"] == own["baseline"]), None)
     cells = [own["case"], fmt_time(own["seconds"]), best["impl"] if best else "",
-             fmt_time(best["seconds"]) if best else "", f"**{own['vs_best']:.2f}×**" if best else ""]
+             fmt_time(best["seconds"]) if best else "", f"**{fmt_ratio(own['vs_best'])}×**" if best else ""]
     if with_floor:
         fraction = own.get("floor_fraction") or 0
         cells.append(f"{100 * fraction:.0f}%" if fraction >= 0.01 else "")
@@ -44,19 +49,21 @@ def tables(data: dict, commit: str | None = None) -> str:
     """The markdown: a caption, then per family a table and the cases' notes."""
     commit = commit or data.get("commit") or "unknown"
     ceilings = data.get("ceilings", {})
-    lines = [f"Device: {data['device']}; torch {data['torch']}; torchkern {data['torchkern']}, commit {commit}"
-             + ("; --quick sizes" if data.get("quick") else "") + ". Speed-up = the strongest baseline's time / "
-             "torchkern's time (> 1: torchkern is faster)."]
+    caption = (f"Device: {data['device']}; torch {data['torch']}; torchkern {data['torchkern']}, commit {commit}"
+               + ("; --quick sizes" if data.get("quick") else "") + ". Speed-up = the strongest baseline's time / "
+               "torchkern's time (> 1: torchkern is faster).")
     if ceilings:
-        lines[0] += (f" Floor = the case's bytes at the copy bandwidth measured in the same run "
-                     f"({ceilings['copy'] / 1e9:.0f} GB/s, read + write; write-only ops at "
-                     f"{ceilings['write'] / 1e9:.0f} GB/s), as a fraction of torchkern's time.")
+        caption += (f" Floor = the time to move the case's bytes at the copy bandwidth measured in the same run "
+                    f"({ceilings['copy'] / 1e9:.0f} GB/s, read + write; write-only ops at "
+                    f"{ceilings['write'] / 1e9:.0f} GB/s), as a fraction of torchkern's time.")
+    lines = textwrap.wrap(caption, 120)
     cases: dict[tuple[str, str], list[dict]] = {}
     for row in data["rows"]:
         cases.setdefault((row["family"], row["case"]), []).append(row)
     for family in dict.fromkeys(fam for fam, _ in cases):
         family_cases = [rows for (fam, _), rows in cases.items() if fam == family]
-        with_floor = any(row.get("floor_fraction") for rows in family_cases for row in rows)
+        with_floor = any((row.get("floor_fraction") or 0) >= 0.01 for rows in family_cases for row in rows
+                         if row["impl"] == "torchkern")
         header = ["case", "torchkern", "strongest baseline", "its time", "speed-up"] + (["floor"] if with_floor else [])
         lines += ["", f"### {family}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
         lines += [case_row(rows, with_floor) for rows in family_cases]
