@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from ._common import as_operand
+from ._precision import as_operand
 
 # A bucket's padding may add this many multiply-adds per step beyond its blocks' own products, or as many as those
 # products, whichever is more: about 25 us of float32 GEMM time on an H100, what the host spends on two launches.

@@ -20,9 +20,9 @@ size. All other parameters (norm layers, embeddings, grouped convs, ...) take SG
 same momentum and weight decay.
 
 The eigendecompositions go through :func:`torchkern.linalg.eigh` warm-started from the previous bases
-(``_common.eigh``; ``torch.linalg.eigh`` where the linalg family has no such solver). With ``refresh="qr"`` only
+(``_eigenbases.eigh``; ``torch.linalg.eigh`` where the linalg family has no such solver). With ``refresh="qr"`` only
 the first one does: later refreshes take one step of power iteration from the previous basis
-(:func:`torchkern.optim.soap.power_step`, SOAP's refresh) and the Rayleigh quotients ``q^T S q`` as eigenvalues,
+(:func:`torchkern.optim._eigenbases.power_step`, SOAP's refresh) and the Rayleigh quotients ``q^T S q`` as eigenvalues,
 the closest diagonal to the factor in that basis (for eight 1025^2 factors on an H200: about 7 ms against 15 ms
 for the warm eigensolver at ``eigh_tol=1e-4``, 26 ms at full accuracy). Factors whose sizes differ
 by a few percent at most (a layer's A with its bias column, n + 1, next to another's G, n) share one call: each
@@ -32,7 +32,7 @@ which it keeps apart and last. The preconditioning products of same-shape layers
 
 The factors' products and the preconditioning's rotations can take bfloat16 operands (``precision="bf16"``), and
 on CUDA the steps between refreshes (fold, preconditioning, update) replay as one CUDA graph
-(``_common.StepGraph``; docs/design.md, "Kronecker preconditioning and K-FAC").
+(``_step_graph.StepGraph``; docs/design.md, "Kronecker preconditioning and K-FAC").
 """
 
 from __future__ import annotations
@@ -48,9 +48,13 @@ from torch import nn
 
 from .._checks import opmath_dtype
 from ..linalg.twins import eigen_scale, eigh_min_tol
-from ._common import (GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg, check_state_dict,
-                      eigh, is_int, is_real, load_state_dict_keeping_dtypes, no_autocast)
-from .soap import power_step, rayleigh_quotients
+from ._eigenbases import eigh, power_step, rayleigh_quotients
+from ._hyperparameters import check_arg, is_int, is_real
+from ._optimizer import GuardedOptimizer
+from ._precision import as_operand, bmm, no_autocast
+from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
+from ._step_graph import StepGraph
+from ._update import UpdateScalars
 
 _STAT_KEYS = frozenset({"A", "G", "QA", "dA", "QG", "dG", "momentum_buffer"})
 _FACTOR_KEYS = ("A", "G", "QA", "dA", "QG", "dG")
@@ -129,7 +133,7 @@ class KFAC(GuardedOptimizer):
             kernels for such unaligned sizes were slower than float32's). Float64 parameters ignore it. The
             eigendecompositions are float32 (float64) either way.
         cuda_graph: on CUDA, replay the steps between refreshes (fold, preconditioning, update) as one CUDA graph
-            once the same layers have stepped three times in a row (``_common.StepGraph``; docs/design.md,
+            once the same layers have stepped three times in a row (``_step_graph.StepGraph``; docs/design.md,
             "The update as a CUDA graph"); False runs every step eagerly.
         max_preconditioner_dim: a layer whose weight matrix (out_features x in_features times the kernel's area)
             has a dimension above this takes SGD steps like the other parameters (a warning names it): its factor

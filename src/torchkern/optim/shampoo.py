@@ -32,7 +32,7 @@ does not converge (float32 statistics are indefinite at the rounding level, so w
 iteration can diverge where eigh, which clamps the spectrum, does not) is replaced by a float64
 eigendecomposition root; a root that is still not finite keeps the previous one; a block whose preconditioned
 direction overflows or vanishes takes the grafting direction. A step whose gradients are not all finite is
-skipped on the device (``_common.StepGuard``).
+skipped on the device (``_guard.StepGuard``).
 """
 
 from __future__ import annotations
@@ -45,9 +45,15 @@ from typing import Iterable
 import torch
 
 from .._checks import opmath_dtype
+from ._blocks import as_matrix, assemble, block_grid, blocks, has_factors
 from ._buckets import Storage, cached_plan
-from ._common import (PRECISIONS, DeviceSteps, GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg,
-                      check_state_dict, eigh, is_int, is_real, load_state_dict_keeping_dtypes, update_key)
+from ._eigenbases import eigh, power_step, rayleigh_quotients
+from ._hyperparameters import check_arg, check_common_hyperparameters, is_int, is_real
+from ._optimizer import GuardedOptimizer
+from ._precision import as_operand, bmm
+from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
+from ._step_graph import StepGraph, update_key
+from ._update import DeviceSteps, UpdateScalars, apply_updates
 
 _GRAFTINGS = ("adam", "adagrad", None)
 _ROOT_METHODS = ("auto", "eigh", "newton", "qr")
@@ -57,8 +63,7 @@ _MAX_ITERS = 100  # matrix_inverse_root's default
 # Newton's tolerance on ||X^4 A - I||_inf, a root within about a quarter of it. Not matrix_inverse_root's 1e-6: in
 # float32 the roots of factors conditioned up to 1/eps (1e6) carry errors of 1e-4 to a few 1e-3 anyway (the float32
 # floor in docs/design.md; 1.4e-4 from float64 eigh at either tolerance on the optimizer benchmark's 1024^2
-# factors), and the last step, from ~4e-5 to ~6e-7, is one iteration of eleven or twelve per update there
-# (benchmarks/probes/sym_product_probe.py, newton_root_ab_probe.py; RESULTS.md, tenth session).
+# factors), and the last step, from ~4e-5 to ~6e-7, is one iteration of eleven or twelve per update there.
 _TOL = 1e-4
 # A Newton root is accepted when ||X^4 A - I||_inf <= this: the root is then within about a quarter of it
 # (a few percent); a diverged or stalled iteration (an indefinite factor at the rounding level) is far above.
@@ -108,96 +113,6 @@ class _RootBudget:
         self.iters = min(self.iters + 2 if short else max(used, 1), _MAX_ITERS)
 
 
-# The step is launch- and Python-bound at common sizes (a 4 x 1024 MLP: about 30 kernels per step), so
-# the helpers below skip the no-op view and cast calls, a few microseconds each, that a step would make
-# per parameter.
-def _as_matrix(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 2 else t.reshape(t.shape[0], -1)
-
-
-def _like(direction: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``direction`` (matrix view or flat) with p's shape and dtype."""
-    if direction.shape != p.shape:
-        direction = direction.reshape(p.shape)
-    return direction if direction.dtype == p.dtype else direction.to(p.dtype)
-
-
-def _splits(size: int, max_dim: int) -> tuple[int, ...]:
-    """``size`` cut into as few blocks of at most ``max_dim`` as possible, of near-equal sizes."""
-    count = -(-size // max_dim)
-    base, extra = divmod(size, count)
-    return (base + 1,) * extra + (base,) * (count - extra)
-
-
-def has_factors(shape: torch.Size) -> bool:
-    """Whether a parameter of ``shape`` is preconditioned as a matrix: at least 2 dims and both sides of its matrix
-    view ``(shape[0], prod(shape[1:]))`` longer than 1. A vector-shaped one ((1, n), (n, 1), a convolution with one
-    output channel) takes the diagonal step of a 1-D parameter, as in the reference implementations, which
-    precondition no side of size 1: its factors would be a scalar and an n x n matrix (or n / max_dim blocks of
-    them), n times its own size in state and a root or eigenbasis of that size per update."""
-    return len(shape) >= 2 and shape[0] > 1 and math.prod(shape[1:]) > 1
-
-
-@functools.lru_cache(maxsize=1024)
-def block_grid(shape: torch.Size, max_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Row and column block sizes of a parameter of ``shape`` viewed as ``(shape[0], prod(shape[1:]))``."""
-    m = shape[0]
-    n = math.prod(shape[1:])
-    return _splits(m, max_dim), _splits(n, max_dim)
-
-
-def blocks(matrix: torch.Tensor, rows: tuple[int, ...], cols: tuple[int, ...]) -> list[torch.Tensor]:
-    """The blocks of ``matrix`` (row-major over the grid): views."""
-    if len(rows) == 1 and len(cols) == 1:
-        return [matrix]
-    return [blk for row in matrix.split(rows, 0) for blk in row.split(cols, 1)]
-
-
-def assemble(parts: list[torch.Tensor], n_cols: int) -> torch.Tensor:
-    """Inverse of :func:`blocks`: the row-major blocks of a grid with ``n_cols`` columns, as one matrix."""
-    if len(parts) == 1:
-        return parts[0]
-    return torch.cat([torch.cat(parts[i:i + n_cols], dim=1) for i in range(0, len(parts), n_cols)], dim=0)
-
-
-def apply_updates(items: list, gi: int, group: dict, scalars: UpdateScalars, ok: dict,
-                  zero_when_skipped: bool = False) -> None:
-    """``p <- p (1 - lr wd) - lr d`` for (param, direction) pairs of param group ``gi``, as a no-op on devices whose
-    ``ok`` is False (``ok``: device -> 0-d bool); lr and the decay factor are read on the device (``scalars``).
-    Directions are finite by construction; the step is zero where ``ok`` is False unless ``zero_when_skipped``
-    (the directions are exactly zero on a skipped step already)."""
-    by_key: dict[tuple, list] = defaultdict(list)
-    for p, d in items:
-        by_key[(p.device, p.dtype)].append((p, d))
-    for (device, dtype), pairs in by_key.items():
-        neg_lr, decay = scalars.get(gi, group, device, dtype)
-        params = [p for p, _ in pairs]
-        if group["weight_decay"] != 0:
-            torch._foreach_mul_(params, torch.where(ok[device], decay, 1.0))
-        step = neg_lr if zero_when_skipped else torch.where(ok[device], neg_lr, 0.0)
-        dirs = torch._foreach_mul([d for _, d in pairs], step)
-        torch._foreach_add_(params, [_like(d, p) for p, d in zip(params, dirs)])
-
-
-def check_common_hyperparameters(name: str, h: dict, where: str) -> None:
-    """The hyperparameters Shampoo and SOAP share, from a param group or the defaults ``h``."""
-    lr, weight_decay = h.get("lr"), h.get("weight_decay")
-    check_arg(name, "lr", lr, is_real(lr) and lr >= 0, "must be a finite number >= 0", where)
-    check_arg(name, "weight_decay", weight_decay, is_real(weight_decay) and weight_decay >= 0,
-              "must be a finite number >= 0", where)
-    for key in ("precondition_frequency", "max_preconditioner_dim"):
-        value = h.get(key)
-        check_arg(name, key, value, is_int(value) and value >= 1, "must be an integer >= 1", where)
-    check_arg(name, "precision", h.get("precision"), h.get("precision") in PRECISIONS, "must be 'fp32' or 'bf16'",
-              where)
-    check_arg(name, "cuda_graph", h.get("cuda_graph"), isinstance(h.get("cuda_graph"), bool),
-              "must be True or False", where)
-    betas = h.get("betas")
-    check_arg(name, "betas", betas, isinstance(betas, (tuple, list)) and len(betas) == 2
-              and all(is_real(b) for b in betas), "must be a pair of numbers (beta1, beta2)", where)
-    check_arg(name, "betas[0]", betas[0], 0.0 <= betas[0] < 1.0, "beta1 must be in [0, 1)", where)
-
-
 class Shampoo(GuardedOptimizer):
     """Shampoo (Gupta et al. 2018; Anil et al. 2020; Shi et al. 2023) with grafting.
 
@@ -230,14 +145,14 @@ class Shampoo(GuardedOptimizer):
         root_method: ``method`` of :func:`torchkern.linalg.matrix_inverse_root`: "auto", "eigh" or "newton"; or
             ``"qr"``: each factor keeps an eigenbasis (state ``L_basis``, ``R_basis``): the first root update takes
             an eigendecomposition, later ones one step of power iteration from the previous basis
-            (:func:`torchkern.optim.soap.power_step`, SOAP's refresh) with the Rayleigh quotients as eigenvalues, and
+            (:func:`torchkern.optim._eigenbases.power_step`, SOAP's refresh) with the Rayleigh quotients as eigenvalues, and
             the root is ``Q diag(d + eps)^(-1/4) Q^T``: about six products per factor instead of Newton's ~48 (a
             basis that lags fast-changing statistics gives an approximate root; docs/design.md, "Shampoo").
         precision: ``"fp32"`` or ``"bf16"``: the statistics products ``G G^T`` and the preconditioning products
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global
             TF32 switch is never touched). The statistics, roots and moments stay float32.
         cuda_graph: on CUDA, replay the update of every step that takes no new roots as one CUDA graph, once the same
-            parameters have stepped three times in a row (``_common.StepGraph``): one launch of host time instead
+            parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time instead
             of ~70. The learning rate and weight decay are read on the device; another hyperparameter or another
             set of parameters with gradients captures anew. Not with ``grafting=None`` and ``beta1 > 0``. Memory:
             a copy of the gradients and the update's intermediates; above 2^25 gradient elements steps stay eager.
@@ -248,7 +163,7 @@ class Shampoo(GuardedOptimizer):
     once more, stacked per block shape, for the batched preconditioning products.
 
     Non-finite gradients: a step whose gradients are not all finite changes no parameter and no state; it is
-    counted in :attr:`skipped_steps` and warns once (``_common.StepGuard``: decided on the device, the host
+    counted in :attr:`skipped_steps` and warns once (``_guard.StepGuard``: decided on the device, the host
     learns it at the next step without a sync per step). Under ``torch.autocast`` with ``GradScaler``,
     ``scaler.step(opt)`` skips such steps before they reach the optimizer.
 
@@ -396,7 +311,7 @@ class Shampoo(GuardedOptimizer):
                 roots_due[key].append((state, side, i, q, first))
 
     def _graph_key(self, groups: list, stepped: list):
-        """What ``_update`` bakes into a CUDA graph (``_common.update_key``), or None where it cannot be replayed, as
+        """What ``_update`` bakes into a CUDA graph (``_step_graph.update_key``), or None where it cannot be replayed, as
         with a filtered gradient without grafting (its bias correction is a host value). Steps that update roots
         are never replayed (the caller's)."""
         if any(group["grafting"] is None and group["betas"][0] > 0 for _, group, _, _ in groups):
@@ -448,7 +363,7 @@ class Shampoo(GuardedOptimizer):
                 state = self.state[p]
                 if "L" in state:
                     rows, cols = self._block_sizes(p, group)
-                    entries += [(p, state, i, blk) for i, blk in enumerate(blocks(_as_matrix(g), rows, cols))]
+                    entries += [(p, state, i, blk) for i, blk in enumerate(blocks(as_matrix(g), rows, cols))]
                 work.append((p, group, state, m, d, dn, pre))
             if entries:
                 plan = cached_plan(self._plans, gi, entries,
@@ -595,8 +510,8 @@ class Shampoo(GuardedOptimizer):
                 out[id(p)] = d if d is not None else m
                 continue
             rows, cols = self._block_sizes(p, group)
-            m_blocks = blocks(_as_matrix(m), rows, cols)
-            d_blocks = blocks(_as_matrix(d), rows, cols) if d is not None else [None] * len(m_blocks)
+            m_blocks = blocks(as_matrix(m), rows, cols)
+            d_blocks = blocks(as_matrix(d), rows, cols) if d is not None else [None] * len(m_blocks)
             dn = dn if len(m_blocks) == 1 else None  # the grafting norm is the whole parameter's
             where = []
             for i, (mb, db) in enumerate(zip(m_blocks, d_blocks)):
@@ -669,8 +584,6 @@ def _qr_roots(A: torch.Tensor, Q0: torch.Tensor | None, eps: float) -> tuple[tor
     (the first update), else one power-iteration step from the previous bases ``Q0`` (SOAP's refresh); and the roots
     ``Q diag(d + eps)^(-1/4) Q^T`` with ``d`` the Rayleigh quotients (clamped at 0): A's inverse 4th roots where Q
     is its eigenbasis, the roots of A's diagonal in Q otherwise. Returns (roots, Q)."""
-    from .soap import power_step, rayleigh_quotients
-
     Q = eigh(A)[1] if Q0 is None else power_step(A, Q0)
     d = rayleigh_quotients(A, Q).clamp_min(0.0)
     return (Q * (d + eps).pow(-0.25).unsqueeze(-2)) @ Q.mT, Q

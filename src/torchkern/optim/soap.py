@@ -44,63 +44,18 @@ from typing import Iterable
 import torch
 
 from .._checks import opmath_dtype
-from ._common import (DeviceSteps, GuardedOptimizer, StepGraph, UpdateScalars, as_operand, bmm, check_arg,
-                      check_state_dict, eigh, is_real, load_state_dict_keeping_dtypes, step_counts, update_key)
+from ._blocks import as_matrix, assemble, block_grid, blocks, has_factors
 from ._buckets import Storage, cached_plan
-from .shampoo import (_as_matrix, apply_updates, assemble, block_grid, blocks, check_common_hyperparameters,
-                      has_factors)
+from ._eigenbases import eigh, power_step
+from ._hyperparameters import check_arg, check_common_hyperparameters, is_real
+from ._optimizer import GuardedOptimizer
+from ._precision import as_operand, bmm
+from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
+from ._step_graph import StepGraph, update_key
+from ._update import DeviceSteps, UpdateScalars, apply_updates, step_counts
 
 _REFRESHES = ("eigh", "qr")
 _STAT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "L", "R", "QL", "QR"})
-
-
-def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = None) -> torch.Tensor:
-    """One step of power iteration from the bases ``Q0``: ``qr(S Q0 P)`` for a batch (k, n, n), ``P`` ordering the
-    columns by their Rayleigh quotients ``q_j^T S q_j``, largest first, and R's diagonal positive.
-
-    ``sizes`` (k,) int64, optional: matrix j is padded, its own statistics in the leading ``sizes[j]`` rows and
-    columns, zeros around them, and Q0's padding the identity (SOAP's buckets). The padding's columns are ordered
-    last and keep their axes, so the result is the unpadded matrix's step with an identity block beside it.
-
-    Householder QR of many 1024^2 matrices is slow on GPUs (its panels are sequential: 36 ms for eight on an
-    H100). Since ``Q0`` is orthogonal, ``qr(S Q0 P) = Q0 qr(M P)`` with ``M = Q0^T S Q0``, whose columns, once
-    scaled to unit norm (which leaves Q unchanged), are close to the axes wherever ``Q0`` is close to the
-    eigenbasis: that is well conditioned, and Cholesky QR in float64 factors it (``torch.ops.torchkern.cholesky_qr``:
-    on CUDA a factorization blocked by 64 columns, each block's factor and its inverse in one launch, the rest in
-    batched products); a first pass shifted by ``11 (n^2 + n (n + 1)) u ||X||^2`` (Fukaya et al. 2020, shifted
-    CholeskyQR) cannot break down on rank-deficient statistics, and unshifted passes restore orthogonality. The
-    passes together give X's own Q factor whatever the shift (the product of their triangular factors is X's R),
-    so one shift, from the padded size, serves every matrix of a batch. A column at the level of rounding (a
-    direction the statistics never saw) keeps its own axis. A failed factorization makes its matrix NaN, so the
-    caller's finiteness check keeps the old basis (docs/design.md, "SOAP")."""
-    k, n = S.shape[0], S.shape[-1]
-    wide = torch.float64
-    M = (Q0.mT @ (S @ Q0)).to(wide)
-    key = M.diagonal(dim1=-2, dim2=-1)
-    size = torch.full((k, 1, 1), n, dtype=wide, device=S.device) if sizes is None else sizes.to(wide)[:, None, None]
-    if sizes is not None:  # the padding's columns last
-        pad = torch.arange(n, device=S.device) >= sizes[:, None]
-        key = torch.where(pad, -math.inf, key)
-    order = key.argsort(dim=-1, descending=True)
-    X = M.gather(-1, order.unsqueeze(-2).expand_as(M))
-    norms = torch.linalg.vector_norm(X, dim=-2, keepdim=True)
-    # a column below the rounding of M's products carries no direction: it keeps its own axis (which, M being
-    # PSD, its near-zero row leaves orthogonal to the other columns); so do the padding's zero columns
-    floor = size * torch.finfo(S.dtype).eps * norms.amax(dim=-1, keepdim=True)
-    eye = torch.eye(n, dtype=wide, device=S.device)
-    X = torch.where(norms > floor, X / norms, eye)
-    shift = 11 * (2 * n * n + n) * torch.finfo(wide).eps * n  # ||X||_2^2 <= ||X||_F^2 = n
-    # after the shifted pass cond(X) <~ sqrt(n / shift); each unshifted pass leaves cond^2 u of orthogonality
-    # error: one reaches float32's 1e-7 at worst, float64 statistics take a second
-    for s in (shift, 0.0) if S.dtype != torch.float64 else (shift, 0.0, 0.0):
-        X = torch.ops.torchkern.cholesky_qr(X, s)
-    return (Q0.to(wide) @ X).to(S.dtype)
-
-
-def rayleigh_quotients(S: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
-    """``q_j^T S q_j`` for every column of the bases Q (k, n, n): S's eigenvalues where Q is its eigenbasis, the
-    diagonal of S in Q otherwise (the eigenvalues K-FAC's and Shampoo's "qr" refreshes take with power_step)."""
-    return (Q * (S @ Q)).sum(dim=-2)
 
 
 class SOAP(GuardedOptimizer):
@@ -125,7 +80,7 @@ class SOAP(GuardedOptimizer):
             takes 11–18% less time (docs/design.md, "SOAP"); ``"fp32"`` is for exactness checks. Float64 parameters
             ignore it.
         cuda_graph: on CUDA, replay each step's update (every kernel but the bases' refresh) as one CUDA graph once
-            the same parameters have stepped three times in a row (``_common.StepGraph``): one launch of host time
+            the same parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time
             instead of ~60, which is most of the step on small models. The learning rate and weight decay are read
             on the device, so schedules need no new capture; a change of another hyperparameter or of which
             parameters have gradients captures anew. Memory: a copy of the gradients and the update's
@@ -256,7 +211,7 @@ class SOAP(GuardedOptimizer):
         self._guard.settle(wait=False)
 
     def _graph_key(self, groups: list, stepped: list):
-        """What ``_update`` bakes into a CUDA graph (``_common.update_key``), or None where it cannot be replayed, as
+        """What ``_update`` bakes into a CUDA graph (``_step_graph.update_key``), or None where it cannot be replayed, as
         on a matrix's first step (it takes eigendecompositions)."""
         if any("L" in self.state[p] and "QL" not in self.state[p] for _, _, params in groups for p in params):
             return None
@@ -279,7 +234,7 @@ class SOAP(GuardedOptimizer):
                     flat.append((p, g, state))
                     continue
                 rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
-                for i, blk in enumerate(blocks(_as_matrix(g), rows, cols)):
+                for i, blk in enumerate(blocks(as_matrix(g), rows, cols)):
                     (first if "QL" not in state else regular).append((p, state, i, blk))
             directions: dict[int, list] = {}
             if regular:

@@ -14,6 +14,7 @@ from torch import nn
 
 from torchkern.optim import KFAC, SOAP, Shampoo
 
+
 # (optimizer, argument, bad value); each is rejected in a param group as it is in the constructor
 BAD_GROUP_VALUES = [
     ("shampoo", "lr", math.nan), ("shampoo", "lr", -1.0), ("shampoo", "betas", (1.5, 0.5)),
@@ -175,3 +176,57 @@ def test_shampoo_start_preconditioning_step_follows_the_group_frequency():
     eye = torch.eye(6, dtype=torch.float64)
     assert not torch.equal(opt.state[model[0].weight]["L_root"][0], eye)  # rooted at step 2
     assert torch.equal(opt.state[model[2].weight]["R_root"][0], eye)  # not before step 5
+
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(lr=-1.0), "lr"), (dict(betas=(1.0, 0.9)), r"betas\[0\]"), (dict(betas=(0.9, 0.0)), r"betas\[1\]"),
+    (dict(betas=0.9), "betas"), (dict(eps=0.0), "eps"), (dict(precondition_frequency=0), "precondition_frequency"),
+    (dict(precondition_frequency=2.5), "precondition_frequency"),
+    (dict(start_preconditioning_step=0), "start_preconditioning_step"),
+    (dict(max_preconditioner_dim=0), "max_preconditioner_dim"), (dict(grafting="sgd"), "grafting"),
+    (dict(weight_decay=-0.1), "weight_decay"), (dict(grafting_beta2=1.0), "grafting_beta2"),
+    (dict(lr=math.inf), "lr"), (dict(eps=math.inf), "eps"), (dict(eps=math.nan), "eps"),
+    (dict(weight_decay=math.inf), "weight_decay"), (dict(grafting_eps=math.inf), "grafting_eps"),
+    (dict(root_method="svd"), "root_method"), (dict(precision="tf32"), "precision"),
+    (dict(relative_eps="yes"), "relative_eps"), (dict(betas=(0.9, math.nan)), "betas"),
+])
+def test_shampoo_bad_hyperparameters(kwargs, name):
+    with pytest.raises(ValueError, match=f"Shampoo: invalid {name} "):
+        Shampoo(nn.Linear(2, 2).parameters(), **kwargs)
+
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(lr=0.0), "lr"), (dict(lr=math.inf), "lr"), (dict(damping=-1.0), "damping"), (dict(damping=0.0), "damping"),
+    (dict(damping=math.nan), "damping"), (dict(factor_decay=1.0), "factor_decay"), (dict(weight_decay=math.inf),
+                                                                                    "weight_decay"),
+    (dict(factor_update_freq=0), "factor_update_freq"), (dict(inv_update_freq=-2), "inv_update_freq"),
+    (dict(kl_clip=0.0), "kl_clip"), (dict(momentum=1.5), "momentum"), (dict(weight_decay=-1.0), "weight_decay"),
+    (dict(grad_scaler=3), "grad_scaler"), (dict(refresh="lu"), "refresh"), (dict(eigh_tol=0.0), "eigh_tol"),
+    (dict(eigh_tol=1.0), "eigh_tol"), (dict(precision="tf32"), "precision"), (dict(cuda_graph=1), "cuda_graph"),
+])
+def test_kfac_bad_hyperparameters(kwargs, name):
+    kwargs = {"lr": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=f"KFAC: invalid {name} "):
+        KFAC(nn.Linear(2, 2), **kwargs)
+
+
+
+def test_kfac_needs_a_module():
+    with pytest.raises(ValueError, match="KFAC: invalid model"):
+        KFAC(list(nn.Linear(2, 2).parameters()), lr=0.1)
+
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(lr=-1.0), "lr"), (dict(lr=math.inf), "lr"), (dict(betas=(1.0, 0.9)), r"betas\[0\]"),
+    (dict(betas=(0.9, 1.0)), r"betas\[1\]"), (dict(shampoo_beta=1.0), "shampoo_beta"), (dict(eps=0.0), "eps"),
+    (dict(eps=math.inf), "eps"), (dict(weight_decay=math.nan), "weight_decay"),
+    (dict(precondition_frequency=0), "precondition_frequency"), (dict(max_preconditioner_dim=0),
+                                                                 "max_preconditioner_dim"),
+    (dict(refresh="svd"), "refresh"), (dict(precision="fp16"), "precision"),
+])
+def test_soap_bad_hyperparameters(kwargs, name):
+    with pytest.raises(ValueError, match=f"SOAP: invalid {name} "):
+        SOAP(nn.Linear(2, 2).parameters(), **kwargs)

@@ -1,0 +1,137 @@
+"""Steps whose gradients are not all finite: skipped on the device with parameters and state unchanged, counted,
+warned once, without a host sync on CUDA; K-FAC's non-finite factor contributions dropped."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchkern.optim import KFAC, SOAP, Shampoo
+from testing import requires_cuda
+from optim_testing import same, small_classifier_case, snapshot
+
+
+def _make_for_skip(name, model):
+    if name == "shampoo":
+        return Shampoo(model.parameters(), precondition_frequency=2)
+    if name == "shampoo_newton":
+        return Shampoo(model.parameters(), precondition_frequency=2, root_method="newton", betas=(0.9, 0.99),
+                       grafting=None)
+    if name == "soap":
+        return SOAP(model.parameters(), lr=0.01, precondition_frequency=2)
+    return KFAC(model, lr=1e-2, momentum=0.9, weight_decay=1e-3, inv_update_freq=2)
+
+
+
+@pytest.mark.parametrize("name", ["shampoo", "shampoo_newton", "soap", "kfac"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["settled", "deferred"])
+def test_nonfinite_step_changes_nothing_and_is_skipped(name, deferred):
+    # one NaN gradient entry at step 6 and an Inf at step 8 (of 9): the run must end bitwise where a run that never
+    # took those steps ends, and each of them must leave parameters and state as they were
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    twin = copy.deepcopy(model)
+    opt, twin_opt = _make_for_skip(name, model), _make_for_skip(name, twin)
+    if deferred:  # as on CUDA: the host learns of the skip only at the next step
+        real = opt._guard.settle
+        opt._guard.settle = lambda wait=True: real(wait) if wait else None
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 5, generator=gen), torch.randint(0, 3, (8,), generator=gen)) for _ in range(9)]
+    bad = (5, 7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i, (x, y) in enumerate(data):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if i in bad:
+                model[0].weight.grad[0, 0] = float("nan") if i == 5 else float("inf")
+                before = snapshot(opt, model)
+            opt.step()
+            if i in bad:
+                after = snapshot(opt, model)
+                for key, value in before[0].items():
+                    if key[1] != "step":
+                        assert same(value, after[0][key]), key
+                assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+            if i not in bad:
+                twin_opt.zero_grad()
+                F.cross_entropy(twin(x), y).backward()
+                twin_opt.step()
+    assert opt.skipped_steps == 2 and twin_opt.skipped_steps == 0
+    assert sum("skipped a step" in str(w.message) for w in caught) == 1  # warned once
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    for (key, a), b in zip(snapshot(opt, model)[0].items(), snapshot(twin_opt, twin)[0].values()):
+        assert same(a, b), key
+    assert getattr(opt, "steps", None) == getattr(twin_opt, "steps", None)
+
+
+
+def test_first_step_nonfinite_leaves_soap_and_kfac_uninitialized():
+    for name in ("soap", "kfac"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+        opt = _make_for_skip(name, model)
+        params = [p.detach().clone() for p in model.parameters()]
+        F.cross_entropy(model(torch.randn(8, 5)), torch.randint(0, 3, (8,))).backward()
+        model[2].bias.grad[0] = float("nan")
+        with pytest.warns(RuntimeWarning):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+        assert opt.skipped_steps == 1
+        for state in opt.state.values():
+            assert not any(k in state for k in ("QL", "QA", "A", "exp_avg")) or name == "soap", (name, state.keys())
+            if name == "soap":
+                assert not state, state.keys()
+
+
+
+@requires_cuda
+@pytest.mark.parametrize("name", ["shampoo", "soap", "kfac"])
+def test_nonfinite_step_on_cuda_needs_no_sync(name):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 10)).cuda()
+    opt = _make_for_skip(name, model)
+    x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+
+    def step(scale=1.0):
+        opt.zero_grad()
+        (F.cross_entropy(model(x), y) * scale).backward()
+        opt.step()
+
+    for _ in range(5):  # past the first root update / eigendecomposition, which may wait
+        step()
+    torch.cuda.synchronize()
+    params = [p.detach().clone() for p in model.parameters()]
+    # the host learns of the skip from an asynchronous copy: during the bad step itself if the device was quick,
+    # else at the next step; either way it warns once, without a sync in the bad step
+    with pytest.warns(RuntimeWarning, match="skipped a step"):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(float("nan"))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+        step()
+    assert opt.skipped_steps == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+
+def test_kfac_drops_nonfinite_contributions_without_zero_grad():
+    model, x, y = small_classifier_case("cpu", "kfac", None)
+    opt = KFAC(model, lr=0.05)
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    A = opt.state[model[0].weight]["G"].clone()
+    model.zero_grad()  # the model's zero_grad, not the optimizer's: the next contribution is folded
+    (F.cross_entropy(model(x), y) * float("nan")).backward()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert torch.equal(opt.state[model[0].weight]["G"], A)
