@@ -1,10 +1,11 @@
 """``python -m torchkern bench``: time every family's cases on this machine and print one labelled table.
 
-The header comes first (device, backend, which peers are missing, the measured bandwidths, the columns), then
-each case as ``[k/N] family/case`` before it runs and one row per implementation after: time, the fraction of
-the memory floor reached, and the speed against the strongest baseline. ``bench.json`` in the output directory
-holds every row (rewritten after each case, so a run cut short keeps what it measured), ``quality.json`` and
-the plots the optimizers' quality suite when it runs. Nothing is written anywhere else.
+The header comes first (versions and device, which families time their fallbacks, which peers are missing, the
+measured bandwidths, the columns), then each case as ``[k/N] family/case`` before it runs and one row per
+implementation after: time, the fraction of the memory floor reached, and the speed against the strongest
+baseline. ``bench.json`` in the output directory holds every row (rewritten after each case, so a run cut short
+keeps what it measured); when the optimizers' quality suite runs, its ``quality.json`` and plots go there too.
+Nothing is written anywhere else.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from . import __version__, _backend, _bench
 from ._bench import Case
 
-FAMILIES = ("primitives", "ebm", "linalg", "per_sample", "optim")
+FAMILIES = _backend.FAMILIES  # each has its cases in torchkern/<family>/bench.py
 # Not a family of ops: the optimizers' training-quality suite (torchkern/optim/quality.py), run only when asked
 # for by name: it trains models for minutes rather than timing calls.
 QUALITY = "quality"
