@@ -100,7 +100,7 @@ def _raise(module, args):
 @pytest.mark.parametrize("rejected", [
     (dict(max_norm=2.0), "max_norm changed between the micro-batches of one step"),
     (dict(noise_multiplier=-1.0), "noise_multiplier must be a finite real number >= 0"),
-    (dict(batch_size=0), "batch_size must be None or an integer > 0"),
+    (dict(batch_size=0), "batch_size must be a finite real number > 0"),
     (dict(method="fast"), "method must be 'auto', 'fused' or 'func'"),
     (dict(targets=slice(0, 7)), "inputs and targets must share the batch dim 0"),
     (dict(loss_fn=lambda o, t: (o - t).square()), "loss_fn <lambda> returned a tensor of shape"),
@@ -185,8 +185,10 @@ def test_clip_bad_arguments():
              (dict(max_norm="1"), "max_norm must be a finite real number > 0, got '1'"),
              (dict(noise_multiplier=-1.0), "noise_multiplier must be a finite real number >= 0, got -1.0"),
              (dict(noise_multiplier=float("nan")), "noise_multiplier must be a finite real number >= 0, got nan"),
-             (dict(batch_size=0), "batch_size must be None or an integer > 0, got 0"),
-             (dict(batch_size=2.5), "batch_size must be None or an integer > 0, got 2.5"),
+             (dict(batch_size=0), "batch_size must be a finite real number > 0, got 0"),
+             (dict(batch_size=float("nan")), "batch_size must be a finite real number > 0, got nan"),
+             (dict(max_batch_size=2.5), "max_batch_size must be an integer >= 1, got 2.5"),
+             (dict(process_group=3), "process_group must be a torch.distributed.ProcessGroup or None, got int"),
              (dict(generator=3), "generator must be a torch.Generator or None, got int"),
              (dict(method="fast"), "method must be 'auto', 'fused' or 'func', got 'fast'"),
              (dict(loss_reduction="avg"), "loss_reduction must be None, 'sum' or 'mean', got 'avg'")]

@@ -198,3 +198,41 @@ def test_use_cuda_graph_is_a_deprecated_spelling():
             call(model, mse_sum, x, y, cuda_graph=True, use_cuda_graph=True)
         with pytest.raises(ValueError, match="cuda_graph must be True or False, got 'yes'"):
             call(model, mse_sum, x, y, cuda_graph="yes")
+
+
+@pytest.mark.parametrize("device", cuda_devices()[:1])
+@pytest.mark.parametrize("name", ["mlp", "transformer", "cnn"])
+def test_clip_cuda_graph_poisson_batches(device, name):
+    """cuda_graph=True with max_batch_size: batches of every size up to it replay one capture (padded, the filler
+    rows masked) and give the eager call's norms and gradient, through micro-batches too; an empty batch runs
+    eagerly; a larger batch gets a capture of its own."""
+    model, x, y = bench.dp_problem(name, device, quick=True)
+    rows = x.shape[0]
+    graphs.CAPTURES.pop(model, None)
+
+    def step(xs, ys, **kwargs):
+        norms = clip_and_accumulate(model, F.cross_entropy, xs, ys, 1.0, loss_reduction="mean", batch_size=rows,
+                                    **kwargs)
+        return norms, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    with bench.no_tf32():
+        for size in (rows, rows // 2, 1, rows - 1, 0):
+            norms, grads = step(x[:size], y[:size])
+            got_norms, got = step(x[:size], y[:size], cuda_graph=True, max_batch_size=rows)
+            torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=1e-6)
+            for k in grads:
+                torch.testing.assert_close(got[k], grads[k], rtol=1e-4, atol=1e-6)
+        assert len(graphs.CAPTURES[model]) == 1
+        half = rows // 2
+        step(x[:half], y[:half], cuda_graph=True, max_batch_size=rows, finalize=False)
+        _, micro = step(x[half:], y[half:], cuda_graph=True, max_batch_size=rows)
+        _, whole = step(x, y)
+        for k in whole:
+            torch.testing.assert_close(micro[k], whole[k], rtol=1e-4, atol=1e-6)
+        more_x, more_y = torch.cat([x, x[:2]]), torch.cat([y, y[:2]])
+        norms, grads = step(more_x, more_y)
+        got_norms, got = step(more_x, more_y, cuda_graph=True, max_batch_size=rows)
+        torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=1e-6)
+        for k in grads:
+            torch.testing.assert_close(got[k], grads[k], rtol=1e-4, atol=1e-6)
+        assert len(graphs.CAPTURES[model]) == 2

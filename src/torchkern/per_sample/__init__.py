@@ -45,6 +45,11 @@ any loss but costs ~0.2-0.3 ms of Python per call, unless ``loss_fn`` is an ``nn
 ``cuda_graph=True`` (CUDA inputs; for training loops, where the call repeats with the same shapes) captures
 the whole computation once and replays it (``graphs.py``): a few launches of host time instead of the forward's
 and autograd's, which dominate at DP-SGD sizes.
+
+DP-SGD as a whole: :class:`PoissonLoader` draws each step's batch as the privacy analysis assumes
+(``sampling.py``), :func:`clip_and_accumulate` gives the clipped, noised gradient (on one process or summed over a
+process group: ``distributed.py``), :class:`PrivacyAccountant` and :func:`noise_multiplier_for` give epsilon and
+the noise for a target (``accounting.py``, the optional ``dp`` extra).
 """
 
 from __future__ import annotations
@@ -53,11 +58,14 @@ import torch
 from torch import nn
 
 from . import engine, graphs
+from .accounting import PrivacyAccountant, noise_multiplier_for
 from .clipping import clip_and_accumulate
 from .engine import LossFn
 from .ops import linear_grad_sq_norms
+from .sampling import PoissonLoader, PoissonSampler
 
-__all__ = ["clip_and_accumulate", "linear_grad_sq_norms", "per_sample_grad_norms", "per_sample_gradients"]
+__all__ = ["PoissonLoader", "PoissonSampler", "PrivacyAccountant", "clip_and_accumulate", "linear_grad_sq_norms",
+           "noise_multiplier_for", "per_sample_grad_norms", "per_sample_gradients"]
 
 
 def per_sample_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, *,

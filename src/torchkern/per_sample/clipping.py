@@ -15,16 +15,15 @@ cast copy).
 
 from __future__ import annotations
 
-import math
-import numbers
 import secrets
 import weakref
 
 import torch
 from torch import nn
 
-from . import engine, graphs
+from . import distributed, engine, graphs
 from .._checks import opmath_dtype
+from .arguments import fail, integer, real
 from .engine import LossFn
 
 
@@ -89,7 +88,7 @@ def _generator(generator: torch.Generator | None, device: torch.device) -> torch
     cryptographic source) on every call."""
     if generator is not None:
         if torch.device(generator.device) != device:
-            engine.fail(f"generator must be on {device}, the parameters' device, got {generator.device}")
+            fail(f"generator must be on {device}, the parameters' device, got {generator.device}")
         return generator
     gen = _GENERATORS.get(device)
     if gen is None:
@@ -98,22 +97,15 @@ def _generator(generator: torch.Generator | None, device: torch.device) -> torch
     return gen
 
 
-def _real(name: str, value: object, *, positive: bool) -> float:
-    ok = (type(value) in (float, int) or isinstance(value, numbers.Real) and not isinstance(value, bool)) \
-        and math.isfinite(value)
-    if not ok or (value <= 0 if positive else value < 0):
-        engine.fail(f"{name} must be a finite real number {'> 0' if positive else '>= 0'}, got {value!r}")
-    return float(value)
-
-
-def _check_args(max_norm, noise_multiplier, generator, batch_size) -> tuple[float, float]:
-    max_norm = _real("max_norm", max_norm, positive=True)
-    noise_multiplier = _real("noise_multiplier", noise_multiplier, positive=False)
+def _check_args(max_norm, noise_multiplier, generator, batch_size, max_batch_size) -> tuple[float, float]:
+    max_norm = real("max_norm", max_norm, 0.0)
+    noise_multiplier = real("noise_multiplier", noise_multiplier, 0.0, low_open=False)
     if generator is not None and not isinstance(generator, torch.Generator):
-        engine.fail(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if batch_size is not None and (not isinstance(batch_size, numbers.Integral) or isinstance(batch_size, bool)
-                                   or batch_size <= 0):
-        engine.fail(f"batch_size must be None or an integer > 0, got {batch_size!r}")
+        fail(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if batch_size is not None:
+        real("batch_size", batch_size, 0.0)
+    if max_batch_size is not None:
+        integer("max_batch_size", max_batch_size, 1)
     return max_norm, noise_multiplier
 
 
@@ -122,25 +114,38 @@ def _check_args(max_norm, noise_multiplier, generator, batch_size) -> tuple[floa
 NOISE_CHUNK = 1 << 20
 
 
-def _write_grads(layout: Layout, flats: list[torch.Tensor], views: dict[str, torch.Tensor] | None, divisor: int,
-                 noise_std: float, generator: torch.Generator | None) -> None:
-    """.grad = (flat + noise_std N(0, I)) / divisor for every group, the noise drawn in parameter order.
-    ``views``: the flats' views, given when the flats may be updated in place; None for a CUDA graph's static
-    outputs, which are only read."""
+def _write_grads(layout: Layout, flats: list[torch.Tensor], views: dict[str, torch.Tensor] | None,
+                 divisor: float | None, count: int, noise_std: float, generator: torch.Generator | None,
+                 group: object) -> None:
+    """.grad = (flat + noise_std N(0, I)) / divisor for every group, the noise drawn in parameter order, with a
+    process ``group``: the flats and the noise summed over its ranks (``distributed``). ``divisor``: None for the
+    step's sample count (``count`` here, or summed over the ranks; at least 1). ``views``: the flats' views, given
+    when the flats may be updated in place; None for a CUDA graph's static outputs, which are only read."""
+    noisy = noise_std > 0 and distributed.draws_noise(group)
     results = []
     for (device, dtype, numel, _), flat in zip(layout.groups, flats):
-        out = flat if views is not None else torch.empty_like(flat)
-        if noise_std > 0:
+        if group is not None:  # the sums and the count after them: one all-reduce
+            out = torch.empty(numel + 1, device=device, dtype=dtype)
+        else:
+            out = flat if views is not None else torch.empty_like(flat)
+        body = out[:numel] if group is not None else out
+        if noisy:
             gen = _generator(generator, device)
             for start in range(0, numel, NOISE_CHUNK):
                 piece = slice(start, min(numel, start + NOISE_CHUNK))
                 noise = torch.randn(piece.stop - start, generator=gen, device=device, dtype=dtype)
-                torch.add(flat[piece], noise, alpha=noise_std, out=out[piece])
-            out.div_(divisor)
+                torch.add(flat[piece], noise, alpha=noise_std, out=body[piece])
+        if group is not None:
+            if not noisy:
+                body.copy_(flat)
+            total = distributed.sum_over_ranks(out, numel, count, group)
+            body.div_(total.clamp(min=1) if divisor is None else divisor)
+        elif noisy or body is flat:
+            body.div_(max(count, 1) if divisor is None else divisor)
         else:
-            torch.div(flat, divisor, out=out)
-        results.append(out)
-    if views is None:
+            torch.div(flat, max(count, 1) if divisor is None else divisor, out=body)
+        results.append(body)
+    if views is None or group is not None:
         views = layout.views(results)
     for _, dtype, _, entries in layout.groups:
         for name, p, _ in entries:
@@ -150,14 +155,14 @@ def _write_grads(layout: Layout, flats: list[torch.Tensor], views: dict[str, tor
 
 def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
                         max_norm: float, noise_multiplier: float = 0.0, generator: torch.Generator | None = None, *,
-                        loss_reduction: str | None = None, method: str = "auto", batch_size: int | None = None,
-                        finalize: bool = True, cuda_graph: bool = False,
-                        use_cuda_graph: bool | None = None) -> torch.Tensor:
+                        loss_reduction: str | None = None, method: str = "auto", batch_size: float | None = None,
+                        finalize: bool = True, cuda_graph: bool = False, max_batch_size: int | None = None,
+                        process_group: object = None, use_cuda_graph: bool | None = None) -> torch.Tensor:
     """One DP-SGD gradient: every trainable parameter's ``.grad`` becomes
     ``(sum_i min(1, C / ||grad_i||) grad_i + sigma C N(0, I)) / B`` with C = ``max_norm``, sigma =
     ``noise_multiplier``, grad_i the gradient of sample i's loss over all trainable parameters (each sample a
-    batch of one, as in :func:`per_sample_gradients`) and B the batch size. Returns the per-sample norms
-    ||grad_i|| (B,), float32 (float64 for float64 models), before clipping.
+    batch of one, as in :func:`per_sample_gradients`) and B ``batch_size``, or else the number of samples. Returns
+    the per-sample norms ||grad_i|| (B,), float32 (float64 for float64 models), before clipping.
 
     One forward and one backward: each layer's input and output gradient, recorded once, give both the norms
     and the clipped sum (see ``per_sample/layers.py`` for the layers covered without per-sample gradients and
@@ -166,12 +171,12 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     :func:`per_sample_gradients`; the result is the same whichever reduction the loss uses.
 
     Batch dim and parameter uses (see ``torchkern.per_sample``): on the fused path a layer's input has the batch in
-    dim 0 only when that dim has size B here and size 1 in a forward on ``inputs[:1]`` (run, RNG state restored,
-    in every call in which B also shows in another dim or size in sight; otherwise on the first call of each input
-    shape, after which the sizes decide where it agreed with them), so T = B coincidences (``arange(T)``
-    positions, sequence-first inputs) are never taken for a batch; a parameter used outside the forward of the
-    module holding it is detected in every call.
-    Either makes ``"auto"`` fall back to torch.func (right for both) and ``"fused"`` raise ValueError.
+    dim 0 only when that dim has size B here and size 1 in a forward on ``inputs[:1]`` (run, RNG state and buffers
+    restored, in every call in which B also shows in another dim or size in sight; otherwise on the first call of
+    each input shape, after which the sizes decide where it agreed with them), so T = B coincidences
+    (``arange(T)`` positions, sequence-first inputs) are never taken for a batch; a parameter used outside the
+    forward of the module holding it is detected in every call. Either makes ``"auto"`` fall back to torch.func
+    (right for both) and ``"fused"`` raise ValueError.
 
     Noise: float32 (float64 for float64 parameters) whatever the parameters' dtype, drawn once per step from
     ``generator`` (on the parameters' device) or, by default, from a torch generator reseeded on every step
@@ -179,81 +184,107 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     Mersenne Twister on CPU) are not themselves cryptographic, and the noise gets no protection against
     floating-point attacks beyond that.
 
+    Poisson sampling (``PoissonLoader``: each example in a batch with probability q, so B varies and may be 0):
+    pass ``batch_size=loader.expected_batch_size`` (q N), the divisor the privacy analysis assumes.
+
     Micro-batches (virtual steps): call with ``finalize=False`` for every micro-batch but the last and
     ``finalize=True`` for the last. Clipped sums accumulate in float32 across the calls; the finalizing call
-    adds the noise once and divides by ``batch_size`` if given (e.g. the expected batch size under Poisson
-    sampling) or else by the number of samples of the whole step (an empty step without ``batch_size``
-    divides by 1). ``max_norm`` must stay the same within a step. ``.grad`` is only written by the finalizing
-    call. A call that raises (a rejected argument included) discards the step's pending sum: the next call starts
-    a new step.
+    adds the noise once and divides by ``batch_size`` if given or else by the number of samples of the whole step
+    (an empty step without ``batch_size`` divides by 1). ``max_norm`` must stay the same within a step. ``.grad``
+    is only written by the finalizing call. A call that raises (a rejected argument included) discards the step's
+    pending sum: the next call starts a new step.
+
+    Several processes (``distributed``): a ``DistributedDataParallel`` model (its wrapped module runs, not its
+    forward; ``process_group`` is its own) or ``process_group`` (e.g. ``torch.distributed.group.WORLD``) with a
+    plain model: each rank clips its own batch; the finalizing call, which every rank of the group must make,
+    sums the ranks' clipped sums and sample counts with one all-reduce and adds the noise once, drawn on the
+    group's rank 0 (its ``generator``; other ranks' are not used). ``batch_size`` is then the global one. Every
+    rank gets the single-process call's ``.grad`` on the concatenated batch; the norms returned are the rank's.
 
     ``torch.autocast``: the forward runs under the caller's autocast; each layer's norms use its own compute
     dtype; clip factors, clipped products, sums, norms and noise are float32 (a low-precision activation is
     scaled by its sample's factor in float32, never by a factor rounded to its dtype). ``cuda_graph=True``
     (CUDA inputs; as for :func:`per_sample_grad_norms`): the norms and clipped sums are captured once per model,
-    loss, shapes and ``max_norm`` and replayed; the noise is drawn outside the graph. ``use_cuda_graph``: the
-    former spelling of ``cuda_graph``, deprecated (a FutureWarning).
+    loss, shapes and ``max_norm`` and replayed; the noise and the all-reduce run outside the graph.
+    ``max_batch_size`` (with ``cuda_graph=True``; variable batch sizes, as under Poisson sampling): the capture
+    has this many rows; a smaller batch fills the rest with copies of its first sample, whose clip factors are
+    masked to 0, so one capture serves every batch size up to it (a larger batch gets a capture of its own size).
+    ``use_cuda_graph``: the former spelling of ``cuda_graph``, deprecated (a FutureWarning).
 
-    Raises ValueError for a non-finite or non-positive ``max_norm``, a negative ``noise_multiplier``, a
-    ``generator`` on another device, ``batch_size`` <= 0, mismatched batch sizes, a model without trainable
-    parameters, BatchNorm in training mode, ``method="fused"`` on a model it does not cover, or a step whose
-    ``max_norm`` or trainable parameters changed between micro-batches.
+    Raises ValueError for a non-finite or non-positive ``max_norm`` or ``batch_size``, a negative
+    ``noise_multiplier``, a ``generator`` on another device, ``max_batch_size`` < 1, mismatched batch sizes, a model
+    without trainable parameters, BatchNorm in training mode, ``method="fused"`` on a model it does not cover, a
+    ``process_group`` that is not one (or beside a DistributedDataParallel model), or a step whose ``max_norm`` or
+    trainable parameters changed between micro-batches.
     """
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     try:
+        module, group = distributed.module_and_group(model, process_group)
         cuda_graph = graphs.flag(cuda_graph, use_cuda_graph)
-        max_norm, noise_multiplier = _check_args(max_norm, noise_multiplier, generator, batch_size)
+        max_norm, noise_multiplier = _check_args(max_norm, noise_multiplier, generator, batch_size, max_batch_size)
         engine.check_method(method, loss_reduction)
         engine.check_batch(inputs, targets)
         if cuda_graph:
             graphs.check_cuda(inputs, targets)
-        plan = engine.plan(model)
+        plan = engine.plan(module)
         if not plan.params:
-            engine.fail("the model has no parameter that requires grad")
+            fail("the model has no parameter that requires grad")
         layout = _layout(plan)
         if generator is not None and noise_multiplier > 0:
             for device, *_ in layout.groups:  # before any work: the noise comes last
                 _generator(generator, device)
-        pending = _PENDING.get(model)
+        pending = _PENDING.get(module)
         if pending is not None and (pending.layout is not layout or pending.max_norm != max_norm):
-            engine.fail("the trainable parameters (or their devices or dtypes) or max_norm changed between the "
-                        "micro-batches of one step (the step's pending sum was discarded)")
-        return _step(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, loss_reduction, method,
-                     batch_size, finalize, cuda_graph, layout, pending)
+            fail("the trainable parameters (or their devices or dtypes) or max_norm changed between the "
+                 "micro-batches of one step (the step's pending sum was discarded)")
+        if cuda_graph and inputs.shape[0] > 0:
+            norms, flats, views = _graphed(module, loss_fn, inputs, targets, layout, method, loss_reduction, max_norm,
+                                           max_batch_size, pending)
+        else:
+            flats, views = (pending.flats, pending.views) if pending is not None else (layout.empty(), None)
+            views = views or layout.views(flats)
+            norms = engine.clipped(module, loss_fn, inputs, targets, method, loss_reduction, max_norm, views,
+                                   1 if pending is not None else 0)
+        count = inputs.shape[0] + (pending.count if pending is not None else 0)
+        if not finalize:
+            if views is None:
+                flats = [f.clone() for f in flats]
+                views = layout.views(flats)
+            _PENDING[module] = _Pending(layout, flats, views, count, max_norm)
+            return norms
+        _PENDING.pop(module, None)
+        _write_grads(layout, flats, views, batch_size, count, noise_multiplier * max_norm, generator, group)
+        return norms
     except BaseException:
         # any call that raises, its arguments' checks included, ends the step: the micro-batches summed before it
         # must not leak into the next step (the caller, catching the error, starts a fresh one)
-        _PENDING.pop(model, None)
+        _PENDING.pop(module, None)
         raise
 
 
-def _step(model, loss_fn, inputs, targets, max_norm, noise_multiplier, generator, loss_reduction, method, batch_size,
-          finalize, cuda_graph, layout, pending) -> torch.Tensor:
-    batch = inputs.shape[0]
-    if cuda_graph and batch > 0:
-        def compute(x, y):
-            flats = layout.empty()
-            out = engine.clipped(model, loss_fn, x, y, method, loss_reduction, max_norm, layout.views(flats), 0)
-            return out, flats
+def clipped_sums(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, layout: Layout,
+                 method: str, loss_reduction: str | None, max_norm: float, mask: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The per-sample norms and fresh flat buffers of the clipped sums over the rows that ``mask`` keeps (all
+    without one): what a CUDA graph captures, a padded batch's with its mask."""
+    flats = layout.empty()
+    norms = engine.clipped(model, loss_fn, inputs, targets, method, loss_reduction, max_norm, layout.views(flats), 0,
+                           mask)
+    return norms, flats
 
-        norms, flats = graphs.replay(model, loss_fn, inputs, targets, ("clip", method, loss_reduction, max_norm),
-                                     compute)
-        norms, views = norms.clone(), None  # the graph's outputs: read only
-        if pending is not None:
-            for acc, flat in zip(pending.flats, flats):
-                acc.add_(flat)
-            flats, views = pending.flats, pending.views
-    else:
-        flats, views = (pending.flats, pending.views) if pending is not None else (layout.empty(), None)
-        views = views or layout.views(flats)
-        norms = engine.clipped(model, loss_fn, inputs, targets, method, loss_reduction, max_norm, views,
-                               1 if pending is not None else 0)
-    count = batch + (pending.count if pending is not None else 0)
-    if not finalize:
-        if views is None:
-            flats = [f.clone() for f in flats]
-            views = layout.views(flats)
-        _PENDING[model] = _Pending(layout, flats, views, count, max_norm)
-        return norms
-    _PENDING.pop(model, None)
-    _write_grads(layout, flats, views, batch_size or max(count, 1), noise_multiplier * max_norm, generator)
-    return norms
+
+def _graphed(model, loss_fn, inputs, targets, layout, method, loss_reduction, max_norm, max_batch_size, pending):
+    """:func:`clipped_sums` through a CUDA graph (padded to ``max_batch_size`` rows where given); the flats are
+    the graph's outputs (views None: read only) or, with micro-batches pending, the pending sums they were added
+    to."""
+    rows = None if max_batch_size is None else max(max_batch_size, inputs.shape[0])
+    norms, flats = graphs.replay(
+        model, loss_fn, inputs, targets, ("clip", method, loss_reduction, max_norm),
+        lambda x, y, mask=None: clipped_sums(model, loss_fn, x, y, layout, method, loss_reduction, max_norm, mask),
+        rows)
+    norms, views = norms[:inputs.shape[0]].clone(), None
+    if pending is not None:
+        for acc, flat in zip(pending.flats, flats):
+            acc.add_(flat)
+        flats, views = pending.flats, pending.views
+    return norms, flats, views

@@ -72,13 +72,10 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .._checks import opmath_dtype
+from .arguments import fail
 from .layers import RULES, Rule, Writer
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def fail(message: str):
-    raise ValueError(f"torchkern.per_sample: {message}")
 
 
 # ---------------------------------------------------------------------------------------------------- the plan
@@ -934,9 +931,11 @@ def norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torc
 
 
 def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, method: str,
-            loss_reduction: str | None, max_norm: float, views: dict[str, torch.Tensor], beta: int) -> torch.Tensor:
-    """Writes sum_i min(1, max_norm / ||grad_i||) grad_i of every trainable parameter into ``views`` (overwrite
-    for ``beta=0``, add for ``beta=1``); returns the per-sample norms (B,)."""
+            loss_reduction: str | None, max_norm: float, views: dict[str, torch.Tensor], beta: int,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Writes sum_i m_i min(1, max_norm / ||grad_i||) grad_i of every trainable parameter into ``views``
+    (overwrite for ``beta=0``, add for ``beta=1``), m = ``mask`` (B,) bool or 1: rows masked out (a padded batch's
+    filler) contribute nothing; returns the per-sample norms (B,)."""
     p, run = prepare(model, loss_fn, inputs, targets, method, loss_reduction)
     writer = Writer(views, beta)
     grads = func_gradients(model, loss_fn, inputs, targets, p.params, loss_reduction) if run is None else None
@@ -948,6 +947,8 @@ def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: to
             sq = sum_terms(sqs) if sqs else torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         result = sq.clamp_(min=0).sqrt_()
         c = (max_norm / result).clamp_(max=1.0)  # a zero norm: max_norm / 0 = inf -> 1
+        if mask is not None:
+            c.mul_(mask)
         if run is None:
             for q, g in grads.items():
                 writer.mv(q, g.reshape(g.shape[0], -1).T, c)

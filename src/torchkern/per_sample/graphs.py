@@ -20,23 +20,42 @@ from .engine import buffers_kept
 
 
 class _Capture:
-    """One captured computation: the graph, its static inputs and outputs, and the model state it baked in."""
+    """One captured computation: the graph, its static inputs (with ``rows``, padded to that many rows, and the
+    mask of the rows in use) and outputs, and the model state it baked in."""
 
-    __slots__ = ("graph", "inputs", "targets", "out", "loss_fn", "model_state", "stream")
+    __slots__ = ("graph", "inputs", "targets", "mask", "out", "loss_fn", "model_state", "stream")
 
-    def __init__(self, compute: Callable, model, loss_fn, inputs, targets, model_state):
-        self.inputs, self.targets = inputs.detach().clone(), targets.detach().clone()
+    def __init__(self, compute: Callable, model, loss_fn, inputs, targets, model_state, rows: int | None):
+        if rows is None:
+            self.inputs, self.targets, self.mask = inputs.detach().clone(), targets.detach().clone(), None
+        else:
+            self.inputs, self.targets = (t.new_empty((rows, *t.shape[1:])) for t in (inputs, targets))
+            self.mask = torch.empty(rows, dtype=torch.bool, device=inputs.device)
+            fill_padded(self.inputs, self.targets, self.mask, inputs.detach(), targets.detach())
         self.loss_fn = loss_fn  # keeps it alive: the cache key holds its id
         self.model_state = model_state
         self.stream: torch.cuda.Stream | None = None  # where the last replay ran
+        statics = (self.inputs, self.targets) if rows is None else (self.inputs, self.targets, self.mask)
         try:
             with buffers_kept(model):  # the warm-up forwards' buffer updates undone: the replay makes the call's
-                self.graph, self.out = capture(lambda: compute(self.inputs, self.targets), inputs.device)
+                self.graph, self.out = capture(lambda: compute(*statics), inputs.device)
         except Exception as exc:
             raise RuntimeError(f"torchkern.per_sample: cuda_graph=True could not capture the computation "
                                f"({type(exc).__name__}: {exc}); the model and loss must run without waiting for "
                                "the device (no .item(), .tolist() or data-dependent shapes): use "
                                "cuda_graph=False for this model") from exc
+
+
+def fill_padded(static_inputs: torch.Tensor, static_targets: torch.Tensor, mask: torch.Tensor,
+                inputs: torch.Tensor, targets: torch.Tensor) -> None:
+    """A batch of B rows into static buffers of more: its rows first, then copies of its first sample (real
+    data: the model runs on it as on any sample, finite where the batch is), ``mask`` True on the batch's rows."""
+    b = inputs.shape[0]
+    for static, t in ((static_inputs, inputs), (static_targets, targets)):
+        static[:b].copy_(t)
+        static[b:].copy_(t[:1].expand(static.shape[0] - b, *t.shape[1:]))
+    mask[:b].fill_(True)
+    mask[b:].fill_(False)
 
 
 CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
@@ -74,12 +93,15 @@ def check_cuda(inputs: torch.Tensor, targets: torch.Tensor) -> None:
 
 
 def replay(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, key: tuple,
-           compute: Callable[[torch.Tensor, torch.Tensor], object]) -> object:
+           compute: Callable[..., object], rows: int | None = None) -> object:
     """``compute(inputs, targets)`` through the capture cached for ``key`` (what else the computation depends
-    on) and the call's loss, shapes, autocast state and model state; returns the graph's static outputs."""
+    on) and the call's loss, shapes, autocast state and model state; returns the graph's static outputs.
+    ``rows``: a capture of that many rows (at least the batch's) for every batch size up to it,
+    ``compute(inputs, targets, mask)`` on the batch padded by :func:`fill_padded`."""
     device = inputs.device
+    shapes = ((t.shape, t.stride()) if rows is None else (rows, t.shape[1:]) for t in (inputs, targets))
     key = (*key, id(loss_fn), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
-           *((t.shape, t.stride(), t.dtype, t.device) for t in (inputs, targets)))
+           *((*shape, t.dtype, t.device) for shape, t in zip(shapes, (inputs, targets))))
     try:
         captures = CAPTURES.setdefault(model, {})
     except TypeError:  # an unhashable Module subclass: no caching, a capture per call
@@ -90,10 +112,13 @@ def replay(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tenso
         captures.pop(key, None)  # its graph and memory go before the new capture allocates
         if len(captures) >= _MAX_CAPTURES:
             captures.clear()
-        entry = captures[key] = _Capture(compute, model, loss_fn, inputs, targets, state)
+        entry = captures[key] = _Capture(compute, model, loss_fn, inputs, targets, state, rows)
     entry.stream = follow(entry.stream, device)
-    entry.inputs.copy_(inputs.detach())
-    entry.targets.copy_(targets.detach())
+    if rows is None:
+        entry.inputs.copy_(inputs.detach())
+        entry.targets.copy_(targets.detach())
+    else:
+        fill_padded(entry.inputs, entry.targets, entry.mask, inputs.detach(), targets.detach())
     with torch.cuda.device(device):
         entry.graph.replay()
     return entry.out
