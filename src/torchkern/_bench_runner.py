@@ -74,8 +74,8 @@ def run_case(case: Case, *, ceilings: dict[str, float], quick: bool) -> list[dic
     prepared = case.setup()
     if prepared.check is not None:
         prepared.check()
-    # quick: the first call warms up (and compiles), then a few samples: a smoke run's numbers
-    timing = dict(warmup=1, min_time=0.05, min_samples=2, max_samples=20) if quick else dict(warmup=5, min_time=0.3)
+    # quick: the first call warms up (and compiles), then samples for 50 ms, at least one: a smoke run's numbers
+    timing = dict(warmup=1, min_time=0.05, min_samples=1, max_samples=20) if quick else dict(warmup=5, min_time=0.3)
     rows = []
     for impl, fn in prepared.impls.items():
         seconds = _bench.time_call(fn, case.device, **timing)
