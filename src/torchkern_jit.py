@@ -42,9 +42,11 @@ import fcntl
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -568,6 +570,108 @@ def plan(name: str, sources: Sequence[str | os.PathLike] | str | os.PathLike, *,
                 is_python_module, key, torch_library_namespaces(files))
 
 
+def _ninja_escape(path: Path | str) -> str:
+    return re.sub(r"([$ :\n])", r"$\1", str(path))
+
+
+def _object(p: Plan, source: Path) -> str:
+    """``<name>/<path under the sources' common folder>[.cuda].o``: one folder per library, no two objects alike."""
+    root = Path(os.path.commonpath([s.parent for s in p.sources]))
+    return f"{p.name}/{source.relative_to(root).with_suffix('').as_posix()}{'.cuda' if source.suffix == '.cu' else ''}.o"
+
+
+def ninja_file(plans: Sequence[Plan]) -> str:
+    """One build.ninja for ``plans``: each library's objects and link target in a folder named after it, so that one
+    ninja run compiles every library's sources from one job pool. The flags are torch's own for an extension
+    (torch's and Python's headers, its libraries, its nvcc defines, C++20), written here rather than by
+    ``torch.utils.cpp_extension`` because its ninja file holds one library."""
+    cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_extension_log.level
+    cpp_extension_log.setLevel(logging.ERROR)  # its import warns that no GPU is visible: built on purpose
+    try:
+        from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths  # only when building: slow to import
+    finally:
+        cpp_extension_log.setLevel(level)
+
+    def flags(values) -> str:
+        return " ".join(values).replace("$", "$$")
+
+    systems = [*include_paths(), sysconfig.get_path("include", scheme="posix_prefix")]
+    torch_lib = Path(torch.__file__).parent / "lib"
+    lines = ["ninja_required_version = 1.3", f"cxx = {os.environ.get('CXX', 'c++')}", "",
+             "rule compile", "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out", "  depfile = $out.d",
+             "  deps = gcc", "  description = $out", "",
+             "rule cuda_compile", "  command = $nvcc -MD -MF $out.d $cuda_cflags -c $in -o $out", "  depfile = $out.d",
+             "  deps = gcc", "  description = $out", "",
+             "rule link", "  command = $cxx $in $ldflags -o $out", "  description = $out", ""]
+    for p in plans:
+        home = cuda_home(p.nvcc) if p.nvcc else None
+        common = [f"-DTORCH_EXTENSION_NAME={p.name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                  *(f"-I{shlex.quote(str(i))}" for i in p.include_paths),
+                  *(f"-isystem {shlex.quote(str(i))}" for i in [*systems, *([f"{home}/include"] if home else [])])]
+        v = p.name
+        lines += [f"{v}_cflags = {flags([*common, '-fPIC', '-std=c++20', *p.cflags])}"]
+        if home:
+            ccbin = ["-ccbin", os.environ["CC"]] if os.environ.get("CC") else []
+            lines += [f"{v}_nvcc = {_ninja_escape(p.nvcc)}",
+                      f"{v}_cuda_cflags = " + flags([*ccbin, *common, *COMMON_NVCC_FLAGS, "--compiler-options",
+                                                      "'-fPIC'", *p.cuda_cflags, "-std=c++20"])]
+        cuda_libs = ["-lc10_cuda", "-ltorch_cuda", f"-L{shlex.quote(home + '/lib64')}", "-lcudart"] if home else []
+        lines += [f"{v}_ldflags = " + flags(["-shared", f"-L{shlex.quote(str(torch_lib))}", "-lc10", "-ltorch_cpu",
+                                             "-ltorch", "-ltorch_python", *cuda_libs, *p.ldflags])]
+        for source in p.sources:
+            if source.suffix == ".cu":
+                lines += [f"build {_ninja_escape(_object(p, source))}: cuda_compile {_ninja_escape(source)}",
+                          f"  nvcc = ${v}_nvcc", f"  cuda_cflags = ${v}_cuda_cflags"]
+            else:
+                lines += [f"build {_ninja_escape(_object(p, source))}: compile {_ninja_escape(source)}",
+                          f"  cflags = ${v}_cflags"]
+        objects = " ".join(_ninja_escape(_object(p, source)) for source in p.sources)
+        lines += [f"build {_ninja_escape(_library_path(p))}: link {objects}", f"  ldflags = ${v}_ldflags", ""]
+    lines.append("default " + " ".join(_ninja_escape(_library_path(p)) for p in plans))
+    return "\n".join(lines) + "\n"
+
+
+def _library_path(p: Plan) -> str:
+    """Where the build directory holds ``p``'s library."""
+    return f"{p.name}/{p.name}{_library_suffix()}"
+
+
+class Progress:
+    """What a build shows on stderr, fed ninja's lines ("[k/N] <output>", printed as each step ends). On a
+    terminal: one status line, rewritten as compiles end ("[k/N]" over every library's sources, and the last
+    file). In a log: one line per library when its link ends, with its time since the build started."""
+
+    def __init__(self, plans: Sequence[Plan]):
+        self.libraries = {_library_path(p): p.name for p in plans}
+        self.objects = {_object(p, source): f"{p.name}: {source.name}" for p in plans for source in p.sources}
+        self.total = len(self.objects)
+        self.compiled = 0
+        self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
+        self.terminal = sys.stderr.isatty()
+
+    def line(self, line: str) -> None:
+        match = re.fullmatch(r"\[\d+/\d+\] (.+)", line.rstrip("\n"))
+        if not match:
+            return
+        output = match.group(1)
+        if output in self.libraries:
+            name = self.libraries[output]
+            self.seconds[name] = time.perf_counter() - self.start
+            if not self.terminal:
+                status(f"compiled {name} in {self.seconds[name]:.1f} s")
+        elif output in self.objects:
+            self.compiled += 1
+            if self.terminal:
+                print(f"\r\033[Ktorchkern: compiling [{self.compiled}/{self.total}] {self.objects[output]}", end="",
+                      file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        if self.terminal and self.compiled:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+
 # The build runs in this child. It leads its own process group, and ninja joins it; but ninja starts each
 # compile command in a process group of its own (posix_spawn with SETPGROUP), so killing this group alone
 # would leave the compilers running, reparented to init, into a directory nobody will publish. The child
@@ -578,7 +682,7 @@ def plan(name: str, sources: Sequence[str | os.PathLike] | str | os.PathLike, *,
 # where prctl is missing only the parent's own handler sends it), so even a parent killed by SIGKILL
 # leaves no compiler running.
 _BUILD_CHILD = textwrap.dedent("""
-    import contextlib, ctypes, json, logging, os, signal, sys, time
+    import contextlib, ctypes, json, os, signal, subprocess, sys, time
 
     def descendant_groups():
         parents, groups = {}, {}
@@ -618,33 +722,45 @@ _BUILD_CHILD = textwrap.dedent("""
     if hasattr(libc, "prctl"):
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
     args = json.loads(sys.argv[1])
-    if os.getppid() != args.pop("parent"):  # the parent died before prctl
+    if os.getppid() != args["parent"]:  # the parent died before prctl
         sys.exit(1)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # 'no GPU' warnings: built on purpose
-    import torch.utils.cpp_extension as cpp_extension
-    if args["with_cuda"]:
-        cpp_extension.CUDA_HOME = os.environ["CUDA_HOME"]
-    try:
-        cpp_extension.load(**args)
-    except Exception as exc:
-        print(exc, file=sys.stderr)
-        sys.exit(1)
+    sys.exit(subprocess.call(args["ninja"], cwd=args["cwd"]))
 """)
 
 
-def _compile(p: Plan, build_dir: Path, verbose: bool) -> None:
-    """One ninja build of ``p`` into ``build_dir`` (parallel, MAX_JOBS honoured), in a child process."""
-    args = dict(name=p.name, sources=[str(s) for s in p.sources], extra_cflags=list(p.cflags),
-                extra_cuda_cflags=list(p.cuda_cflags), extra_ldflags=list(p.ldflags),
-                extra_include_paths=[str(i) for i in p.include_paths], build_directory=str(build_dir),
-                verbose=verbose, with_cuda=bool(p.nvcc), is_python_module=p.is_python_module, parent=os.getpid())
-    env = dict(os.environ)
-    if p.nvcc:  # torch guesses CUDA_HOME from PATH at its import; a wrapper script fools it: hand it nvcc's own
-        env["CUDA_HOME"] = cuda_home(p.nvcc)
-    child = subprocess.Popen([sys.executable, "-c", _BUILD_CHILD, json.dumps(args)], env=env, start_new_session=True,
-                             stdout=None if verbose else subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _failure(output: Sequence[str], name: str) -> str:
+    """The lines of ninja's output about ``name``'s failed steps ("FAILED: <name>/..." up to the next step)."""
+    kept, keep = [], False
+    for line in output:
+        failed = re.match(r"FAILED: (?:\[code=\d+\] )?(\S+)", line)  # ninja 1.12 adds the exit code
+        if failed:
+            keep = failed.group(1).startswith(f"{name}/")
+        elif re.match(r"\[\d+/\d+\] |ninja: ", line):
+            keep = False
+        if keep:
+            kept.append(line)
+    return "".join(kept).strip() or "".join(output).strip()
+
+
+def _compile(plans: Sequence[Plan], build_dir: Path, verbose: bool) -> dict[str, float | str]:
+    """One ninja run over ``plans`` in ``build_dir`` (MAX_JOBS honoured; -k 0: one library's error does not stop the
+    others), in a child process. Returns, by library name, its seconds since the build started, or the compiler
+    output of its failure."""
+    (build_dir / "build.ninja").write_text(ninja_file(plans))
+    jobs = settings().max_jobs
+    command = ["ninja", "-k", "0", *(["-j", str(jobs)] if jobs else []), *(["-v"] if verbose else [])]
+    child = subprocess.Popen([sys.executable, "-c", _BUILD_CHILD,
+                              json.dumps(dict(ninja=command, cwd=str(build_dir), parent=os.getpid()))],
+                             env={**os.environ, "NINJA_STATUS": "[%f/%t] "}, start_new_session=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    progress, output = Progress(plans), []
     try:
-        output, _ = child.communicate()
+        for line in child.stdout:
+            output.append(line)
+            if verbose:
+                sys.stderr.write(line)
+            progress.line(line)
+        child.wait()
     except BaseException:  # KeyboardInterrupt, a timeout of the caller's: the child stops ninja and the compilers
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, signal.SIGTERM)
@@ -655,9 +771,11 @@ def _compile(p: Plan, build_dir: Path, verbose: bool) -> None:
                 os.killpg(child.pid, signal.SIGKILL)
             child.wait()
         raise
-    if child.returncode != 0:
-        detail = output.strip() if output else "(the compiler output is above: TORCHKERN_VERBOSE=1)"
-        raise BuildError(f"torchkern: building {p.name} failed:\n{detail}")
+    finally:
+        progress.end()
+    elapsed = time.perf_counter() - progress.start
+    return {p.name: progress.seconds.get(p.name, elapsed) if (build_dir / _library_path(p)).is_file()
+            else _failure(output, p.name) for p in plans}
 
 
 @contextlib.contextmanager
@@ -679,17 +797,18 @@ def _free_lock(path: Path) -> Iterator[bool]:
         os.close(fd)
 
 
-def _remove_stale_staging(staging: Path, locks: Path, key: str | None) -> None:
-    """Remove the staging directories of builds that were killed: this key's (the caller holds its lock) and
-    every other key's whose lock is free (a live build holds its key's lock; the kernel released a dead
-    one's). A directory whose lock file is missing is left alone (its build's lock is unknowable)."""
+def _remove_stale_staging(staging: Path, locks: Path, held: Sequence[str]) -> None:
+    """Remove the staging directories of builds that were killed: those of the keys in ``held`` (the caller holds
+    their locks) and every other key's whose lock is free (a live build holds its key's lock; the kernel released
+    a dead one's). A directory whose lock file is missing is left alone (its build's lock is unknowable). A staging
+    directory is named after a key its build holds (``<key>.<random>``)."""
     try:
         entries = list(staging.iterdir())
     except FileNotFoundError:  # another build's cleanup removed the empty .staging just now
         return
     for stale in entries:
         other = stale.name.rpartition(".")[0]
-        if other == key:
+        if other in held:
             shutil.rmtree(stale, ignore_errors=True)
             continue
         with _free_lock(locks / f"{other}.lock") as free:
@@ -725,7 +844,7 @@ def clean(root: Path) -> tuple[list[Path], list[Path]]:
                           "build, lock or staging directory of torchkern's); clean removes nothing there")
     removed = []
     if staging in ours:
-        _remove_stale_staging(staging, locks, None)
+        _remove_stale_staging(staging, locks, ())
         with contextlib.suppress(OSError):
             staging.rmdir()
     if locks in ours:
@@ -747,39 +866,55 @@ def clean(root: Path) -> tuple[list[Path], list[Path]]:
     return removed, [c for c in children if c not in removed]
 
 
-def _build(p: Plan, root: Path, why: str, verbose: bool) -> float:
-    """Compile ``p`` in a staging directory and publish it at ``p.entry``; the caller holds the key's lock."""
+def _build(plans: Sequence[Plan], root: Path, whys: Sequence[str], verbose: bool) -> dict[str, float | BuildError]:
+    """Compile ``plans`` in one ninja run in a staging directory and publish each library that built at its entry,
+    each by one rename; the caller holds every plan's lock. Returns, by key, the library's build seconds or the
+    BuildError (with its compiler output) of a library that failed."""
     if not ninja_available():
         raise BuildError("torchkern: ninja was not found (pip install ninja)")
     staging = root / ".staging"
     staging.mkdir(parents=True, exist_ok=True)
-    _remove_stale_staging(staging, root / "locks", p.key)
-    build_dir = Path(tempfile.mkdtemp(prefix=f"{p.key}.", dir=staging))
-    status(f"compiling {p.name} for {arch_tag(p.archs)} ({_rebuild_reason(why)}; cached in {root})...")
+    _remove_stale_staging(staging, root / "locks", [p.key for p in plans])
+    build_dir = Path(tempfile.mkdtemp(prefix=f"{plans[0].key}.", dir=staging))
+    names = ", ".join(p.name for p in plans)
+    reasons = "; ".join(dict.fromkeys(_rebuild_reason(why) for why in whys))
+    status(f"compiling {names} for {arch_tag(plans[0].archs)} ({reasons}; cached in {root})...")
     start = time.perf_counter()
+    results: dict[str, float | BuildError] = {}
     try:
-        _compile(p, build_dir, verbose)
-        seconds = time.perf_counter() - start
-        library = next(build_dir.glob("*" + _library_suffix()))
-        for leftover in build_dir.iterdir():  # objects and ninja files: only the library and its manifest stay
-            if leftover != library:
-                shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-        manifest = {"key": p.key, "library": library.name, "size": library.stat().st_size, "sha256": _sha256(library),
-                    "name": p.name, "build_seconds": round(seconds, 2), "archs": list(p.archs),
-                    "torch": torch.__version__, "cuda": torch.version.cuda, "nvcc": p.nvcc_version,
-                    "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        (build_dir / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        build_dir.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
-        shutil.rmtree(p.entry, ignore_errors=True)  # a corrupt entry this build replaces
-        os.rename(build_dir, p.entry)  # atomic publish: readers see all of it or none
-    except BaseException:
-        shutil.rmtree(build_dir, ignore_errors=True)
-        raise
+        outcome = _compile(plans, build_dir, verbose)
+        for p in plans:
+            if isinstance(outcome[p.name], str):
+                results[p.key] = BuildError(f"torchkern: building {p.name} failed:\n{outcome[p.name]}")
+            else:
+                _publish(p, build_dir / _library_path(p), staging, outcome[p.name])
+                results[p.key] = outcome[p.name]
     finally:
+        shutil.rmtree(build_dir, ignore_errors=True)  # objects and ninja files: only the libraries are kept
         with contextlib.suppress(OSError):
             staging.rmdir()  # only when no other build is staging
-    status(f"compiled {p.name} in {seconds:.1f} s")
-    return seconds
+    built = [p.name for p in plans if not isinstance(results[p.key], BuildError)]
+    if built:
+        status(f"compiled {', '.join(built)} in {time.perf_counter() - start:.1f} s")
+    return results
+
+
+def _publish(p: Plan, library: Path, staging: Path, seconds: float) -> None:
+    """Move ``library`` with its manifest into ``p``'s entry, by one atomic rename: readers see all of it or none."""
+    entry = Path(tempfile.mkdtemp(prefix=f"{p.key}.", dir=staging))
+    try:
+        os.rename(library, entry / library.name)
+        manifest = {"key": p.key, "library": library.name, "size": (entry / library.name).stat().st_size,
+                    "sha256": _sha256(entry / library.name), "name": p.name, "build_seconds": round(seconds, 2),
+                    "archs": list(p.archs), "torch": torch.__version__, "cuda": torch.version.cuda,
+                    "nvcc": p.nvcc_version, "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        (entry / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        entry.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        shutil.rmtree(p.entry, ignore_errors=True)  # a corrupt entry this build replaces
+        os.rename(entry, p.entry)
+    except BaseException:
+        shutil.rmtree(entry, ignore_errors=True)
+        raise
 
 
 # What this process loaded: library by key, and the key of the library that defined each TORCH_LIBRARY namespace.
@@ -807,28 +942,76 @@ def _opened(p: Plan, library: Path, built: bool, build_seconds: float | None) ->
     return lib
 
 
-def load_plan(p: Plan) -> LoadedLibrary:
-    """Load ``p``'s published library, building and publishing it first where there is none (or the one
-    there fails verification or fails to load: rebuilt once). A library this process loaded already is
-    not opened again."""
-    if p.key in _OPENED:
-        return dataclasses.replace(_OPENED[p.key], built=False)
-    _claim_namespaces(p)
+def load_plans(plans: Sequence[Plan]) -> list[LoadedLibrary | Exception]:
+    """Load each plan's published library; build those that are not published (or fail verification, or fail to
+    load: rebuilt once) in one ninja run, under every one's lock (taken in key order, so two processes never wait
+    on each other), each published atomically. Returns, in order, each plan's LoadedLibrary or the exception
+    (BuildError, LockTimeout, ReloadError, OSError) that stopped it: one library's failure leaves the others
+    loaded. A library this process loaded already is not opened again."""
+    results: dict[str, LoadedLibrary | Exception] = {}
+    todo: dict[str, tuple[Plan, str, bool]] = {}  # key -> (plan, why it builds, whether a published one failed)
+    for p in plans:
+        if p.key in _OPENED:
+            results[p.key] = dataclasses.replace(_OPENED[p.key], built=False)
+            continue
+        try:
+            _claim_namespaces(p)
+        except ReloadError as exc:
+            results[p.key] = exc
+            continue
+        library, why = verify_entry(p.entry, p.key)
+        if library is not None:  # published entries are immutable: no lock, no write access needed
+            try:
+                results[p.key] = _opened(p, library, False, read_manifest(p.entry).get("build_seconds"))
+                continue
+            except (OSError, ImportError) as exc:
+                why = f"the cached library {library} failed to load ({exc})"
+        todo[p.key] = (p, why, library is not None)
+    if todo:
+        results.update(_build_missing(todo))
+    return [results[p.key] for p in plans]
+
+
+def _build_missing(todo: dict[str, tuple[Plan, str, bool]]) -> dict[str, LoadedLibrary | Exception]:
     config = settings()
     root = config.cache
-    library, why = verify_entry(p.entry, p.key)
-    if library is not None:  # published entries are immutable: no lock, no write access needed
+    results: dict[str, LoadedLibrary | Exception] = {}
+    build: dict[str, tuple[Plan, str]] = {}
+    try:
+        for key, (p, why, _) in todo.items():
+            _writable_root(root, p.name, key, why)
+        with contextlib.ExitStack() as locks:
+            for key in sorted(todo):
+                locks.enter_context(file_lock(root / "locks" / f"{key}.lock", config.lock_timeout))
+            for key, (p, why, failed_to_load) in todo.items():
+                again, _ = verify_entry(p.entry, key)
+                if again is not None and not failed_to_load:  # another process published it while this one waited
+                    try:
+                        results[key] = _opened(p, again, False, read_manifest(p.entry).get("build_seconds"))
+                        continue
+                    except (OSError, ImportError) as exc:
+                        why = f"the cached library {again} failed to load ({exc})"
+                build[key] = (p, why)
+            built = _build([p for p, _ in build.values()], root, [why for _, why in build.values()],
+                           config.verbose) if build else {}
+    except (BuildError, LockTimeout, OSError) as exc:
+        return {key: results.get(key, exc) for key in todo}
+    for key, seconds in built.items():
+        p = build[key][0]
         try:
-            return _opened(p, library, False, read_manifest(p.entry).get("build_seconds"))
+            results[key] = seconds if isinstance(seconds, BuildError) else _opened(
+                p, p.entry / read_manifest(p.entry)["library"], True, round(seconds, 2))
         except (OSError, ImportError) as exc:
-            why = f"the cached library {library} failed to load ({exc})"
-    _writable_root(root, p.name, p.key, why)
-    with file_lock(root / "locks" / f"{p.key}.lock", config.lock_timeout):
-        again, _ = verify_entry(p.entry, p.key)
-        if again is not None and library is None:  # another process published it while this one waited
-            return _opened(p, again, False, read_manifest(p.entry).get("build_seconds"))
-        seconds = _build(p, root, why, config.verbose)
-    return _opened(p, p.entry / read_manifest(p.entry)["library"], True, round(seconds, 2))
+            results[key] = exc
+    return results
+
+
+def load_plan(p: Plan) -> LoadedLibrary:
+    """:func:`load_plans` for one plan: its LoadedLibrary, or its exception raised."""
+    result = load_plans([p])[0]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def load(name: str, sources: Sequence[str | os.PathLike] | str | os.PathLike, *, extra_cflags: Sequence[str] = (),

@@ -1,7 +1,7 @@
-"""``python -m torchkern info | build [--arch 9.0] | bench [--quick] [--family F] [--out DIR] | clean``.
+"""``python -m torchkern info | build [--family F] [--arch 9.0] | bench [--quick] [--family F] [--out DIR] | clean``.
 
 Each subcommand loads only what it needs: ``info`` looks at the cache without building, ``build``
-builds for the archs asked for, ``clean`` removes what torchkern put in the cache, ``bench`` loads the
+builds the families and archs asked for, ``clean`` removes what torchkern put in the cache, ``bench`` loads the
 kernels and runs.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 
 import torchkern_jit as jit
+from torchkern._backend import FAMILIES
 
 
 def _info(args) -> int:
@@ -22,9 +22,13 @@ def _info(args) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
     else:
-        width = max(map(len, info))
+        families = info.pop("families")
+        width = max(map(len, [*info, *families]))
         for field, value in info.items():
-            print(f"{field:<{width}}  {value}")
+            print(f"{field:<{width}}  {', '.join(value) if field == 'archs' else value}")
+        for family, state in families.items():
+            built = f"built in {state['build_seconds']} s" if state["cached"] else f"not built ({state['reason']})"
+            print(f"{family:<{width}}  {built}; key {state['key']}")
     if info["backend"] == "unavailable":  # TORCHKERN_BACKEND=cuda, and `import torchkern` would raise
         print(f"torchkern: TORCHKERN_BACKEND=cuda, but {info['reason']}: importing torchkern raises", file=sys.stderr)
         return 1
@@ -34,10 +38,14 @@ def _info(args) -> int:
 def _build(args) -> int:
     from torchkern import _backend
 
-    lib = _backend.build_kernels(args.arch)
-    state = "built" if lib.built else "already cached"
-    print(f"{state}: {lib.path} (key {lib.key}, build {lib.build_seconds} s)")
-    return 0
+    failed = 0
+    for family, lib in _backend.build_families(args.family or _backend.FAMILIES, args.arch).items():
+        if isinstance(lib, Exception):
+            print(f"{family}: {lib}", file=sys.stderr)
+            failed += 1
+        else:
+            print(f"{family}: {'built' if lib.built else 'already cached'} in {lib.build_seconds} s: {lib.path}")
+    return 1 if failed else 0
 
 
 def _clean(args) -> int:
@@ -70,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchkern", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    info = commands.add_parser("info", help="backend, reason, cache key and whether it is built: builds nothing")
+    info = commands.add_parser("info", help="backend, reason, archs, each family's cache key and whether it is "
+                                            "built: builds nothing")
     info.add_argument("--json", action="store_true")
     info.set_defaults(run=_info)
-    build = commands.add_parser("build", help="compile the CUDA kernels (works without a GPU with --arch)")
+    build = commands.add_parser("build", help="compile the families' libraries in one build (works without a GPU "
+                                              "with --arch)")
+    build.add_argument("--family", action="append", choices=FAMILIES,
+                       help="a family to build, repeatable (default: every family)")
     build.add_argument("--arch",
                        help="CUDA archs, e.g. 9.0 or '8.0;9.0' (default: TORCH_CUDA_ARCH_LIST, else visible GPUs)")
     build.set_defaults(run=_build)

@@ -1,15 +1,15 @@
 """The one registration pattern: ``define`` wires an op's schema, twin, fake kernel and autograd formula.
 
-How an op flows: ``torch.ops.torchkern.<op>`` -> dispatcher -> the CUDA kernel that the compiled
-library registered (``TORCH_LIBRARY_IMPL(torchkern, CUDA, m)`` in ``csrc/<family>/<op>.cu``) for CUDA
-tensors, or the op's pure-PyTorch twin (``<family>/twins.py``) for CPU tensors and, when the kernels
-are unavailable, for CUDA tensors too. The fake kernel (shapes and checks only) and the autograd
-formula serve both backends, so ``torch.compile(fullgraph=True)``, autograd and
+How an op flows: ``torch.ops.torchkern.<op>`` -> dispatcher -> the CUDA kernel that the family's
+compiled library registered (``TORCH_LIBRARY_IMPL(torchkern, CUDA, m)`` in ``csrc/<family>/``) for
+CUDA tensors, or the op's pure-PyTorch twin (``<family>/twins.py``) for CPU tensors and, when the
+family's library is unavailable, for CUDA tensors too. The fake kernel (shapes and checks only) and
+the autograd formula serve both backends, so ``torch.compile(fullgraph=True)``, autograd and
 ``torch.library.opcheck`` behave the same whichever backend runs. Each family registers its ops in
 its ``ops.py``.
 
-Importing this module decides the backend (``_backend.load_kernels``) before any op is defined:
-``define`` asks which ops have a CUDA kernel.
+``define`` asks which ops have a CUDA kernel, so a family's library is loaded before its ops are
+defined: ``_backend.FamilyFinder`` does that when the family's package is first imported.
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-
-from . import _backend
-
-_backend.load_kernels()
 
 _LIB = torch.library.Library("torchkern", "DEF")
 _HAS_CUDA_KERNEL: dict[str, bool] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,20 @@ def cache(tmp_path, monkeypatch) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def placeholder(tmp_path_factory) -> Path:
+    """A shared library that registers nothing: what the counted build publishes."""
+    directory = tmp_path_factory.mktemp("placeholder")
+    (directory / "empty.c").write_text("int torchkern_placeholder;\n")
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(directory / "empty.so"), str(directory / "empty.c")],
+                   check=True)
+    return directory / "empty.so"
+
+
 @pytest.fixture
 def counted(tmp_path):
-    """(env, pythonpath, builds()): run children whose builds are recorded instead of compiled."""
+    """(env, pythonpath, builds()): run children whose builds are recorded instead of compiled (loader_testing's
+    FAKE_BUILD); builds() lists the ninja runs so far, one line each: the libraries and their archs."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(FAKE_BUILD)

@@ -22,7 +22,6 @@ import torchkern_jit as jit
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = Path(torchkern.__file__).resolve().parents[1]  # the torchkern under test, installed or in src/
-HAS_NVCC = jit.find_nvcc() is not None
 
 ANSWER_CPP = textwrap.dedent("""
     // A library with no torch code: compiles in a second.
@@ -88,16 +87,28 @@ def publish_fake_entry(cache: Path, key: str, name: str = "lib", build_seconds: 
     return library
 
 
-# Loaded at interpreter start of the children of the `counted` fixture: every build is recorded (its name and archs),
-# none is compiled, and the toolchain looks complete, so that whatever would build on a GPU machine tries to here.
+# Loaded at interpreter start of the children of the `counted` fixture: every ninja run is recorded (one line: the
+# libraries it builds and their archs), nothing is compiled, and the toolchain looks complete (nvcc 13.0), so that
+# whatever would build on a GPU machine tries to here. With TK_PLACEHOLDER (a shared library that registers
+# nothing) each library "builds" as a copy of it and is published, so later imports and processes load it from
+# the cache; without, or for the libraries named in TK_FAIL, the build fails. TK_BUILD_SECONDS makes a build last.
 FAKE_BUILD = textwrap.dedent("""
-    import os
+    import os, shutil, time
     import torchkern_jit
 
-    def _record(p, build_dir, verbose):
+    def _record(plans, build_dir, verbose):
         with open(os.environ["TK_BUILD_LOG"], "a") as log:
-            log.write(f"{p.name} {','.join(p.archs)}\\n")
-        raise torchkern_jit.BuildError("fake build: recorded, not compiled")
+            log.write(f"{','.join(p.name for p in plans)} {','.join(plans[0].archs)}\\n")
+        time.sleep(float(os.environ.get("TK_BUILD_SECONDS", "0")))
+        results = {}
+        for p in plans:
+            if os.environ.get("TK_PLACEHOLDER") and p.name not in os.environ.get("TK_FAIL", "").split(","):
+                (build_dir / p.name).mkdir()
+                shutil.copyfile(os.environ["TK_PLACEHOLDER"], build_dir / torchkern_jit._library_path(p))
+                results[p.name] = 0.0
+            else:
+                results[p.name] = f"fake build of {p.name}: recorded, not compiled"
+        return results
 
     torchkern_jit._compile = _record
     torchkern_jit.ninja_available = lambda: True

@@ -155,3 +155,21 @@ def test_an_edited_torch_library_in_the_same_process_is_a_python_error(cache, tm
     assert "[3.0, 3.0]" in out.stdout and "loaded again: False" in out.stdout
     assert "defines the op namespace 'tk_reload' (TORCH_LIBRARY), which this process already loaded" in out.stdout
     assert "Restart Python" in out.stdout and "new namespace" in out.stdout
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_is_one_status_line_on_a_terminal_and_a_line_per_library_in_a_log(tmp_path, capsys, terminal):
+    plans = [jit.plan(name, [write_source(tmp_path / name, name=f"{stem}.cpp") for stem in ("one", "two")])
+             for name in ("tk_a", "tk_b")]
+    progress = jit.Progress(plans)
+    progress.terminal = terminal
+    for line in ["[1/6] tk_a/one.o", "[2/6] tk_b/two.o", "[3/6] tk_a/two.o", "[4/6] tk_a/tk_a.so\n",
+                 "some compiler warning", "[5/6] tk_b/one.o", "[6/6] tk_b/tk_b.so"]:
+        progress.line(line)
+    progress.end()
+    err = capsys.readouterr().err
+    if terminal:
+        assert err.count("\r\033[K") == 5 and "compiling [4/4] tk_b: one.cpp" in err and "\n" not in err
+    else:
+        assert err.splitlines() == [f"torchkern: compiled tk_a in {progress.seconds['tk_a']:.1f} s",
+                                    f"torchkern: compiled tk_b in {progress.seconds['tk_b']:.1f} s"]

@@ -25,10 +25,10 @@ def test_cli_subcommands_build_only_what_they_are_asked_for(counted, tmp_path):
     out = run_cli("info", env=env, pythonpath=path)
     assert out.returncode == 0, out.stderr
     assert builds() == [], "info compiled something"
-    assert "first import of torchkern compiles it" in out.stdout
-    out = run_cli("build", "--arch", "8.0", env=env, pythonpath=path)
-    assert "fake build" in out.stderr
-    assert builds() == ["torchkern_kernels 8.0"], "build --arch 8.0 must build for 8.0 alone"
+    assert "not built yet: primitives, ebm, linalg, per_sample, optim" in out.stdout
+    out = run_cli("build", "--family", "ebm", env=env, pythonpath=path)
+    assert "fake build of torchkern_ebm" in out.stderr
+    assert builds() == ["torchkern_ebm 9.0a"], "build --family ebm builds ebm alone"
 
 
 def test_info_reports_a_cached_build_without_loading_it(counted, tmp_path, monkeypatch):
@@ -36,13 +36,15 @@ def test_info_reports_a_cached_build_without_loading_it(counted, tmp_path, monke
     monkeypatch.setenv("TORCHKERN_CACHE", env["TORCHKERN_CACHE"])
     monkeypatch.setattr(jit, "find_nvcc", lambda: "/fake/nvcc")  # the counted children's toolchain
     monkeypatch.setattr(jit, "nvcc_version", lambda nvcc: "13.0")
-    plan = _backend.kernel_plan(("9.0",))
-    library = publish_fake_entry(plan.entry.parent, plan.key, "torchkern_kernels")
+    plan = _backend.family_plan("linalg", "9.0")
+    library = publish_fake_entry(plan.entry.parent, plan.key, plan.name)
     out = run_cli("info", "--json", env=env, pythonpath=path)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
-    assert info["cached"] is True and info["key"] == plan.key and info["library"] == str(library)
-    assert info["build_seconds"] == 12.5 and "importing torchkern loads it" in info["reason"]
+    linalg = info["families"]["linalg"]
+    assert linalg["cached"] is True and linalg["key"] == plan.key and linalg["library"] == str(library)
+    assert linalg["build_seconds"] == 12.5 and info["archs"] == ["9.0a"]
+    assert not info["families"]["ebm"]["cached"] and "ebm" in info["reason"] and "linalg" not in info["reason"]
     assert builds() == []
 
 

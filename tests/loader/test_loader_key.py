@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loader_testing import HAS_NVCC, write_source
+from loader_testing import write_source
 
 import torchkern_jit as jit
 from torchkern import _backend
@@ -31,34 +31,40 @@ def test_key_changes_with_everything_that_shapes_the_binary(tmp_path):
     assert "sm_90" in base and torch.__version__.replace("+", "_") in base
 
 
-@pytest.mark.skipif(not HAS_NVCC, reason="the kernel plan asks nvcc for its version")
-def test_torchkern_kernel_plan_covers_every_source_header_and_shared_constant(monkeypatch):
-    plan = _backend.kernel_plan(("9.0",))
-    built = {p.name for p in plan.sources}
+@pytest.fixture
+def fake_nvcc(monkeypatch):
+    """A toolchain for plans without nvcc: the plans ask it only for its version."""
+    monkeypatch.setattr(jit, "find_nvcc", lambda: "/fake/nvcc")
+    monkeypatch.setattr(jit, "nvcc_version", lambda nvcc: "13.0")
+
+
+def test_each_family_plan_covers_its_sources_its_headers_and_the_shared_ones(fake_nvcc):
+    plans = {family: _backend.family_plan(family, "9.0") for family in _backend.FAMILIES}
     for path in _backend.CSRC.rglob("*"):
+        family = path.relative_to(_backend.CSRC).parts[0]
         if path.suffix in jit.SOURCE_SUFFIXES:
-            assert path.name in built, path
-    covered = {p.name for p in jit.collect_files(plan.sources, [], plan.include_paths)}
-    for path in _backend.CSRC.rglob("*"):
-        if path.suffix in jit.HEADER_SUFFIXES:
-            assert path.name in covered, path
-    # the constants C++ shares with Python are -D flags, so a change to one is a change of key
-    assert "-DTORCHKERN_NEWTON_STALL_BELOW=0.001" in plan.cuda_cflags
-    assert "-DTORCHKERN_ENERGY_KINDS=5" in plan.cuda_cflags
-    monkeypatch.setattr(_backend, "compile_definitions", lambda: ["-DTORCHKERN_NEWTON_STALL_BELOW=0.002"])
-    assert _backend.kernel_plan(("9.0",)).key != plan.key
-    # ninja gets the sources longest compile first (the key does not depend on the order)
-    assert list(plan.sources) == _backend.build_order(plan.sources)
+            assert path in plans[family].sources, path
+    for family, plan in plans.items():
+        covered = jit.collect_files(plan.sources, [_backend.CSRC / family, _backend.CSRC / "include"],
+                                    plan.include_paths)
+        assert {p for p in (_backend.CSRC / family).rglob("*") if p.is_file()} <= set(covered)
+        assert {p for p in (_backend.CSRC / "include").rglob("*") if p.is_file()} <= set(covered)
+        assert not any(_backend.CSRC / other in p.parents for p in covered for other in _backend.FAMILIES
+                       if other != family), f"{family}'s key covers another family's files"
+    assert len({p.key for p in plans.values()}) == len(plans)
 
 
-def test_build_order_starts_the_longest_compiles_first_and_unknown_sources_before_them():
-    csrc = _backend.CSRC
-    listed = {csrc / name for name in _backend.COMPILE_SECONDS}
-    assert all(path.is_file() for path in listed)  # no entry outlives its source
-    order = _backend.build_order([csrc / "primitives/mul.cu", csrc / "ebm/new_op.cu", csrc / "ebm/hmc_chain.cu"])
-    assert [p.name for p in order] == ["new_op.cu", "hmc_chain.cu", "mul.cu"]
-    costs = [_backend.COMPILE_SECONDS[p.relative_to(csrc).as_posix()] for p in _backend.build_order(listed)]
-    assert costs == sorted(costs, reverse=True)
+def test_a_familys_shared_constants_are_part_of_its_key_alone(fake_nvcc, monkeypatch):
+    linalg, ebm = _backend.family_plan("linalg", "9.0"), _backend.family_plan("ebm", "9.0")
+    # the constants C++ shares with Python are -D flags, so a change to one is a change of its family's key
+    assert "-DTORCHKERN_NEWTON_STALL_BELOW=0.001" in linalg.cuda_cflags
+    assert "-DTORCHKERN_ENERGY_KINDS=5" in ebm.cuda_cflags and "-DTORCHKERN_ENERGY_KINDS=5" not in linalg.cuda_cflags
+    definitions = _backend.compile_definitions
+    monkeypatch.setattr(_backend, "compile_definitions",
+                        lambda family: ["-DTORCHKERN_NEWTON_STALL_BELOW=0.002"] if family == "linalg"
+                        else definitions(family))
+    assert _backend.family_plan("linalg", "9.0").key != linalg.key
+    assert _backend.family_plan("ebm", "9.0").key == ebm.key
 
 
 def test_shared_constants_are_the_ones_the_twins_use():
@@ -66,12 +72,9 @@ def test_shared_constants_are_the_ones_the_twins_use():
     from torchkern.linalg import constants as linalg_constants
     from torchkern.linalg import twins
 
-    flags = _backend.compile_definitions()
-    assert f"-DTORCHKERN_LANCZOS_STEPS={twins.LANCZOS_STEPS}" in flags
-    assert f"-DTORCHKERN_ENERGY_ROSENBROCK={ebm_constants.ROSENBROCK}" in flags
+    assert f"-DTORCHKERN_LANCZOS_STEPS={twins.LANCZOS_STEPS}" in _backend.compile_definitions("linalg")
+    assert f"-DTORCHKERN_ENERGY_ROSENBROCK={ebm_constants.ROSENBROCK}" in _backend.compile_definitions("ebm")
     assert twins.STALL_BELOW is linalg_constants.STALL_BELOW
-
-
 
 
 def test_key_covers_every_file_an_include_reaches_at_any_depth_and_extension(tmp_path):
