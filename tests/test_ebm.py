@@ -345,8 +345,9 @@ def test_chain_equals_step_by_step_reference(name, shape, dtype, device):
     x = randn(*shape, dtype=dtype, device=device)
     noise = randn(n_steps, *shape, device=device)
     clamp = (-1.5, 2.0) if name != "harmonic" else (None, None)
-    got, traj = torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, step, 0.8, *clamp, n_steps, thin,
-                                                   True, None, noise)
+    got, traj, finite = torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, step, 0.8, *clamp, n_steps,
+                                                           thin, True, None, noise)
+    assert torch.equal(finite, torch.full((shape[0],), n_steps, dtype=torch.int64, device=device))
     want, want_traj = _reference_chain(x, energy, step, 0.8, *clamp, n_steps, thin, noise)
     assert traj.shape == (shape[0], n_steps // thin, shape[1]) and traj.dtype == dtype
     scale = 20.0 if dtype in (torch.float32, torch.float64) else 2.0
@@ -357,8 +358,8 @@ def test_chain_equals_step_by_step_reference(name, shape, dtype, device):
     if clamp[0] is not None:
         assert got.min() >= clamp[0] and got.max() <= clamp[1]
     # no trajectory asked: an empty one, and the same final state
-    got2, empty = torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, step, 0.8, *clamp, n_steps,
-                                                     thin, False, None, noise)
+    got2, empty, _ = torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, step, 0.8, *clamp, n_steps,
+                                                        thin, False, None, noise)
     assert empty.shape == (shape[0], 0, shape[1])
     assert torch.equal(got2, got)
 
@@ -438,9 +439,9 @@ def test_chain_bad_inputs():
         ebm.RosenbrockEnergy().energy(randn(4, 1))
     with pytest.raises(ValueError, match="step_size must be a finite number > 0"):
         ebm.LangevinDynamics(ebm.HarmonicEnergy(), 0.0)
-    with pytest.raises(ValueError, match="thin must be >= 1"):
+    with pytest.raises(ValueError, match=r"thin must be an int in \[1, 2\^30\], got 0"):
         ebm.LangevinDynamics(ebm.HarmonicEnergy(), 0.1).sample(x, thin=0)
-    with pytest.raises(ValueError, match="dim >= 1"):
+    with pytest.raises(ValueError, match="give x, or dim with n_samples"):
         ebm.LangevinDynamics(ebm.HarmonicEnergy(), 0.1).sample(n_samples=4)
 
 
@@ -871,9 +872,10 @@ def test_mlp_langevin_chain_fp32_equals_generic_path(widths, device):
     noise = randn(n_steps, 37, widths[0], device=device)
     state = x.clone()
     layout = ebm_mlp.plan(energy, x, ebm_constants.FP32, hmc=False)
-    traj, energies = torch.ops.torchkern.mlp_langevin_chain_(
+    traj, energies, finite = torch.ops.torchkern.mlp_langevin_chain_(
         state, *energy.kernel_args(), step, sigma, -2.0, 2.5, n_steps, thin, True, True, 0.0, None, None,
         ebm_constants.FP32, layout, None, noise)
+    assert torch.equal(finite, torch.full((37,), n_steps, dtype=torch.int64, device=device))
     want, want_traj, want_e = _generic_mlp_chain(energy, x, step, sigma, -2.0, 2.5, n_steps, thin, noise)
     assert traj.shape == (37, 3, widths[0]) and energies.shape == (37, 3)
     torch.testing.assert_close(state, want, rtol=1e-5, atol=1e-5)
@@ -1087,7 +1089,7 @@ def test_sampler_arguments_named():
         ebm.LangevinDynamics(energy, 0.1, clamp=("a", 1.0))
     with pytest.raises(ValueError, match="step_size must be a finite number > 0, got nan"):
         ebm.HamiltonianMonteCarlo(energy, float("nan"), 5)
-    with pytest.raises(ValueError, match="n_leapfrog_steps must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"n_leapfrog_steps must be an int in \[1, 2\^20\], got 0"):
         ebm.HamiltonianMonteCarlo(energy, 0.1, 0)
     with pytest.raises(TypeError, match="n_steps must be an int"):
         ebm.LangevinDynamics(energy, 0.1).sample(randn(3, 2), n_steps=2.5)
@@ -1138,7 +1140,7 @@ def test_mlp_ops_bad_inputs(device):
         op(x, ws, bs, act, slope, **base, restart_fraction=0.5, restart_low=0.0)
     with pytest.raises(RuntimeError, match=r"noise must have shape \[2, 4, 5\]"):
         op(x, ws, bs, act, slope, **base, noise=randn(2, 4, 4, device=device))
-    with pytest.raises(RuntimeError, match="n_leapfrog must be >= 1, got 0"):
+    with pytest.raises(RuntimeError, match=r"n_leapfrog must be in \[1, 1048576\], got 0"):
         torch.ops.torchkern.mlp_hmc_chain_(x, ws, bs, act, slope, 0.1, 0, 3, layout=layout)
     with pytest.raises(RuntimeError, match=r"uniform must have shape \[3, 4\] \(\[n_steps, B\]\)"):
         torch.ops.torchkern.hmc_chain_(x, 1, [1.0, 0.0, 0.0], 0.1, 2, 3, uniform=randn(3, 5, device=device))
@@ -1351,11 +1353,12 @@ def test_mlp_kernel_input_dim_1024_bf16():
     torch.testing.assert_close(e, e_tw, **tol)
     torch.testing.assert_close(s, s_tw, **tol)
     want = x.clone()
-    w_traj, w_energy = twins.mlp_langevin_chain_(want, *args, step, 1.0, None, None, n_steps, 1, True, True,
-                                                 noise=noise, precision=code)
+    w_traj, w_energy, _ = twins.mlp_langevin_chain_(want, *args, step, 1.0, None, None, n_steps, 1, True, True,
+                                                    noise=noise, precision=code)
     state = x.clone()
-    traj, energies = torch.ops.torchkern.mlp_langevin_chain_(state, *args, step, 1.0, None, None, n_steps, 1, True,
-                                                             True, 0.0, None, None, code, layout, None, noise)
+    traj, energies, _ = torch.ops.torchkern.mlp_langevin_chain_(state, *args, step, 1.0, None, None, n_steps, 1,
+                                                                True, True, 0.0, None, None, code, layout, None,
+                                                                noise)
     torch.testing.assert_close(state, want, **tol)
     torch.testing.assert_close(traj, w_traj, **tol)
     torch.testing.assert_close(energies, w_energy, **tol)
@@ -1380,16 +1383,17 @@ def test_hmc_chain_matches_twin(name, dtype, device):
     noise = randn(n_steps, 9, 7, dtype=dtype, device=device)
     uniform = torch.rand(n_steps, 9, dtype=dtype, device=device)
     got = x.clone()
-    traj, e, acc, count = torch.ops.torchkern.hmc_chain_(got, energy.kind, energy.params, step, 4, n_steps, thin,
-                                                         True, True, True, None, noise, uniform)
+    traj, e, acc, count, finite = torch.ops.torchkern.hmc_chain_(got, energy.kind, energy.params, step, 4, n_steps,
+                                                                 thin, True, True, True, None, noise, uniform)
     want = x.clone()
 
     def energy_and_grad(s):
         e_, score_ = twins.analytic_math(s, energy.kind, energy.params)
         return e_, -score_
 
-    w_traj, w_e, w_acc, w_count = twins.hmc_loop(want, energy_and_grad, step, 4, n_steps, thin, True, True, True,
-                                                 None, noise, uniform)
+    w_traj, w_e, w_acc, w_count, w_finite = twins.hmc_loop(want, energy_and_grad, step, 4, n_steps, thin, True, True,
+                                                           True, None, noise, uniform)
+    assert torch.equal(finite, w_finite) and (finite == n_steps).all()
     # float32: the gradients differ from the twin's by a few ulps per evaluation (summation order, contractions; the
     # rough energies' cos(2 pi x), exp and 1/r more), and 24 leapfrog steps amplify that along a trajectory (seen:
     # 2.5e-4 relative on Ackley, 3.8e-4 on DoubleWell on an H200, fresh random data each run); float64 shows the
@@ -1430,7 +1434,7 @@ def test_mlp_hmc_chain_fp32_matches_twin(device):
     want = x.clone()
     w_out = twins.hmc_loop(want, lambda s: _autograd_energy_and_grad(energy, s), 1.2, 4, n_steps, 1, True, True,
                            True, None, noise, uniform)
-    assert torch.equal(out[2], w_out[2]) and torch.equal(out[3], w_out[3])
+    assert torch.equal(out[2], w_out[2]) and torch.equal(out[3], w_out[3]) and torch.equal(out[4], w_out[4])
     # float32 rounding, grown by 20 large leapfrog steps on a curved energy
     torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     torch.testing.assert_close(out[0], w_out[0], rtol=2e-4, atol=2e-4)
@@ -1604,11 +1608,161 @@ def test_hmc_acceptance_rate_matches_twin(kind):
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 def test_hmc_rejects_divergent_trajectories(device):
     # A step far too large for the double well: proposals blow up to inf/NaN energies and are all rejected;
-    # the chains stay where they were, finite.
+    # the chains stay where they were, finite, and the sampler warns naming the first divergent trajectory.
     x = randn(64, 5, device=device)
     sampler = ebm.HamiltonianMonteCarlo(ebm.DoubleWellEnergy(2.0, 1.0), 5.0, 10)
-    out, accepted = sampler.sample(x, n_steps=3, return_acceptance=True)
+    with pytest.warns(RuntimeWarning, match=r"64 of 64 chains had divergent trajectories .* the first at trajectory 1 "
+                                            r"of 3: step_size=5 is too large .* try a smaller step_size"):
+        out, accepted = sampler.sample(x, n_steps=3, return_acceptance=True)
     assert not accepted.any() and torch.equal(out, x) and (sampler.acceptance_rate == 0).all()
+    assert torch.equal(sampler.finite_steps, torch.zeros(64, dtype=torch.int64, device=device))
+
+
+# --------------------------------------------------------------------------- divergence and argument ranges
+
+
+def _leading_finite(traj: torch.Tensor) -> torch.Tensor:
+    """Each chain's steps before its first non-finite state, from a trajectory [B, n_steps, d] kept every step."""
+    return torch.isfinite(traj).all(2).to(torch.int64).cumprod(1).sum(1)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ebm.DoubleWellEnergy(barrier_height=float("nan")), "DoubleWellEnergy: barrier_height must be a finite "
+                                                                 "number > 0, got nan"),
+    (lambda: ebm.DoubleWellEnergy(barrier_height=-1.0), "barrier_height must be a finite number > 0, got -1"),
+    (lambda: ebm.DoubleWellEnergy(b=float("inf")), "DoubleWellEnergy: b must be a finite number, got inf"),
+    (lambda: ebm.HarmonicEnergy(k=-1), "HarmonicEnergy: k must be a finite number > 0, got -1"),
+    (lambda: ebm.HarmonicEnergy(k=0.0), "HarmonicEnergy: k must be a finite number > 0, got 0"),
+    (lambda: ebm.RosenbrockEnergy(b=float("inf")), "RosenbrockEnergy: b must be a finite number > 0, got inf"),
+    (lambda: ebm.RosenbrockEnergy(a=float("nan")), "RosenbrockEnergy: a must be a finite number, got nan"),
+    (lambda: ebm.RastriginEnergy(a=float("-inf")), "RastriginEnergy: a must be a finite number, got -inf"),
+    (lambda: ebm.AckleyEnergy(b=-0.2), "AckleyEnergy: b must be a finite number >= 0, got -0.2"),
+    (lambda: ebm.AckleyEnergy(c=float("nan")), "AckleyEnergy: c must be a finite number, got nan"),
+    (lambda: ebm.GaussianEnergy(torch.zeros(2), precision=-torch.eye(2)),
+     r"GaussianEnergy: precision must be positive definite, got a matrix whose leading 1 x 1 block is not"),
+    (lambda: ebm.GaussianEnergy(torch.zeros(2), precision=torch.tensor([[1.0, 2.0], [2.0, 1.0]])),
+     "precision must be positive definite, got a matrix whose leading 2 x 2 block is not"),
+    (lambda: ebm.GaussianEnergy(torch.zeros(2), covariance=torch.zeros(2, 2)), "covariance must be positive definite"),
+])
+def test_energy_parameters_checked_at_construction(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_energy_parameters_must_be_numbers():
+    with pytest.raises(TypeError, match="HarmonicEnergy: k must be a real number, got str '2'"):
+        ebm.HarmonicEnergy("2")
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_analytic_ops_reject_non_finite_params(device):
+    x = randn(3, 2, device=device)
+    for op in (torch.ops.torchkern.analytic_energy, torch.ops.torchkern.analytic_score):
+        with pytest.raises(RuntimeError, match=r"params\[1\] must be a finite number, got inf"):
+            op(x, 3, [1.0, float("inf"), 0.0])
+    with pytest.raises(RuntimeError, match=r"params\[0\] must be a finite number, got nan"):
+        torch.ops.torchkern.langevin_chain(x, 0, [float("nan"), 1.0, 0.0], 1e-3, 1.0, None, None, 2)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda s, x: s.sample(x, n_steps=2 ** 63), r"n_steps must be an int in \[0, 2\^30\], got 9223372036854775808"),
+    (lambda s, x: s.sample(x, n_steps=2 ** 30 + 1), r"n_steps must be an int in \[0, 2\^30\]"),
+    (lambda s, x: s.sample(x, n_steps=-1), r"n_steps must be an int in \[0, 2\^30\], got -1"),
+    (lambda s, x: s.sample(x, thin=2 ** 63), r"thin must be an int in \[1, 2\^30\]"),
+    (lambda s, x: s.sample(n_samples=2 ** 63, dim=2), r"n_samples must be an int in \[0, 2\^63 - 1\]"),
+    (lambda s, x: s.sample(n_samples=4, dim=2 ** 64), r"dim must be an int in \[1, 2\^63 - 1\]"),
+])
+@pytest.mark.parametrize("kind", ["langevin", "hmc"])
+def test_sampler_integer_arguments_in_range(kind, call, match):
+    energy = ebm.HarmonicEnergy()
+    sampler = ebm.LangevinDynamics(energy, 0.1) if kind == "langevin" else ebm.HamiltonianMonteCarlo(energy, 0.1)
+    with pytest.raises(ValueError, match=match):
+        call(sampler, randn(3, 2))
+
+
+def test_hmc_leapfrog_steps_in_range():
+    with pytest.raises(ValueError, match=r"n_leapfrog_steps must be an int in \[1, 2\^20\], got 9223372036854775808"):
+        ebm.HamiltonianMonteCarlo(ebm.HarmonicEnergy(), 0.1, 2 ** 63)
+    with pytest.raises(RuntimeError, match=r"n_steps must be in \[0, 1073741824\], got 1073741825"):
+        torch.ops.torchkern.hmc_chain_(randn(3, 2), 1, [1.0, 0.0, 0.0], 0.1, 2, 2 ** 30 + 1)
+
+
+def _steep_mlp(device, d=3):
+    energy = _mlp_energy([d, 16], "silu", device, seed=2)
+    with torch.no_grad():
+        energy.layers[-1].weight.mul_(1e4)
+    return energy
+
+
+class _TorchDoubleWell(torch.nn.Module):
+    """The double well as a plain module: the samplers' generic (autograd) path."""
+
+    def forward(self, x):
+        return 2.0 * ((x * x - 1.0) ** 2).sum(1)
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("kind", ["analytic", "rosenbrock", "mlp", "generic"])
+def test_langevin_divergence_raises_naming_the_step(kind, device):
+    # A step size far too large: the chains overshoot, overflow and go NaN. sample() raises, naming the step at
+    # which the first chain did (from the chain's own record, which the trajectory of the same seeded run confirms)
+    # and what to try, instead of returning NaN states.
+    if kind == "analytic":
+        energy, step = ebm.DoubleWellEnergy(2.0, 1.0), 0.3
+    elif kind == "rosenbrock":  # a row-coupled energy: the one-warp-per-row kernel
+        energy, step = ebm.RosenbrockEnergy(1.0, 100.0), 0.05
+    elif kind == "mlp":  # linear at large x: a bounded gradient, but steps that overflow within a few
+        energy, step = _steep_mlp(device), 1e35
+    else:
+        energy, step = _TorchDoubleWell(), 0.3
+    x = randn(40, 3, device=device)
+    sampler = ebm.LangevinDynamics(energy, step, precision="fp32")
+    torch.manual_seed(3)
+    with pytest.raises(FloatingPointError) as info:
+        sampler.sample(x, n_steps=30)
+    finite = sampler.finite_steps
+    assert finite.shape == (40,) and finite.dtype == torch.int64 and (finite < 30).any()
+    torch.manual_seed(3)
+    with pytest.raises(FloatingPointError):
+        _, traj = sampler.sample(x, n_steps=30, return_trajectory=True)
+    assert torch.equal(sampler.finite_steps, finite)
+    message = str(info.value)
+    first = int(finite.min()) + 1
+    assert f"{int((finite < 30).sum())} of 40 chains went non-finite, the first at step {first} of 30" in message
+    assert f"step_size={step:g} is too large" in message and "try a smaller step_size" in message
+    assert "clamp=(min, max)" in message
+    # in place: x holds the states reached, the diverged ones included
+    state = x.clone()
+    torch.manual_seed(3)
+    with pytest.raises(FloatingPointError):
+        sampler.sample(state, n_steps=30, inplace=True)
+    assert not torch.isfinite(state).all()
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_chain_ops_count_finite_steps(device):
+    # Each chain op's finite_steps against the trajectory of the same run (a step too large for some chains only:
+    # the ones started far out diverge, at different steps).
+    x = randn(24, 4, device=device) * torch.linspace(0.1, 3.0, 24, device=device)[:, None]
+    noise = randn(12, 24, 4, device=device)
+    _, traj, finite = torch.ops.torchkern.langevin_chain(x, 0, [2.0, 1.0, 0.0], 0.05, 1.0, None, None, 12, 1, True,
+                                                         None, noise)
+    assert torch.equal(finite, _leading_finite(traj)) and 0 < (finite < 12).sum() < 24
+    energy = _steep_mlp(device, 4)
+    state = x.clone()
+    traj, _, finite = torch.ops.torchkern.mlp_langevin_chain_(
+        state, *energy.kernel_args(), 1e35, 1.0, None, None, 12, 1, True, False, 0.0, None, None, ebm_constants.FP32,
+        ebm_mlp.plan(energy, x, ebm_constants.FP32, False), None, noise)
+    assert torch.equal(finite, _leading_finite(traj)) and (finite < 12).any()
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_langevin_clamped_chains_stay_finite(device):
+    # The same oversized step with both bounds: every update is clamped back into the box, nothing is reported.
+    x = randn(40, 3, device=device)
+    sampler = ebm.LangevinDynamics(ebm.DoubleWellEnergy(2.0, 1.0), 0.3, clamp=(-3.0, 3.0))
+    out = sampler.sample(x, n_steps=30)
+    assert torch.isfinite(out).all() and (sampler.finite_steps == 30).all()
 
 
 # --------------------------------------------------------------------------- diagnostics

@@ -10,6 +10,11 @@ DOUBLE_WELL, HARMONIC, RASTRIGIN, ROSENBROCK, ACKLEY = range(5)
 KIND_NAMES = ("double_well", "harmonic", "rastrigin", "rosenbrock", "ackley")
 N_PARAMS = 3  # every kind takes three numbers (unused ones are ignored)
 
+# The chains' largest step and leapfrog counts: the kernels count steps in int, and HMC reserves two Philox draws
+# per trajectory.
+MAX_STEPS = 1 << 30
+MAX_LEAPFROG = 1 << 20
+
 # MLPEnergy's activations and the fused MLP kernels' operand precisions, by the integers the ops take.
 SILU, SOFTPLUS, TANH, GELU, RELU, LEAKY_RELU = range(6)
 ACTIVATION_NAMES = ("silu", "softplus", "tanh", "gelu", "relu", "leaky_relu")
@@ -40,6 +45,8 @@ COMPILE_DEFINITIONS = {
     "TORCHKERN_ENERGY_ACKLEY": ACKLEY,
     "TORCHKERN_ENERGY_KINDS": len(KIND_NAMES),
     "TORCHKERN_ENERGY_PARAMS": N_PARAMS,
+    "TORCHKERN_MAX_STEPS": MAX_STEPS,
+    "TORCHKERN_MAX_LEAPFROG": MAX_LEAPFROG,
     "TORCHKERN_ACT_SILU": SILU,
     "TORCHKERN_ACT_SOFTPLUS": SOFTPLUS,
     "TORCHKERN_ACT_TANH": TANH,

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import constants, ops  # noqa: F401  (ops: registers the family's ops)
+from .checks import finite, non_negative, positive
 
 __all__ = ["AckleyEnergy", "AnalyticEnergy", "DoubleWellEnergy", "Energy", "GaussianEnergy", "HarmonicEnergy",
            "RastriginEnergy", "RosenbrockEnergy", "score"]
@@ -59,14 +60,16 @@ class AnalyticEnergy(Energy):
 
     The hyperparameters are Python floats passed to the kernel as runtime arguments:
     changing one never recompiles, and no call reads a tensor back from the GPU (which
-    would synchronize and break CUDA-graph capture).
+    would synchronize and break CUDA-graph capture). Each subclass checks its own at construction.
     """
 
     kind: int
 
     def __init__(self, *params: float) -> None:
         super().__init__()
-        self.params = [float(p) for p in params] + [0.0] * (constants.N_PARAMS - len(params))
+        name = type(self).__name__
+        self.params = [finite(f"{name}: params[{i}]", p) for i, p in enumerate(params)]
+        self.params += [0.0] * (constants.N_PARAMS - len(params))
 
     def energy(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.torchkern.analytic_energy(x, self.kind, self.params)
@@ -79,65 +82,79 @@ class AnalyticEnergy(Energy):
 
 
 class DoubleWellEnergy(AnalyticEnergy):
-    """E = h sum_i (x_i^2 - b^2)^2, minima at x_i = +-b, barrier h b^4 per coordinate."""
+    """E = h sum_i (x_i^2 - b^2)^2, minima at x_i = +-b, barrier h b^4 per coordinate.
+
+    Raises ValueError unless ``barrier_height`` h is a finite number > 0 (else exp(-E) is no density) and ``b``
+    is finite; TypeError for a non-number."""
 
     kind = constants.DOUBLE_WELL
 
     def __init__(self, barrier_height: float = 2.0, b: float = 1.0) -> None:
-        super().__init__(barrier_height, b)
-        self.barrier_height, self.b = float(barrier_height), float(b)
+        self.barrier_height = positive("DoubleWellEnergy: barrier_height", barrier_height)
+        self.b = finite("DoubleWellEnergy: b", b)
+        super().__init__(self.barrier_height, self.b)
 
     def extra_repr(self) -> str:
         return f"barrier_height={self.barrier_height}, b={self.b}"
 
 
 class HarmonicEnergy(AnalyticEnergy):
-    """E = k/2 sum_i x_i^2 (a standard normal over k: N(0, I / k))."""
+    """E = k/2 sum_i x_i^2 (a standard normal over k: N(0, I / k)). Raises ValueError unless ``k`` is a finite
+    number > 0, TypeError for a non-number."""
 
     kind = constants.HARMONIC
 
     def __init__(self, k: float = 1.0) -> None:
-        super().__init__(k)
-        self.k = float(k)
+        self.k = positive("HarmonicEnergy: k", k)
+        super().__init__(self.k)
 
     def extra_repr(self) -> str:
         return f"k={self.k}"
 
 
 class RosenbrockEnergy(AnalyticEnergy):
-    """E = sum_{i<d} b (x_{i+1} - x_i^2)^2 + (a - x_i)^2; needs d >= 2."""
+    """E = sum_{i<d} b (x_{i+1} - x_i^2)^2 + (a - x_i)^2; needs d >= 2. Raises ValueError unless ``a`` is finite
+    and ``b`` a finite number > 0 (with b = 0 the last coordinate is free: no density), TypeError for a
+    non-number."""
 
     kind = constants.ROSENBROCK
 
     def __init__(self, a: float = 1.0, b: float = 100.0) -> None:
-        super().__init__(a, b)
-        self.a, self.b = float(a), float(b)
+        self.a = finite("RosenbrockEnergy: a", a)
+        self.b = positive("RosenbrockEnergy: b", b)
+        super().__init__(self.a, self.b)
 
     def extra_repr(self) -> str:
         return f"a={self.a}, b={self.b}"
 
 
 class RastriginEnergy(AnalyticEnergy):
-    """E = a d + sum_i (x_i^2 - a cos(2 pi x_i))."""
+    """E = a d + sum_i (x_i^2 - a cos(2 pi x_i)). Raises ValueError unless ``a`` is finite, TypeError for a
+    non-number."""
 
     kind = constants.RASTRIGIN
 
     def __init__(self, a: float = 10.0) -> None:
-        super().__init__(a)
-        self.a = float(a)
+        self.a = finite("RastriginEnergy: a", a)
+        super().__init__(self.a)
 
     def extra_repr(self) -> str:
         return f"a={self.a}"
 
 
 class AckleyEnergy(AnalyticEnergy):
-    """E = -a exp(-b sqrt(mean x^2)) - exp(mean cos(c x)) + a + e (score taken as 0 for the radial term at x = 0)."""
+    """E = -a exp(-b sqrt(mean x^2)) - exp(mean cos(c x)) + a + e (score taken as 0 for the radial term at x = 0).
+
+    Raises ValueError unless ``a`` and ``c`` are finite and ``b`` is a finite number >= 0 (the radial term
+    decays), TypeError for a non-number."""
 
     kind = constants.ACKLEY
 
     def __init__(self, a: float = 20.0, b: float = 0.2, c: float = 2 * math.pi) -> None:
-        super().__init__(a, b, c)
-        self.a, self.b, self.c = float(a), float(b), float(c)
+        self.a = finite("AckleyEnergy: a", a)
+        self.b = non_negative("AckleyEnergy: b", b)
+        self.c = finite("AckleyEnergy: c", c)
+        super().__init__(self.a, self.b, self.c)
 
     def extra_repr(self) -> str:
         return f"a={self.a}, b={self.b}, c={self.c}"
@@ -151,11 +168,11 @@ def _check_square(name: str, m: torch.Tensor, d: int) -> None:
 class GaussianEnergy(Energy):
     """E = 1/2 (x - mu)^T P (x - mu), score = -P (x - mu).
 
-    Give exactly one of ``precision`` P (symmetric) or ``covariance`` (symmetric positive
-    definite; P = covariance^-1); with neither, P = I. ``mean`` (d,) and ``precision`` (d, d)
-    are buffers (they move with ``.to()``). Raises ValueError for a mean that is not 1-D, a
-    matrix of the wrong size, a NaN or infinite entry, a non-symmetric matrix or a covariance that
-    is not positive definite.
+    Give exactly one of ``precision`` P or ``covariance`` (P = covariance^-1), each symmetric positive
+    definite; with neither, P = I. ``mean`` (d,) and ``precision`` (d, d) are buffers (they move with
+    ``.to()``). Raises ValueError for a mean that is not 1-D, a matrix of the wrong size, a NaN or
+    infinite entry, or a matrix that is not symmetric or not positive definite (checked by a Cholesky
+    factorization in float64).
     """
 
     def __init__(self, mean: torch.Tensor, precision: torch.Tensor | None = None,
@@ -175,10 +192,7 @@ class GaussianEnergy(Energy):
             _check_square("covariance", covariance, d)
             _check_finite("covariance", covariance)
             _check_symmetric("covariance", covariance)
-            chol, info = torch.linalg.cholesky_ex(covariance.double())
-            if int(info) != 0:
-                raise ValueError("GaussianEnergy: covariance must be positive definite")
-            precision = torch.cholesky_inverse(chol)
+            precision = torch.cholesky_inverse(_cholesky("covariance", covariance))
             precision = (0.5 * (precision + precision.mT)).to(mean.dtype)
         elif precision is None:
             precision = torch.eye(d, dtype=mean.dtype, device=mean.device)
@@ -187,6 +201,7 @@ class GaussianEnergy(Energy):
             _check_square("precision", precision, d)
             _check_finite("precision", precision)
             _check_symmetric("precision", precision)
+            _cholesky("precision", precision)
         self.register_buffer("mean", mean.contiguous())
         self.register_buffer("precision", precision.contiguous())
 
@@ -218,3 +233,14 @@ def _check_symmetric(name: str, m: torch.Tensor) -> None:
     asym = (m - m.mT).abs().max().item()
     if asym > tol:
         raise ValueError(f"GaussianEnergy: {name} must be symmetric, got max |M - M^T| = {asym:.3g}")
+
+
+def _cholesky(name: str, m: torch.Tensor) -> torch.Tensor:
+    """The Cholesky factor of the symmetric ``m`` in float64; raises ValueError naming ``name`` where ``m`` is not
+    positive definite."""
+    chol, info = torch.linalg.cholesky_ex(m.double())
+    k = int(info)
+    if k != 0:
+        raise ValueError(f"GaussianEnergy: {name} must be positive definite, got a matrix whose leading {k} x {k} "
+                         "block is not")
+    return chol

@@ -7,13 +7,16 @@ u ~ U(0, 1]; else keep x. The target exp(-E) is left invariant exactly (no discr
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 
 from . import mlp, twins
+from .checks import integer, positive
+from .constants import MAX_LEAPFROG
 from .energies import AnalyticEnergy, Energy, _autograd_energy_and_score
-from .sampler import ChainSampler, integer, positive
+from .sampler import ChainSampler, divergence
 
 __all__ = ["HamiltonianMonteCarlo"]
 
@@ -42,15 +45,23 @@ class HamiltonianMonteCarlo(ChainSampler):
     the kernels (torch.manual_seed reproduces a run), ``torch.randn`` / ``torch.rand`` on the generic path.
     After ``sample``, ``acceptance_rate`` holds each chain's fraction of accepted trajectories (B,).
     ``devices`` and ``gather`` split chains across devices and ranks as in ``LangevinDynamics``. Raises
-    TypeError / ValueError for a step size that is not a finite number > 0 or n_leapfrog_steps < 1.
+    TypeError / ValueError for a step size that is not a finite number > 0 or n_leapfrog_steps outside
+    [1, 2^20].
+
+    A trajectory whose Hamiltonian goes non-finite on the way (a step size too large for the energy) is
+    rejected, so the chains stay finite; ``sample`` then warns (RuntimeWarning) naming the first such trajectory
+    and what to try, and ``finite_steps`` holds each chain's trajectories before its first divergent one
+    (``n_steps`` for a chain that had none). The check waits for the chains (one value read back from the
+    GPU); it is skipped while a CUDA graph is being captured.
     """
 
     def __init__(self, energy, step_size: float, n_leapfrog_steps: int = 10, *, precision: str = "tf32",
                  devices: Sequence[torch.device | str | int] | None = None, gather: bool = True) -> None:
         self.step_size = positive("step_size", step_size)
-        self.n_leapfrog_steps = integer("n_leapfrog_steps", n_leapfrog_steps, 1)
+        self.n_leapfrog_steps = integer("n_leapfrog_steps", n_leapfrog_steps, 1, MAX_LEAPFROG)
         super().__init__(energy, precision=precision, devices=devices, gather=gather)
         self.acceptance_rate: torch.Tensor | None = None
+        self.finite_steps: torch.Tensor | None = None
 
     def sample(self, x: torch.Tensor | None = None, n_samples: int | None = None, dim: int | None = None,
                n_steps: int = 100, thin: int = 1, return_trajectory: bool = False, *, return_energy: bool = False,
@@ -68,8 +79,16 @@ class HamiltonianMonteCarlo(ChainSampler):
                     accepted=bool(return_acceptance))
         out = self._run(x, n_samples, dim, n_steps, thin, want, inplace=inplace, generator=generator,
                         device=device, dtype=dtype)
-        n = integer("n_steps", n_steps, 0)
-        self.acceptance_rate = out["accept_count"].to(out["x"].dtype) / max(n, 1)
+        self.acceptance_rate = out["accept_count"].to(out["x"].dtype) / max(n_steps, 1)
+        self.finite_steps = out["finite_steps"]
+        found = divergence(self.finite_steps, n_steps)
+        if found is not None:
+            count, step = found
+            warnings.warn(f"HamiltonianMonteCarlo: {count} of {self.finite_steps.shape[0]} chains had divergent "
+                          f"trajectories (a non-finite energy on the leapfrog path; rejected, the chains stay "
+                          f"finite), the first at trajectory {step} of {n_steps}: step_size={self.step_size:g} is "
+                          f"too large for this energy; try a smaller step_size (such as {self.step_size / 10:g})",
+                          RuntimeWarning, stacklevel=2)
         extras = [out[k] for k in ("trajectory", "energy", "accepted") if want[k]]
         return (out["x"], *extras) if extras else out["x"]
 
@@ -91,5 +110,6 @@ class HamiltonianMonteCarlo(ChainSampler):
                 outs = torch.ops.torchkern.hmc_chain_(state, energy.kind, energy.params, *run, generator)
             else:
                 outs = twins.hmc_loop(state, _energy_and_grad(energy), *run, generator)
-        traj, energies, accepted, count = outs
-        return {"x": state, "trajectory": traj, "energy": energies, "accepted": accepted, "accept_count": count}
+        traj, energies, accepted, count, finite = outs
+        return {"x": state, "finite_steps": finite, "trajectory": traj, "energy": energies, "accepted": accepted,
+                "accept_count": count}

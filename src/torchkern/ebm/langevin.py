@@ -13,7 +13,8 @@ import torch
 from .._cuda_graph import capture, follow
 from . import mlp, twins
 from .energies import AnalyticEnergy, score
-from .sampler import ChainSampler, non_negative, positive, real, trace_energies
+from .checks import non_negative, positive, real
+from .sampler import ChainSampler, divergence, trace_energies
 
 __all__ = ["LangevinDynamics", "langevin_step"]
 
@@ -78,6 +79,12 @@ class LangevinDynamics(ChainSampler):
     initialised with more than one rank, each rank samples its share of the chains (``tensor_split`` order) and
     ``gather=True`` all-gathers every rank's chains onto every rank (``gather=False`` returns the local share).
     Raises TypeError for a non-number step size, noise scale or clamp bound, ValueError for out-of-range ones.
+
+    A chain whose state goes non-finite (a step size too large for the energy: the update overshoots and
+    overflows) makes ``sample`` raise FloatingPointError naming the step at which the first one did and what to
+    try; ``finite_steps`` then holds each chain's steps before its first non-finite state (``n_steps`` for a chain
+    that stayed finite), and with ``inplace=True`` x holds the states reached. The check waits for the chains
+    (one value read back from the GPU); it is skipped while a CUDA graph is being captured.
     """
 
     def __init__(self, energy, step_size: float, noise_scale: float = 1.0, clamp: Clamp | None = None, *,
@@ -88,7 +95,9 @@ class LangevinDynamics(ChainSampler):
         self.clamp = _clamp_bounds(clamp)
         super().__init__(energy, precision=precision, devices=devices, gather=gather)
         self.use_cuda_graph = bool(use_cuda_graph)
-        self._graphs: dict[tuple, list] = {}  # key -> [graph, static state, stream of the last replay]
+        self.finite_steps: torch.Tensor | None = None
+        # key -> [graph, static state, its FiniteSteps, stream of the last replay]
+        self._graphs: dict[tuple, list] = {}
 
     # ----------------------------------------------------------------------- public
 
@@ -106,7 +115,8 @@ class LangevinDynamics(ChainSampler):
         restarts, e.g. 0.05), from U(restart_range) when given, else N(0, I). ``inplace=True`` updates ``x``
         and returns it (an ``MLPEnergy`` chain on one device runs in x's own storage). ``dim`` defaults to a
         GaussianEnergy's dimension; ``device`` to ``devices[0]``, else the energy's buffers' device, else the
-        CPU. Raises ValueError for n_steps < 0, thin < 1, missing sizes or a bad restart setting.
+        CPU. Raises ValueError for n_steps outside [0, 2^30], thin outside [1, 2^30], missing sizes or a bad
+        restart setting, FloatingPointError for chains that went non-finite (see the class).
         """
         fraction = real("restart_fraction", restart_fraction)
         if not 0 <= fraction <= 1:
@@ -117,8 +127,21 @@ class LangevinDynamics(ChainSampler):
         want = dict(trajectory=bool(return_trajectory), energy=bool(return_energy), restart=(fraction, low, high))
         out = self._run(x, n_samples, dim, n_steps, thin, want, inplace=inplace, generator=generator,
                         device=device, dtype=dtype)
+        self.finite_steps = out["finite_steps"]
+        self._check_finite(n_steps)
         extras = [out[k] for k in ("trajectory", "energy") if want[k]]
         return (out["x"], *extras) if extras else out["x"]
+
+    def _check_finite(self, n_steps: int) -> None:
+        found = divergence(self.finite_steps, n_steps)
+        if found is None:
+            return
+        count, step = found
+        bound = "" if self.clamp != (None, None) else ", or bound the states with clamp=(min, max)"
+        raise FloatingPointError(
+            f"LangevinDynamics: {count} of {self.finite_steps.shape[0]} chains went non-finite, the first at step "
+            f"{step} of {n_steps}: step_size={self.step_size:g} is too large for this energy; try a smaller "
+            f"step_size (such as {self.step_size / 10:g}){bound}")
 
     # ----------------------------------------------------------------------- one chain group
 
@@ -131,18 +154,19 @@ class LangevinDynamics(ChainSampler):
                 layout, args = inputs
                 # in place, or into a new tensor starting from x's states (sampling is not differentiated)
                 state, start = (x.detach(), None) if inplace else (torch.empty_like(x), x.detach())
-                traj, energies = torch.ops.torchkern.mlp_langevin_chain_(
+                traj, energies, finite = torch.ops.torchkern.mlp_langevin_chain_(
                     state, *args, self.step_size, self.noise_scale, lo, hi, n_steps, thin, want["trajectory"],
                     want["energy"], fraction, low, high, self._precision, layout, generator, None, start)
-                return {"x": state, "trajectory": traj, "energy": energies}
+                return {"x": state, "finite_steps": finite, "trajectory": traj, "energy": energies}
         x = twins.restart_rows(x, fraction, low, high, generator)
         keep = want["trajectory"] or want["energy"]
         if isinstance(energy, AnalyticEnergy):
-            state, traj = torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, self.step_size,
-                                                             self.noise_scale, lo, hi, n_steps, thin, keep, generator)
+            state, traj, finite = torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, self.step_size,
+                                                                     self.noise_scale, lo, hi, n_steps, thin, keep,
+                                                                     generator)
         else:
-            state, traj = self._generic_chain(energy, x, n_steps, thin, keep, generator)
-        out = {"x": state}
+            state, traj, finite = self._generic_chain(energy, x, n_steps, thin, keep, generator)
+        out = {"x": state, "finite_steps": finite}
         if want["trajectory"]:
             out["trajectory"] = traj
         if want["energy"]:
@@ -152,25 +176,29 @@ class LangevinDynamics(ChainSampler):
     def _generic_chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, keep: bool, generator):
         kept = n_steps // thin if keep else 0
         traj = x.new_empty((x.shape[0], kept, x.shape[1]))
-        state = x.contiguous().clone()
         # an MLPEnergy the fused kernel does not take is a fixed stack of layers, safe to capture: its steps replay
         # a graph whatever use_cuda_graph says (launch-bound otherwise); other energies only when asked
         graphed = (self.use_cuda_graph or isinstance(energy, mlp.MLPEnergy)) and x.is_cuda
         if graphed:
-            advance = self._graphed_step(energy, state, generator)
-            state = advance.output
+            advance = self._graphed_step(energy, x, generator)
+            state, track = advance.output, advance.track
         else:
+            state, track = x.contiguous().clone(), twins.FiniteSteps(x)
+
             def advance():
-                self._step(energy, state, generator)
+                self._step(energy, state, generator, track)
         for t in range(n_steps):
             advance()
             if keep and (t + 1) % thin == 0:
                 traj[:, (t + 1) // thin - 1] = state
-        return state.clone() if graphed else state, traj
+        if graphed:
+            return state.clone(), traj, track.count.clone()
+        return state, traj, track.count
 
-    def _step(self, energy, state: torch.Tensor, generator) -> None:
+    def _step(self, energy, state: torch.Tensor, generator, track: twins.FiniteSteps) -> None:
         grad = torch.neg(score(energy, state))
         torch.ops.torchkern.langevin_step_(state, grad, self.step_size, self.noise_scale, *self.clamp, generator)
+        track.update(torch.isfinite(state).all(1))
 
     def _graphed_step(self, energy, state: torch.Tensor, generator):
         """A replayable CUDA graph of one step on a static buffer (captured once per shape, dtype, device)."""
@@ -181,22 +209,23 @@ class LangevinDynamics(ChainSampler):
         if key not in self._graphs:
             if len(self._graphs) >= 8:  # bounded: a caller cycling through shapes or replaced parameters
                 self._graphs.clear()
-            static = torch.empty_like(state)
-            scratch = state.clone()  # the warm-up steps advance a copy: the step is in place
-            graph, _ = capture(lambda: self._step(energy, static, generator), state.device,
-                               warmup=lambda: self._step(energy, scratch, generator),
+            static, track = torch.empty_like(state), twins.FiniteSteps(state)
+            scratch, scratch_track = state.clone(), twins.FiniteSteps(state)  # the warm-up steps advance copies
+            graph, _ = capture(lambda: self._step(energy, static, generator, track), state.device,
+                               warmup=lambda: self._step(energy, scratch, generator, scratch_track),
                                generators=() if generator is None else (generator,))
-            self._graphs[key] = [graph, static, None]  # None: the stream of the last replay, none yet
+            self._graphs[key] = [graph, static, track, None]  # None: the stream of the last replay, none yet
         entry = self._graphs[key]
-        graph, static = entry[0], entry[1]
-        entry[2] = follow(entry[2], state.device)
+        graph, static, track = entry[0], entry[1], entry[2]
+        entry[3] = follow(entry[3], state.device)
         static.copy_(state)
-        return _Replay(graph, static)
+        track.reset()
+        return _Replay(graph, static, track)
 
 
 class _Replay:
-    def __init__(self, graph, output: torch.Tensor) -> None:
-        self.graph, self.output = graph, output
+    def __init__(self, graph, output: torch.Tensor, track: twins.FiniteSteps) -> None:
+        self.graph, self.output, self.track = graph, output, track
 
     def __call__(self) -> None:
         self.graph.replay()

@@ -5,6 +5,8 @@ Analytic energies take the energy's kind (``constants.KIND_NAMES``) and three nu
 differentiate through the score op (dE/dx = -score), so autograd through an energy costs one more
 fused pass. Ops that draw random numbers carry ``Tag.nondeterministic_seeded``; their optional
 ``noise`` argument injects the random numbers instead (tests compare kernels and twins with it).
+The chain ops also return ``finite_steps`` (int64 [B]): each chain's steps (HMC: trajectories) before its first
+non-finite state (HMC: its first divergent trajectory), ``n_steps`` for a chain that had none.
 """
 
 from __future__ import annotations
@@ -108,12 +110,17 @@ def _langevin_chain_fake(x, kind, params, step_size, noise_scale, clamp_min, cla
                          return_trajectory=False, generator=None, noise=None):
     twins.check_langevin_chain(x, kind, params, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin, noise)
     final, traj = twins.chain_output_shapes(x, n_steps, thin, return_trajectory)
-    return x.new_empty(final), x.new_empty(traj)
+    return x.new_empty(final), x.new_empty(traj), _finite_steps_fake(x)
+
+
+def _finite_steps_fake(x):
+    return x.new_empty((x.shape[0],), dtype=torch.int64)
 
 
 define(f"langevin_chain({_ANALYTIC_ARGS}, float step_size, float noise_scale, float? clamp_min, float? clamp_max, "
        "int n_steps, int thin=1, bool return_trajectory=False, Generator? generator=None, Tensor? noise=None) "
-       "-> (Tensor x, Tensor trajectory)", twin=twins.langevin_chain, fake=_langevin_chain_fake, tags=_RANDOM)
+       "-> (Tensor x, Tensor trajectory, Tensor finite_steps)", twin=twins.langevin_chain, fake=_langevin_chain_fake,
+       tags=_RANDOM)
 
 
 # --------------------------------------------------------------------------- MLP energies and HMC
@@ -126,7 +133,7 @@ define(f"langevin_chain({_ANALYTIC_ARGS}, float step_size, float noise_scale, fl
 _MLP_ARGS = "Tensor[] weights, Tensor[] biases, int activation, float negative_slope"
 _HMC_RUN = ("int n_steps, int thin=1, bool return_trajectory=False, bool return_energy=False, "
             "bool return_acceptance=False")
-_HMC_OUT = "(Tensor trajectory, Tensor energy, Tensor accepted, Tensor accept_count)"
+_HMC_OUT = "(Tensor trajectory, Tensor energy, Tensor accepted, Tensor accept_count, Tensor finite_steps)"
 
 
 def _mlp_energy_and_score_fake(x, weights, biases, activation, negative_slope, precision=2, layout=()):
@@ -141,7 +148,7 @@ def _mlp_langevin_chain_fake(x, weights, biases, activation, negative_slope, ste
     twins.check_mlp_langevin(x, weights, biases, activation, step_size, noise_scale, clamp_min, clamp_max, n_steps,
                              thin, restart_fraction, restart_low, restart_high, precision, noise, start)
     traj, energy = twins.trace_shapes(x, n_steps, thin, return_trajectory, return_energy)
-    return x.new_empty(traj), x.new_empty(energy)
+    return x.new_empty(traj), x.new_empty(energy), _finite_steps_fake(x)
 
 
 def _hmc_fake(check: Callable) -> Callable:
@@ -174,7 +181,7 @@ define(f"mlp_langevin_chain_(Tensor(a!) x, {_MLP_ARGS}, float step_size, float n
        "float? clamp_max, int n_steps, int thin=1, bool return_trajectory=False, bool return_energy=False, "
        "float restart_fraction=0., float? restart_low=None, float? restart_high=None, int precision=2, "
        "int[] layout=[], Generator? generator=None, Tensor? noise=None, Tensor? start=None) "
-       "-> (Tensor trajectory, Tensor energy)",
+       "-> (Tensor trajectory, Tensor energy, Tensor finite_steps)",
        twin=twins.mlp_langevin_chain_, fake=_mlp_langevin_chain_fake, tags=_RANDOM)
 define(f"mlp_hmc_chain_(Tensor(a!) x, {_MLP_ARGS}, float step_size, int n_leapfrog, {_HMC_RUN}, int precision=2, "
        f"int[] layout=[], Generator? generator=None, Tensor? noise=None, Tensor? uniform=None, Tensor? start=None) "

@@ -4,49 +4,18 @@ states, splitting chains across devices and ``torch.distributed`` ranks, in-plac
 from __future__ import annotations
 
 import copy
-import math
-import numbers
 from collections.abc import Sequence
 
 import torch
 
 from . import distributed as _dist
+from .checks import integer
+from .constants import MAX_STEPS
 from .energies import AnalyticEnergy, GaussianEnergy
 from .mlp import precision_code
 
-# Outputs of a chain group, all with the chains as dim 0: "x" always, then those asked for.
+# Outputs of a chain group, all with the chains as dim 0: "x" and "finite_steps" always, then those asked for.
 OUTPUTS = ("trajectory", "energy", "accepted", "accept_count")
-
-
-def real(name: str, value) -> float:
-    """``value`` as a float; raises TypeError naming ``name`` for anything but a real number."""
-    if type(value) is float or type(value) is int:  # the common case, without the ABC checks' ~1 us
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
-    return float(value)
-
-
-def positive(name: str, value) -> float:
-    v = real(name, value)
-    if not (v > 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return v
-
-
-def non_negative(name: str, value) -> float:
-    v = real(name, value)
-    if not (v >= 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value}")
-    return v
-
-
-def integer(name: str, value, low: int) -> int:
-    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
-    return int(value)
 
 
 def as_device(d) -> torch.device:
@@ -57,6 +26,21 @@ def energy_values(energy, x: torch.Tensor) -> torch.Tensor:
     """E(x) of a (N, d) batch without autograd, in chunks of 2^16 rows (bounded memory for long traces)."""
     with torch.no_grad():
         return torch.cat([energy(part) for part in x.split(1 << 16)]) if x.shape[0] else x.new_empty(0)
+
+
+def divergence(finite_steps: torch.Tensor, n_steps: int) -> tuple[int, int] | None:
+    """(how many chains went non-finite, the first step at which one did, 1-based) from the chain ops'
+    ``finite_steps`` (each chain's steps before its first non-finite one, ``n_steps`` for a chain that stayed
+    finite); None when every chain stayed finite. Waits for the chains: one reduction read back from the device,
+    skipped while a CUDA graph is being captured (a capture cannot wait)."""
+    if n_steps == 0 or finite_steps.numel() == 0:
+        return None
+    if finite_steps.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    first = int(finite_steps.min())
+    if first >= n_steps:
+        return None
+    return int((finite_steps < n_steps).sum()), first + 1
 
 
 def trace_energies(energy, traj: torch.Tensor) -> torch.Tensor:
@@ -84,14 +68,15 @@ class ChainSampler:
 
     def _chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, want: dict, generator,
                inplace: bool) -> dict[str, torch.Tensor]:
-        """Run the chains from x (B, d) on x's device; returns {"x": final states, and what ``want`` asks for}.
-        May update x in place only when ``inplace``."""
+        """Run the chains from x (B, d) on x's device; returns {"x": final states, "finite_steps": each chain's
+        steps before its first non-finite one (B,), and what ``want`` asks for}. May update x in place only when
+        ``inplace``."""
         raise NotImplementedError
 
     def _run(self, x, n_samples, dim, n_steps, thin, want: dict, *, inplace: bool, generator, device,
              dtype) -> dict[str, torch.Tensor]:
-        n_steps = integer("n_steps", n_steps, 0)
-        thin = integer("thin", thin, 1)
+        n_steps = integer("n_steps", n_steps, 0, MAX_STEPS)
+        thin = integer("thin", thin, 1, MAX_STEPS)
         if x is not None:
             if not isinstance(x, torch.Tensor) or x.dim() != 2:
                 raise ValueError(f"x must be a tensor of shape [B, d] (2 dims), got "
@@ -100,12 +85,13 @@ class ChainSampler:
         else:
             if inplace:
                 raise ValueError("inplace=True updates the chains of x: give x")
-            if n_samples is None or n_samples < 0:
-                raise ValueError(f"give x, or n_samples >= 0 (got {n_samples}) and dim")
+            if n_samples is None:
+                raise ValueError("give x, or n_samples and dim")
+            n_total = integer("n_samples", n_samples, 0)
             dim = dim if dim is not None else (self.energy.dim if isinstance(self.energy, GaussianEnergy) else None)
-            if dim is None or dim < 1:
-                raise ValueError(f"give x, or dim >= 1 with n_samples (got dim={dim})")
-            n_total = n_samples
+            if dim is None:
+                raise ValueError("give x, or dim with n_samples")
+            dim = integer("dim", dim, 1)
         device = torch.device(device) if device is not None else self._default_device(x)
         dtype = dtype or (x.dtype if x is not None else torch.get_default_dtype())
         run = dict(n_steps=n_steps, thin=thin, want=want)

@@ -22,8 +22,8 @@ import torch
 from .._checks import (check, check_dim, check_float, check_float_pair, check_same_device, check_same_dtype,
                        check_same_shape, fail, opmath_dtype, shape)
 from .constants import (ACKLEY, ACTIVATION_NAMES, BF16, DOUBLE_WELL, FP32, GELU, HARMONIC, KIND_NAMES, LEAKY_RELU,
-                        MLP_MAX_HIDDEN, N_PARAMS, PRECISION_NAMES, RASTRIGIN, RELU, ROSENBROCK, SILU, SOFTPLUS,
-                        SOFTPLUS_THRESHOLD, TANH, TF32)
+                        MAX_LEAPFROG, MAX_STEPS, MLP_MAX_HIDDEN, N_PARAMS, PRECISION_NAMES, RASTRIGIN, RELU,
+                        ROSENBROCK, SILU, SOFTPLUS, SOFTPLUS_THRESHOLD, TANH, TF32)
 
 # --------------------------------------------------------------------------- analytic energies
 
@@ -33,6 +33,8 @@ def check_analytic(op: str, x: torch.Tensor, kind: int, params) -> None:
     check_dim(op, "x", x, 2, "[B, d]")
     check(0 <= kind < len(KIND_NAMES), op, f"kind must be in [0, {len(KIND_NAMES)}), got {kind}")
     check(len(params) == N_PARAMS, op, f"params must hold {N_PARAMS} numbers, got {len(params)}")
+    for i, p in enumerate(params):
+        check(math.isfinite(p), op, f"params[{i}] must be a finite number, got {p}")
     check(x.shape[1] >= (2 if kind == ROSENBROCK else 1), op,
           f"x must have at least {2 if kind == ROSENBROCK else 1} columns for {KIND_NAMES[kind]}, got {shape(x)}")
 
@@ -182,13 +184,7 @@ def check_langevin_chain(x, kind, params, step_size, noise_scale, clamp_min, cla
     op = "langevin_chain"
     check_analytic(op, x, kind, params)
     check_step_args(op, step_size, noise_scale, clamp_min, clamp_max)
-    check(n_steps >= 0, op, f"n_steps must be >= 0, got {n_steps}")
-    check(thin >= 1, op, f"thin must be >= 1, got {thin}")
-    if noise is not None:
-        check_float(op, "noise", noise)
-        check_same_device(op, "x", x, "noise", noise)
-        want = [n_steps, *x.shape]
-        check(list(noise.shape) == want, op, f"noise must have shape {want} ([n_steps, B, d]), got {shape(noise)}")
+    check_chain_run(op, x, n_steps, thin, noise)
 
 
 def chain_output_shapes(x: torch.Tensor, n_steps: int, thin: int, return_trajectory: bool):
@@ -196,23 +192,45 @@ def chain_output_shapes(x: torch.Tensor, n_steps: int, thin: int, return_traject
     return tuple(x.shape), (x.shape[0], kept, x.shape[1])
 
 
+class FiniteSteps:
+    """Each chain's steps before its first non-finite state (the chain ops' ``finite_steps`` output, int64 [B]):
+    ``update(finite)`` after every step counts the chains that have stayed finite so far. In place, so that a
+    CUDA graph can capture the updates."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.count = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+        self.alive = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+
+    def update(self, finite: torch.Tensor) -> None:
+        """``finite``: (B,) bool, whether each chain's new state is finite."""
+        self.alive.logical_and_(finite)
+        self.count.add_(self.alive)
+
+    def reset(self) -> None:
+        self.count.zero_()
+        self.alive.fill_(True)
+
+
 def langevin_chain(x: torch.Tensor, kind: int, params: list[float], step_size: float, noise_scale: float,
                    clamp_min: float | None, clamp_max: float | None, n_steps: int, thin: int = 1,
                    return_trajectory: bool = False, generator: torch.Generator | None = None,
                    noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """n_steps Langevin steps on an analytic energy; returns (final x, trajectory [B, n_steps // thin or 0, d])."""
+    """n_steps Langevin steps on an analytic energy; returns (final x, trajectory [B, n_steps // thin or 0, d],
+    finite_steps [B]: each chain's steps before its first non-finite state, n_steps where there is none)."""
     check_langevin_chain(x, kind, params, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin, noise)
     cdt = opmath_dtype(x.dtype)
     _, traj_shape = chain_output_shapes(x, n_steps, thin, return_trajectory)
     traj = x.new_empty(traj_shape)
+    finite = FiniteSteps(x)
     state = x.to(cdt)
     for t in range(n_steps):
         _, score = analytic_math(state, kind, params)
         eps = _noise(x.shape, x, cdt, generator, None if noise is None else noise[t])
         state = step_math(state, -score, step_size, noise_scale, clamp_min, clamp_max, eps)
+        finite.update(torch.isfinite(state).all(1))
         if return_trajectory and (t + 1) % thin == 0:
             traj[:, (t + 1) // thin - 1] = state.to(x.dtype)
-    return state.to(x.dtype).contiguous(), traj
+    return state.to(x.dtype).contiguous(), traj, finite.count
 
 
 # --------------------------------------------------------------------------- restarts
@@ -240,7 +258,7 @@ def check_restart(op: str, fraction: float, low: float | None, high: float | Non
 
 
 def check_chain_run(op: str, x: torch.Tensor, n_steps: int, thin: int, noise, noise_name: str = "noise") -> None:
-    check(n_steps >= 0, op, f"n_steps must be >= 0, got {n_steps}")
+    check(0 <= n_steps <= MAX_STEPS, op, f"n_steps must be in [0, {MAX_STEPS}], got {n_steps}")
     check(thin >= 1, op, f"thin must be >= 1, got {thin}")
     if noise is not None:
         check_float(op, noise_name, noise)
@@ -393,9 +411,9 @@ def mlp_langevin_chain_(x: torch.Tensor, weights: list[torch.Tensor], biases: li
                         generator: torch.Generator | None = None, noise: torch.Tensor | None = None,
                         start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Langevin chains on an MLP energy, updating x in place (from ``start``'s states where given); returns
-    (trajectory [B, kept or 0, d], energy [B, kept or 0]) with kept = n_steps // thin: the states after every
-    thin-th step and their energies. Restarts (before the first step) and steps draw from ``generator``; ``noise``
-    injects the steps' eps."""
+    (trajectory [B, kept or 0, d], energy [B, kept or 0], finite_steps [B]) with kept = n_steps // thin: the states
+    after every thin-th step, their energies, and each chain's steps before its first non-finite state. Restarts
+    (before the first step) and steps draw from ``generator``; ``noise`` injects the steps' eps."""
     check_mlp_langevin(x, weights, biases, activation, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin,
                        restart_fraction, restart_low, restart_high, precision, noise, start)
     if start is not None:
@@ -404,6 +422,7 @@ def mlp_langevin_chain_(x: torch.Tensor, weights: list[torch.Tensor], biases: li
     f = _mlp_fn(x, weights, biases, activation, negative_slope, precision)
     traj_shape, energy_shape = trace_shapes(x, n_steps, thin, return_trajectory, return_energy)
     traj, energy = x.new_empty(traj_shape), x.new_empty(energy_shape)
+    finite = FiniteSteps(x)
     state = restart_rows(x.to(cdt), restart_fraction, restart_low, restart_high, generator)
     for t in range(n_steps + 1):
         record = return_energy and t > 0 and t % thin == 0  # the energy of the state after t steps
@@ -416,10 +435,11 @@ def mlp_langevin_chain_(x: torch.Tensor, weights: list[torch.Tensor], biases: li
             energy[:, t // thin - 1] = e
         eps = _noise(x.shape, x, cdt, generator, None if noise is None else noise[t])
         state = step_math(state, g, step_size, noise_scale, clamp_min, clamp_max, eps)
+        finite.update(torch.isfinite(state).all(1))
         if return_trajectory and (t + 1) % thin == 0:
             traj[:, (t + 1) // thin - 1] = state
     x.copy_(state)
-    return traj, energy
+    return traj, energy, finite.count
 
 
 # --------------------------------------------------------------------------- Hamiltonian Monte Carlo
@@ -427,7 +447,7 @@ def mlp_langevin_chain_(x: torch.Tensor, weights: list[torch.Tensor], biases: li
 
 def check_hmc(op: str, x, step_size, n_leapfrog, n_steps, thin, noise, uniform) -> None:
     check(step_size > 0 and math.isfinite(step_size), op, f"step_size must be a finite number > 0, got {step_size}")
-    check(n_leapfrog >= 1, op, f"n_leapfrog must be >= 1, got {n_leapfrog}")
+    check(1 <= n_leapfrog <= MAX_LEAPFROG, op, f"n_leapfrog must be in [1, {MAX_LEAPFROG}], got {n_leapfrog}")
     check_chain_run(op, x, n_steps, thin, noise)
     if uniform is not None:
         check_float(op, "uniform", uniform)
@@ -438,11 +458,11 @@ def check_hmc(op: str, x, step_size, n_leapfrog, n_steps, thin, noise, uniform) 
 
 def hmc_outputs(x: torch.Tensor, n_steps: int, thin: int, return_trajectory: bool, return_energy: bool,
                 return_acceptance: bool):
-    """Empty (trajectory, energy, accepted, accept_count) of an HMC run."""
+    """Empty (trajectory, energy, accepted, accept_count, finite_steps) of an HMC run."""
     traj_shape, energy_shape = trace_shapes(x, n_steps, thin, return_trajectory, return_energy)
     accepted = torch.zeros((x.shape[0], n_steps if return_acceptance else 0), dtype=torch.bool, device=x.device)
-    return (x.new_empty(traj_shape), x.new_empty(energy_shape), accepted,
-            torch.zeros(x.shape[0], dtype=torch.int64, device=x.device))
+    counts = [torch.zeros(x.shape[0], dtype=torch.int64, device=x.device) for _ in range(2)]
+    return x.new_empty(traj_shape), x.new_empty(energy_shape), accepted, *counts
 
 
 def hmc_loop(x: torch.Tensor, energy_and_grad, step_size: float, n_leapfrog: int, n_steps: int, thin: int = 1,
@@ -451,12 +471,14 @@ def hmc_loop(x: torch.Tensor, energy_and_grad, step_size: float, n_leapfrog: int
              uniform: torch.Tensor | None = None):
     """HMC with identity mass on any energy: ``energy_and_grad(s) -> (E [B], dE/ds [B, d])``. Per trajectory:
     p ~ N(0, I) (or noise[t]), leapfrog (half kick, n_leapfrog x (drift, kick), the last kick halved),
-    accept where log u < H(x, p) - H(x', p'), u ~ U[0, 1) (or uniform[t]), H = E + |p|^2 / 2. x is updated in
-    place; returns (trajectory, energy, accepted, accept_count) as the hmc ops. The twin of the fused kernels
-    and the generic path of HamiltonianMonteCarlo."""
+    accept where log u < H(x, p) - H(x', p'), u ~ U[0, 1) (or uniform[t]), H = E + |p|^2 / 2 (a divergent
+    trajectory, one whose H(x', p') is not finite, is rejected). x is updated in place; returns (trajectory,
+    energy, accepted, accept_count, finite_steps) as the hmc ops: finite_steps counts each chain's trajectories
+    before its first divergent one. The twin of the fused kernels and the generic path of HamiltonianMonteCarlo."""
     cdt = opmath_dtype(x.dtype)
-    traj, energies, accepted, count = hmc_outputs(x, n_steps, thin, return_trajectory, return_energy,
-                                                  return_acceptance)
+    traj, energies, accepted, count, _ = hmc_outputs(x, n_steps, thin, return_trajectory, return_energy,
+                                                     return_acceptance)
+    finite = FiniteSteps(x)
     state = x.to(cdt)
     kw = dict(generator=generator, device=x.device, dtype=cdt)
     if n_steps > 0:
@@ -472,7 +494,9 @@ def hmc_loop(x: torch.Tensor, energy_and_grad, step_size: float, n_leapfrog: int
             p = p - (step_size if i < n_leapfrog else 0.5 * step_size) * gq
         k1 = 0.5 * (p * p).sum(1)
         u = uniform[t].to(cdt) if uniform is not None else torch.rand(x.shape[0], **kw)
-        accept = torch.log(u) < (e + k0) - (eq + k1)  # false for a NaN or infinite proposal energy
+        h1 = eq + k1
+        accept = torch.log(u) < (e + k0) - h1  # false for a NaN or infinite proposal energy
+        finite.update(torch.isfinite(h1))
         state = torch.where(accept[:, None], xq, state)
         e, g = torch.where(accept, eq, e), torch.where(accept[:, None], gq, g)
         count += accept
@@ -484,7 +508,7 @@ def hmc_loop(x: torch.Tensor, energy_and_grad, step_size: float, n_leapfrog: int
             if return_energy:
                 energies[:, (t + 1) // thin - 1] = e
     x.copy_(state)
-    return traj, energies, accepted, count
+    return traj, energies, accepted, count, finite.count
 
 
 def hmc_chain_(x: torch.Tensor, kind: int, params: list[float], step_size: float, n_leapfrog: int, n_steps: int,

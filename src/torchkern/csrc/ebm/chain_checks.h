@@ -16,7 +16,8 @@ namespace torchkern {
 inline void check_chain_run(const char* torchkern_op_name, const at::Tensor& x, int64_t n_steps, int64_t thin,
                             const std::optional<at::Tensor>& injected_noise,
                             const std::optional<at::Tensor>& injected_uniform = std::nullopt) {
-  TORCHKERN_CHECK(n_steps >= 0, "n_steps must be >= 0, got ", n_steps);
+  TORCHKERN_CHECK(n_steps >= 0 && n_steps <= TORCHKERN_MAX_STEPS, "n_steps must be in [0, ", TORCHKERN_MAX_STEPS,
+                  "], got ", n_steps);
   TORCHKERN_CHECK(thin >= 1, "thin must be >= 1, got ", thin);
   const int64_t batch = x.size(0), d = x.size(1);
   if (injected_noise.has_value()) {
@@ -36,18 +37,16 @@ inline void check_chain_run(const char* torchkern_op_name, const at::Tensor& x, 
     TORCHKERN_CHECK(uniform.dim() == 2 && uniform.size(0) == n_steps && uniform.size(1) == batch,
                     "uniform must have shape [", n_steps, ", ", batch, "] ([n_steps, B]), got ", uniform.sizes());
   }
-  // The kernels count steps in int, and HMC reserves 2 Philox draws per step.
-  TORCHKERN_CHECK(n_steps <= (1 << 30), "n_steps must be <= 2^30, got ", n_steps);
 }
 
-// The HMC ops (hmc_chain_, mlp_hmc_chain_): twins.check_hmc, plus the kernels' bound on leapfrog steps.
+// The HMC ops (hmc_chain_, mlp_hmc_chain_): twins.check_hmc.
 inline void check_hmc_run(const char* torchkern_op_name, const at::Tensor& x, double step_size, int64_t n_leapfrog,
                           int64_t n_steps, int64_t thin, const std::optional<at::Tensor>& injected_noise,
                           const std::optional<at::Tensor>& injected_uniform) {
   TORCHKERN_CHECK(step_size > 0 && std::isfinite(step_size), "step_size must be a finite number > 0, got ", step_size);
-  TORCHKERN_CHECK(n_leapfrog >= 1, "n_leapfrog must be >= 1, got ", n_leapfrog);
+  TORCHKERN_CHECK(n_leapfrog >= 1 && n_leapfrog <= TORCHKERN_MAX_LEAPFROG, "n_leapfrog must be in [1, ",
+                  TORCHKERN_MAX_LEAPFROG, "], got ", n_leapfrog);
   check_chain_run(torchkern_op_name, x, n_steps, thin, injected_noise, injected_uniform);
-  TORCHKERN_CHECK(n_leapfrog <= (1 << 20), "n_leapfrog must be <= 2^20, got ", n_leapfrog);
 }
 
 // The MLP chains' `start`: the chains' starting states, read instead of x's (x is then only written, so a caller

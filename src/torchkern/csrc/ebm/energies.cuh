@@ -124,6 +124,12 @@ __device__ __forceinline__ C langevin_update(C x, C grad, C eps, const StepParam
   return y;
 }
 
+// The chain ops' finite_steps (int64 [B], filled with n_steps by the host): chain `row` had a non-finite state
+// after step t + 1, so at most t finite steps.
+__device__ __forceinline__ void note_non_finite(int64_t* finite_steps, int64_t row, int t) {
+  atomicMin(reinterpret_cast<unsigned long long*>(finite_steps + row), static_cast<unsigned long long>(t));
+}
+
 // ---------------------------------------------------------------- host checks (same words as ebm/twins.py)
 
 inline void check_analytic_args(const char* torchkern_op_name, const at::Tensor& x, int64_t kind,
@@ -132,6 +138,9 @@ inline void check_analytic_args(const char* torchkern_op_name, const at::Tensor&
   TORCHKERN_CHECK_DIM(x, 2, "[B, d]");
   TORCHKERN_CHECK(kind >= 0 && kind < kNumKinds, "kind must be in [0, ", static_cast<int>(kNumKinds), "), got ", kind);
   TORCHKERN_CHECK(params.size() == kEnergyParams, "params must hold ", kEnergyParams, " numbers, got ", params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCHKERN_CHECK(std::isfinite(params[i]), "params[", i, "] must be a finite number, got ", params[i]);
+  }
   static const char* names[] = {"double_well", "harmonic", "rastrigin", "rosenbrock", "ackley"};  // KIND_NAMES
   static_assert(sizeof(names) / sizeof(names[0]) == kNumKinds, "one name per kind (ebm/constants.py)");
   const int64_t min_d = kind == kRosenbrock ? 2 : 1;

@@ -6,7 +6,8 @@
 // ends with the same bits, so every lane takes the same accept decision). Per trajectory t: momenta from
 // Philox draw 2t (the langevin_step layout: element i = row * d + col, group i / 4, component i % 4), half
 // kick, n_leapfrog x (drift, kick) with the last kick halved, and accept where log u < H0 - H1 with u from
-// draw 2t + 1 (group = row). float16/bfloat16 states run in float32 (converted on the host).
+// draw 2t + 1 (group = row); a divergent trajectory (non-finite H1) is rejected and ends the row's count of
+// finite trajectories. float16/bfloat16 states run in float32 (converted on the host).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -120,6 +121,7 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
                C* __restrict__ energy,         // [B, kept] or null
                bool* __restrict__ accepted,    // [B, n_steps] or null
                int64_t* __restrict__ count,    // [B]
+               int64_t* __restrict__ finite,   // [B]: trajectories before the first divergent one
                HmcArgs<C> a, at::PhiloxCudaState philox) {
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -139,6 +141,7 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
   }
   C e = a.n_steps > 0 ? energy_grad<kKind>(v, g, lane, d, a.p) : C(0);
   int64_t accepts = 0;
+  int finite_trajectories = a.n_steps;
 #pragma unroll 1
   for (int t = 0; t < a.n_steps; ++t) {
 #pragma unroll
@@ -181,6 +184,7 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
                                               static_cast<uint32_t>(key.seed), static_cast<uint32_t>(key.seed >> 32))
                                     .x));
     const bool accept = log(u) < (e0 + k0) - (e + k1);  // false for a NaN or infinite proposal energy
+    if (finite_trajectories == a.n_steps && !isfinite(e + k1)) finite_trajectories = t;  // a divergent trajectory
     if (!accept) {
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) {
@@ -214,23 +218,27 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
       if (j < d) x[row_base + j] = v[k][c];
     }
   }
-  if (lane == 0) count[r] = accepts;
+  if (lane == 0) {
+    count[r] = accepts;
+    finite[r] = finite_trajectories;
+  }
 }
 
 template <int kKind, typename C>
-void launch_hmc(int chunks, C* x, C* traj, C* energy, bool* accepted, int64_t* count, const HmcArgs<C>& a,
-                const at::PhiloxCudaState& philox) {
+void launch_hmc(int chunks, C* x, C* traj, C* energy, bool* accepted, int64_t* count, int64_t* finite,
+                const HmcArgs<C>& a, const at::PhiloxCudaState& philox) {
   const unsigned grid = static_cast<unsigned>((a.batch + kWarps - 1) / kWarps);
   if (chunks == 1) {
-    hmc_row_kernel<kKind, 1, C><<<grid, kThreads, 0, current_stream()>>>(x, traj, energy, accepted, count, a, philox);
+    hmc_row_kernel<kKind, 1, C><<<grid, kThreads, 0, current_stream()>>>(x, traj, energy, accepted, count, finite, a,
+                                                                         philox);
   } else {
-    hmc_row_kernel<kKind, kMaxChunks, C><<<grid, kThreads, 0, current_stream()>>>(x, traj, energy, accepted, count, a,
-                                                                                  philox);
+    hmc_row_kernel<kKind, kMaxChunks, C><<<grid, kThreads, 0, current_stream()>>>(x, traj, energy, accepted, count,
+                                                                                  finite, a, philox);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hmc_chain_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hmc_chain_cuda(
     at::Tensor& x, int64_t kind, at::ArrayRef<double> params, double step_size, int64_t n_leapfrog, int64_t n_steps,
     int64_t thin, bool return_trajectory, bool return_energy, bool return_acceptance,
     std::optional<at::Generator> generator, const std::optional<at::Tensor>& noise,
@@ -249,6 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hmc_chain_cuda(
   at::Tensor energy = at::empty({batch, return_energy ? kept : 0}, x.options().dtype(ct));
   at::Tensor accepted = at::zeros({batch, return_acceptance ? n_steps : 0}, x.options().dtype(at::kBool));
   at::Tensor count = at::zeros({batch}, x.options().dtype(at::kLong));
+  at::Tensor finite = at::zeros({batch}, x.options().dtype(at::kLong));  // the kernel writes every row
   if (batch > 0 && n_steps > 0) {
     at::Tensor work = x.scalar_type() == ct && x.is_contiguous() ? x : x.to(ct).contiguous();
     const at::Tensor nz = noise.has_value() ? noise->to(ct).contiguous() : at::Tensor();
@@ -274,13 +283,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hmc_chain_cuda(
       C* ep = return_energy && kept ? energy.mutable_data_ptr<C>() : nullptr;
       bool* ap = return_acceptance ? accepted.mutable_data_ptr<bool>() : nullptr;
       TORCHKERN_KIND_SWITCH(static_cast<int>(kind), kKind, [&] {
-        launch_hmc<kKind, C>(chunks, work.mutable_data_ptr<C>(), tp, ep, ap, count.mutable_data_ptr<int64_t>(), a,
-                             philox);
+        launch_hmc<kKind, C>(chunks, work.mutable_data_ptr<C>(), tp, ep, ap, count.mutable_data_ptr<int64_t>(),
+                             finite.mutable_data_ptr<int64_t>(), a, philox);
       });
     });
     if (!work.is_same(x)) x.copy_(work);
   }
-  return {traj.to(x.scalar_type()), energy.to(x.scalar_type()), accepted, count};
+  return {traj.to(x.scalar_type()), energy.to(x.scalar_type()), accepted, count, finite};
 }
 
 }  // namespace

@@ -9,9 +9,12 @@
 // Noise: the Philox counter of element i at step t is (offset / 4 + t, i / 4), component i % 4,
 // exactly what t separate langevin_step calls would reserve, so a chain and its steps draw
 // the same numbers. The trajectory [B, n_steps // thin, d] is written only when asked.
+// finite_steps [B]: each chain's steps before its first non-finite state (n_steps for one that stayed finite).
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/ones.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -52,6 +55,7 @@ chain_elementwise_kernel(const T* __restrict__ x,  // [B, d]
   C v[4];
   int64_t row[4];  // trajectory indices (unused when kPlain)
   int col[4];
+  unsigned noted = 0;  // bit c: element c's non-finite state is recorded
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     v[c] = c < count ? static_cast<C>(x[base + c]) : C(0);
@@ -71,6 +75,15 @@ chain_elementwise_kernel(const T* __restrict__ x,  // [B, d]
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       v[c] = langevin_update(v[c], elementwise_grad<kKind>(v[c], a.p), eps[c], a.s, !kPlain && a.clamp);
+    }
+    if (!(isfinite(v[0]) && isfinite(v[1]) && isfinite(v[2]) && isfinite(v[3]))) {  // diverged: rare
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        if (c < count && !(noted >> c & 1) && !isfinite(v[c])) {
+          note_non_finite(a.finite_steps, (base + c) / a.d, t);
+          noted |= 1u << c;
+        }
+      }
     }
     if (!kPlain && a.kept && (t + 1) % a.thin == 0) {
       const int slot = (t + 1) / a.thin - 1;
@@ -101,7 +114,8 @@ void launch_elementwise(const T* x, T* out, T* traj, const ChainArgs<at::opmath_
 
 // Rows too long for one warp's registers: score op + in-place step op per step, reserving the
 // same Philox offsets the fused kernel would, so the noise is the same.
-void chain_by_steps(at::Tensor& state, at::Tensor& traj, int64_t kind, at::ArrayRef<double> params, double step_size,
+void chain_by_steps(at::Tensor& state, at::Tensor& traj, at::Tensor& finite_steps, int64_t kind,
+                    at::ArrayRef<double> params, double step_size,
                     double noise_scale, std::optional<double> lo, std::optional<double> hi, int64_t n_steps,
                     int64_t thin, int64_t kept, const std::optional<at::Generator>& generator,
                     const std::optional<at::Tensor>& noise) {
@@ -114,21 +128,23 @@ void chain_by_steps(at::Tensor& state, at::Tensor& traj, int64_t kind, at::Array
                                               std::optional<double>, std::optional<double>,
                                               std::optional<at::Generator>, const std::optional<at::Tensor>&)>();
   at::Tensor x = state;
+  at::Tensor alive = at::ones({state.size(0)}, state.options().dtype(at::kBool));
+  finite_steps.zero_();
   for (int64_t t = 0; t < n_steps; ++t) {
     const at::Tensor grad = score_op.call(x, kind, params).neg_();
     const std::optional<at::Tensor> eps = noise.has_value() ? std::optional<at::Tensor>(noise->select(0, t)) : std::nullopt;
     x = step_op.call(x, grad, step_size, noise_scale, lo, hi, generator, eps);
+    alive.logical_and_(x.isfinite().all(1));
+    finite_steps.add_(alive);
     if (kept && (t + 1) % thin == 0) traj.select(1, (t + 1) / thin - 1).copy_(x);
   }
   state.copy_(x);
 }
 
-std::tuple<at::Tensor, at::Tensor> langevin_chain_cuda(const at::Tensor& x, int64_t kind, at::ArrayRef<double> params,
-                                                       double step_size, double noise_scale,
-                                                       std::optional<double> clamp_min, std::optional<double> clamp_max,
-                                                       int64_t n_steps, int64_t thin, bool return_trajectory,
-                                                       std::optional<at::Generator> generator,
-                                                       const std::optional<at::Tensor>& noise) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> langevin_chain_cuda(
+    const at::Tensor& x, int64_t kind, at::ArrayRef<double> params, double step_size, double noise_scale,
+    std::optional<double> clamp_min, std::optional<double> clamp_max, int64_t n_steps, int64_t thin,
+    bool return_trajectory, std::optional<at::Generator> generator, const std::optional<at::Tensor>& noise) {
   TORCHKERN_OP("langevin_chain");
   check_analytic_args(torchkern_op_name, x, kind, params);
   check_step_args(torchkern_op_name, step_size, noise_scale, clamp_min, clamp_max);
@@ -139,12 +155,13 @@ std::tuple<at::Tensor, at::Tensor> langevin_chain_cuda(const at::Tensor& x, int6
   const int64_t kept = return_trajectory ? n_steps / thin : 0;
   at::Tensor out = x.contiguous().clone();  // a fresh buffer, also when x is already contiguous
   at::Tensor traj = at::empty({batch, kept, d}, x.options());
-  if (out.numel() == 0 || n_steps == 0) return {out, traj};
+  at::Tensor finite_steps = at::full({batch}, n_steps, x.options().dtype(at::kLong));
+  if (out.numel() == 0 || n_steps == 0) return {out, traj, finite_steps};
   const bool by_steps = !is_elementwise(static_cast<int>(kind)) && d > 32 * 4 * kMaxRowChunks;
   if (by_steps) {
-    chain_by_steps(out, traj, kind, params, step_size, noise_scale, clamp_min, clamp_max, n_steps, thin, kept,
-                   generator, noise);
-    return {out, traj};
+    chain_by_steps(out, traj, finite_steps, kind, params, step_size, noise_scale, clamp_min, clamp_max, n_steps,
+                   thin, kept, generator, noise);
+    return {out, traj, finite_steps};
   }
   const at::ScalarType opmath = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor nc = noise.has_value() ? noise->to(opmath).contiguous() : at::Tensor();
@@ -154,6 +171,7 @@ std::tuple<at::Tensor, at::Tensor> langevin_chain_cuda(const at::Tensor& x, int6
     using C = at::opmath_type<scalar_t>;
     ChainArgs<C> a;
     a.noise = nc.defined() ? nc.const_data_ptr<C>() : nullptr;
+    a.finite_steps = finite_steps.mutable_data_ptr<int64_t>();
     a.batch = batch;
     a.d = static_cast<int>(d);
     a.n_steps = static_cast<int>(n_steps);
@@ -177,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> langevin_chain_cuda(const at::Tensor& x, int6
       }
     }
   });
-  return {out, traj};
+  return {out, traj, finite_steps};
 }
 
 }  // namespace

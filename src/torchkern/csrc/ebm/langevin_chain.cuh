@@ -19,6 +19,7 @@ constexpr int kMaxRowChunks = 8;  // row kernel: d <= 32 * 4 * 8 = 1024
 template <typename C>
 struct ChainArgs {
   const C* noise;  // [n_steps, B, d] or null
+  int64_t* finite_steps;  // [B], n_steps on entry (note_non_finite)
   int64_t batch;
   int d;
   int n_steps, thin, kept;  // kept = n_steps // thin when the trajectory is asked, else 0

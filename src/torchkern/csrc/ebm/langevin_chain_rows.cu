@@ -36,8 +36,10 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
       v[k][c] = j < d ? static_cast<C>(x[row_base + j]) : C(0);
     }
   }
+  bool noted = false;  // this lane recorded a non-finite state of the row
 #pragma unroll 1
   for (int t = 0; t < a.n_steps; ++t) {
+    bool finite = true;
     C grad[kChunks][4];
     if constexpr (kKind == kRosenbrock) {
 #pragma unroll
@@ -95,8 +97,13 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
           eps = static_cast<C>(component(normal4(key, t, i / 4), static_cast<int>(i % 4)));
         }
         v[k][c] = langevin_update(v[k][c], grad[k][c], eps, a.s, a.clamp);
+        finite = finite && isfinite(v[k][c]);
         if (keep) traj[(r * a.kept + slot) * d + j] = static_cast<T>(v[k][c]);
       }
+    }
+    if (!finite && !noted) {  // diverged: rare
+      note_non_finite(a.finite_steps, r, t);
+      noted = true;
     }
   }
 #pragma unroll

@@ -109,6 +109,8 @@ struct Params {
   float* score;             // eval: [B, d]
   bool* accepted;           // HMC: [B, n_steps] or null
   int64_t* accept_count;    // HMC: [B]
+  int64_t* finite_steps;    // Langevin, HMC: [B] steps (trajectories) before the first non-finite state (divergent
+                            // trajectory); Langevin: n_steps on entry (note_non_finite)
   const void* weights;      // packed operands (bf16 or float) of hidden layer l at w_off[l] (see launch_pack)
   const float* vecs;        // packed float: b_l [dims[l+1]] at b_off[l]; w [dims[H]] at wlast_off; b at blast_off
   const float* noise;       // injected [n_steps, B, d] (Langevin eps, HMC momenta) or null

@@ -481,6 +481,7 @@ __device__ __forceinline__ void update_pair(Ctx<Op>& c, int row, int col, float 
     const StepParams<float> s{p.step, p.noise_coef, p.lo, p.hi};
     for (int q = 0; q < n; ++q) {
       const float v = langevin_update(xs[q], g[q], eps[q], s, p.clamp);
+      if (!isfinite(v) && p.finite_steps[r] > c.t) note_non_finite(p.finite_steps, r, c.t);  // diverged: rare
       xs[q] = v;
       if constexpr (Op::kTensorCores) xop[q] = Op::operand(v);
       if (c.keep) p.traj[(r * p.kept + c.slot) * p.d + col + q] = v;
@@ -1197,6 +1198,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
     }
   } else {  // HMC
     const float* e_row = c.row_value(kRowE);
+    int finite_trajectories = p.n_steps;  // thread `row` < nvalid's: its row's trajectories before a divergent one
     for (int t = 0; t < p.n_steps; ++t) {
       for (int i = c.tid; i < c.nvalid * d; i += kThreads) {
         const int64_t flat = c.row0 * d + i;
@@ -1223,6 +1225,7 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
         const float h0 = c.row_value(kRowE0)[row] + c.row_value(kRowK0)[row];
         const float h1 = e_row[row] + c.row_value(kRowK1)[row];
         const bool accept = logf(u) < h0 - h1;  // false for a NaN or infinite h1: a diverged proposal
+        if (finite_trajectories == p.n_steps && !isfinite(h1)) finite_trajectories = t;
         c.row_value(kRowAccept)[row] = accept ? 1.f : 0.f;
         c.row_value(kRowCount)[row] += accept ? 1.f : 0.f;
         if (p.accepted) p.accepted[r * p.n_steps + t] = accept;
@@ -1244,7 +1247,10 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
       if constexpr (Op::kWgmma) wg::fence_shared_for_async();
       __syncthreads();
     }
-    if (c.tid < c.nvalid) p.accept_count[c.row0 + c.tid] = static_cast<int64_t>(c.row_value(kRowCount)[c.tid]);
+    if (c.tid < c.nvalid) {
+      p.accept_count[c.row0 + c.tid] = static_cast<int64_t>(c.row_value(kRowCount)[c.tid]);
+      p.finite_steps[c.row0 + c.tid] = finite_trajectories;
+    }
   }
   // the schedule's last prefetch (chunk `consumed`) lands before the block's shared memory goes
   if (!p.resident && c.tid == 0) wait_chunk(c, c.consumed);

@@ -16,7 +16,7 @@
 namespace torchkern {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_hmc_chain_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_hmc_chain_cuda(
     at::Tensor& x, at::TensorList weights, at::TensorList biases, int64_t activation, double negative_slope,
     double step_size, int64_t n_leapfrog, int64_t n_steps, int64_t thin, bool return_trajectory, bool return_energy,
     bool return_acceptance, int64_t precision, at::IntArrayRef layout, std::optional<at::Generator> generator,
@@ -36,6 +36,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_hmc_chain_cuda(
   const bool runs = batch > 0 && n_steps > 0;
   at::Tensor count = runs ? at::empty({batch}, x.options().dtype(at::kLong))  // the kernel writes every row's
                           : at::zeros({batch}, x.options().dtype(at::kLong));
+  at::Tensor finite_steps = runs ? at::empty({batch}, x.options().dtype(at::kLong))
+                                 : at::zeros({batch}, x.options().dtype(at::kLong));
   if (runs) {
     at::Tensor work = mlp::float32_contiguous(x);
     const at::Tensor nz = noise.has_value() ? mlp::float32_contiguous(*noise) : at::Tensor();
@@ -46,6 +48,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_hmc_chain_cuda(
     p.energy = return_energy && kept ? energy.mutable_data_ptr<float>() : nullptr;
     p.accepted = return_acceptance ? accepted.mutable_data_ptr<bool>() : nullptr;
     p.accept_count = count.mutable_data_ptr<int64_t>();
+    p.finite_steps = finite_steps.mutable_data_ptr<int64_t>();
     p.noise = nz.defined() ? nz.const_data_ptr<float>() : nullptr;
     p.uniform = un.defined() ? un.const_data_ptr<float>() : nullptr;
     p.step = static_cast<float>(step_size);
@@ -60,7 +63,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_hmc_chain_cuda(
              philox);
     if (!work.is_same(x)) x.copy_(work);
   }
-  return {mlp::as_dtype(traj, x.scalar_type()), mlp::as_dtype(energy, x.scalar_type()), accepted, count};
+  return {mlp::as_dtype(traj, x.scalar_type()), mlp::as_dtype(energy, x.scalar_type()), accepted, count,
+          finite_steps};
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // from U(restart_low, restart_high) or N(0, I). Philox draws: t for step t's noise (the langevin_step
 // counters), n_steps and n_steps + 1 for the restarts.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/full.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -17,7 +18,7 @@
 namespace torchkern {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
     at::Tensor& x, at::TensorList weights, at::TensorList biases, int64_t activation, double negative_slope,
     double step_size, double noise_scale, std::optional<double> clamp_min, std::optional<double> clamp_max,
     int64_t n_steps, int64_t thin, bool return_trajectory, bool return_energy, double restart_fraction,
@@ -44,6 +45,7 @@ std::tuple<at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
   const int64_t batch = x.size(0), d = x.size(1), kept = n_steps / thin;
   at::Tensor traj = at::empty({batch, return_trajectory ? kept : 0, d}, x.options().dtype(at::kFloat));
   at::Tensor energy = at::empty({batch, return_energy ? kept : 0}, x.options().dtype(at::kFloat));
+  at::Tensor finite_steps = at::full({batch}, n_steps, x.options().dtype(at::kLong));
   const bool restart = restart_fraction > 0;
   if (batch > 0 && (n_steps > 0 || restart)) {
     at::Tensor work = mlp::float32_contiguous(x);
@@ -54,6 +56,7 @@ std::tuple<at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
     p.traj = return_trajectory && kept ? traj.mutable_data_ptr<float>() : nullptr;
     p.energy = return_energy && kept ? energy.mutable_data_ptr<float>() : nullptr;
     p.noise = nz.defined() ? nz.const_data_ptr<float>() : nullptr;
+    p.finite_steps = finite_steps.mutable_data_ptr<int64_t>();
     const StepParams<float> s = make_step_params<float>(step_size, noise_scale, clamp_min, clamp_max);
     p.step = s.step, p.noise_coef = s.noise_coef, p.lo = s.lo, p.hi = s.hi;
     p.clamp = clamp_min.has_value() || clamp_max.has_value();
@@ -75,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor> mlp_langevin_chain_cuda(
   } else if (start.has_value()) {
     x.copy_(*start);
   }
-  return {mlp::as_dtype(traj, x.scalar_type()), mlp::as_dtype(energy, x.scalar_type())};
+  return {mlp::as_dtype(traj, x.scalar_type()), mlp::as_dtype(energy, x.scalar_type()), finite_steps};
 }
 
 }  // namespace
