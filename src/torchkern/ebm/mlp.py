@@ -254,8 +254,10 @@ def shared_memory_layout(widths: Sequence[int], precision: int, hmc: bool, rows:
 def has_wgmma(device: torch.device) -> bool:
     """Whether the bf16 chain may run on warpgroup products on ``device``: an sm_90 GPU (H100, H200) and a
     library built with sm_90 code (the loader builds 9.0 as sm_90a, whose wgmma the kernel uses)."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
-            and any(a.split("+")[0] in ("9.0", "9.0a") for a in _backend.load_kernels().archs))
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    info = _backend.family_info("ebm")
+    return info is not None and any(a.split("+")[0] in ("9.0", "9.0a") for a in info.archs)
 
 
 def plan(energy: MLPEnergy, x: torch.Tensor, precision: int, hmc: bool) -> list[int] | None:
