@@ -1,8 +1,9 @@
-"""Constants of the Newton inverse root that the twin and the CUDA kernels share.
+"""Constants that linalg's Python and its CUDA kernels share: the Newton inverse root's rules and eigh's.
 
-Defined here once: the loader passes ``COMPILE_DEFINITIONS`` to the compiler as ``-D`` flags
-(``csrc/linalg/small_matrix.cuh`` reads them), and ``twins.py`` imports the names. The file is run by
-path at build time, so it imports nothing. Why these values: docs/design.md, "Inverse roots".
+Defined here once: the loader passes ``COMPILE_DEFINITIONS`` to the compiler as ``-D`` flags (the kernels under
+``csrc/linalg/`` read them), and ``twins.py`` imports the names. The file is run by path at build time, so it
+imports nothing. Why these values: the comments below, and docs/design.md, "Inverse roots" and "Symmetric
+eigensolver".
 """
 
 # Stall rule: a matrix whose error was below STALL_BELOW and did not fall below STALL_RATIO times
@@ -30,7 +31,10 @@ COMPILE_DEFINITIONS = {
     "TORCHKERN_LANCZOS_MIN_N": LANCZOS_MIN_N,
 }
 
-# ----------------------------------------------------------------------------- eigh (csrc/linalg/jacobi.cuh, eigh.cu)
+# ----------------------------------------------------------------------------- eigh (csrc/linalg/eigh/)
+# Which solver takes a call: csrc/linalg/eigh/eigh_route.h, from the thresholds below. Measured on an H200 unless
+# said otherwise; times in ms, float32 unless said otherwise.
+
 # Jacobi stops a matrix after the sweep whose rotated off-diagonal entries had a Frobenius norm <= TOL ||A||_F
 # (float32 and half input: EIGH_TOL_F32; float64: EIGH_TOL_F64); entries below TOL ||A||_F / n are not rotated.
 EIGH_TOL_F32 = 1e-6
@@ -47,16 +51,24 @@ EIGH_Q0_ORTH_TOL_F64 = 1e-10
 EIGH_MAX_SWEEPS = 40
 EIGH_INNER_SWEEPS = 1
 # The block method (n above what one thread block's shared memory holds, or above EIGH_SMALL_MAX_N): blocks of
-# EIGH_BLOCK rows, subproblems of 2 EIGH_BLOCK (swept in float64 by csrc/linalg/jacobi_tiles.cuh, which, like the
-# round kernel, takes 64 x 64 tiles only).
+# EIGH_BLOCK rows, subproblems of 2 EIGH_BLOCK (swept in float64 by jacobi_tiles.cuh, which, like the round kernel,
+# takes 64 x 64 tiles only).
 EIGH_BLOCK = 32
 EIGH_SMALL_MAX_N = 168
-# Cold starts (no Q0) with n >= EIGH_TORCH_FROM_N go to torch.linalg.eigh (cuSOLVER, one matrix after another)
-# instead of the block method (0: never), unless the batch has at least EIGH_BLOCK_MIN_BATCH matrices and n <=
-# EIGH_BLOCK_MAX_N. Measured (H100, 2026-11-26, eighth session, probes/eigh_crossover_probe.py): the block method
-# costs about 20 to 30 ms a call plus 2.8 (n = 704) to 7.2 ms (n = 1024) per matrix, cuSOLVER 7.8 to 10.7 ms per
-# matrix; cuSOLVER / block method time 0.37x, 1.40x, 1.88x at batch 1, 4, 16 for n = 704, 0.31x, 0.80x, 1.26x
-# for n = 1024, 0.34x and 0.56x at batch 1 and 4 for n = 1536.
+
+# torch.linalg.eigh (cuSOLVER's syevd, one matrix after another) takes the cold starts of fewer than B matrices from
+# n = N on, as (N, B) steps in ascending N, each holding up to the next (at most EIGH_TORCH_STEPS of them), one table
+# per compute type: the shapes where it beats every torchkern solver. benchmarks/tune_eigh.py measures them and
+# prints these tables; until it has run on the GPU they keep the earlier rule: a single float32 matrix from n = 704,
+# where syevd beats the tridiagonal solver (1 x 1024^2: 11.5 against 18.2).
+EIGH_TORCH_F32 = ((704, 2),)
+EIGH_TORCH_F64 = ()
+EIGH_TORCH_STEPS = 8
+# Where the block method is slower than syevd's loop at any batch: cold starts from n = EIGH_TORCH_FROM_N (0: never)
+# go to torch.linalg.eigh when no other solver takes them, unless the batch has at least EIGH_BLOCK_MIN_BATCH
+# matrices and n <= EIGH_BLOCK_MAX_N. Measured on an H100: the block method costs about 20 to 30 a call plus 2.8
+# (n = 704) to 7.2 (n = 1024) per matrix, syevd 7.8 to 10.7 per matrix; syevd / block method 0.37x, 1.40x, 1.88x at
+# batch 1, 4, 16 for n = 704, 0.31x, 0.80x, 1.26x for n = 1024, 0.34x and 0.56x at batch 1 and 4 for n = 1536.
 EIGH_TORCH_FROM_N = 704
 EIGH_BLOCK_MIN_BATCH = 8
 EIGH_BLOCK_MAX_N = 1024
@@ -65,44 +77,48 @@ EIGH_BLOCK_MAX_N = 1024
 # float64: EIGH_SYEV_MAX_N_F64), and above those when the batch holds at least EIGH_SYEV_MIN_ELEMS entries (B n^2:
 # sixteen 768^2 matrices), and the warm starts of float32 with n <= EIGH_SYEV_MAX_N_F32 and at least
 # EIGH_SYEV_WARM_MIN_ELEMS (it ignores Q0: it is a direct method, as fast on nearly diagonal matrices as on others,
-# and there faster than the Jacobi kernels' warm start). Measured (H200, 2026-11-27, probes/syev_batched_probe.py
-# --grid and --streams, ms, batched / Jacobi cold / Jacobi warm), float32: 64 x 128^2 0.94 / 2.10 / 1.05, 64 x 256^2
-# 3.65 / 8.76 / 4.15, 256 x 256^2 9.1 / 30.7 / 13.6, 16 x 256^2 2.85 / 5.29 / 2.15, 64 x 64^2 0.38 / 0.37 / 0.27, 64 x
-# 512^2 27.1 / 52.9 / 21.5, 16 x 512^2 20.5 / 18.4 / 7.7, 16 x 1024^2 57-81 / 95.5 / 38.7, 8 x 1025^2 76-114 / 86-91
-# (the syevd loop) / 28; float64: 64 x 128^2 1.24 / 2.51, 64 x 256^2 10.1 / 10.5, 256 x 256^2 22.1 / 35.7, 64 x 512^2
-# 36.9 / 62.6.
+# and there faster than the Jacobi kernels' warm start). Measured (batched / Jacobi cold / Jacobi warm), float32:
+# 64 x 128^2 0.94 / 2.10 / 1.05, 64 x 256^2 3.65 / 8.76 / 4.15, 256 x 256^2 9.1 / 30.7 / 13.6, 16 x 256^2 2.85 /
+# 5.29 / 2.15, 64 x 64^2 0.38 / 0.37 / 0.27, 64 x 512^2 27.1 / 52.9 / 21.5, 16 x 512^2 20.5 / 18.4 / 7.7, 16 x 1024^2
+# 57-81 / 95.5 / 38.7, 8 x 1025^2 76-114 / 86-91 (the syevd loop) / 28; float64: 64 x 128^2 1.24 / 2.51, 64 x 256^2
+# 10.1 / 10.5, 256 x 256^2 22.1 / 35.7, 64 x 512^2 36.9 / 62.6.
 EIGH_SYEV_MIN_N = 96
 EIGH_SYEV_MAX_N_F32 = 256
 EIGH_SYEV_MAX_N_F64 = 128
 EIGH_SYEV_MIN_ELEMS = 9 * 2 ** 20
 EIGH_SYEV_WARM_MIN_ELEMS = 2 ** 22
-# ... and, at any batch, the float32 warm starts of the in-block kernel's largest sizes, n >= EIGH_SYEV_WARM_MIN_N
-# (up to its 136): at n = 128 cuSOLVER's cold start was 5-10% faster than the Jacobi warm start at every batch on an
-# EMA pair (fourteenth session), and 20% / 34% faster on the benchmark's perturbation and a basis ten steps old (64
-# x 128^2, 1.10 against 1.38 / 1.65 ms; 4% slower, 1.06 against 1.02, one EMA step on; RESULTS.md, eighteenth
-# session); at n = 96 the Jacobi warm start won at every batch.
+# ... and, at any batch, the float32 warm starts of the in-block kernel's largest sizes, n >= EIGH_SYEV_WARM_MIN_N:
+# at n = 128 cuSOLVER's cold start was 5-10% faster than the Jacobi warm start at every batch on an EMA pair, and 20%
+# / 34% faster from the benchmark's perturbation and from a basis ten steps old (64 x 128^2, 1.10 against 1.38 /
+# 1.65; 4% slower, 1.06 against 1.02, one EMA step on); at n = 96 the Jacobi warm start won at every batch.
 EIGH_SYEV_WARM_MIN_N = 128
-
-# The tridiagonal solver (csrc/linalg/tridiagonal.cuh: Householder reduction on clusters of blocks, inverse
-# iteration in float64) takes the float32 cold starts from n = EIGH_TRIDIAGONAL_MIN_N on, except a single matrix from
-# EIGH_TORCH_FROM_N on (fewer than EIGH_TRIDIAGONAL_MIN_BATCH: cuSOLVER's syevd). Measured (H200, 2026-11-27,
-# seventeenth session, probes/eigh_tridiagonal_probe.py, ms, tridiagonal / before / torch.linalg.eigh): 16 x 1024^2
-# 27.6 / 57-81 (batched cuSOLVER) / 174.8, 8 x 1025^2 21.2 / 87 (syevd) / 97.6, 1 x 1024^2 18.2 / 11.5 (syevd),
-# 64 x 512^2 12.5 / 27 (batched), 16 x 512^2 8.6 / 17.8 (Jacobi), 16 x 384^2 6.0 / 9.7 (Jacobi), 64 x 384^2 7.6 /
-# 18.0 (batched), 64 x 256^2 4.2 / 3.7 (batched: kept).
+# The tridiagonal solver (Householder reduction on clusters of blocks, inverse iteration in float64) takes the
+# float32 cold starts from n = EIGH_TRIDIAGONAL_MIN_N on that torch.linalg.eigh does not (tridiagonal / before /
+# torch.linalg.eigh): 16 x 1024^2 27.6 / 57-81 (batched cuSOLVER) / 174.8, 8 x 1025^2 21.2 / 87 (syevd) / 97.6, 64 x
+# 512^2 12.5 / 27 (batched), 16 x 512^2 8.6 / 17.8 (Jacobi), 16 x 384^2 6.0 / 9.7 (Jacobi), 64 x 384^2 7.6 / 18.0
+# (batched), 64 x 256^2 4.2 / 3.7 (batched: kept).
 EIGH_TRIDIAGONAL_MIN_N = 384
-EIGH_TRIDIAGONAL_MIN_BATCH = 2
 # A float32 warm start that the tridiagonal solver would take cold goes to it too (Q0 unused) unless the caller's
-# tol is at least EIGH_WARM_JACOBI_MIN_TOL: the Jacobi kernels' warm start needs two to five sweeps of about 11 ms at
-# 16 x 1024^2 at full accuracy. Measured (H200, ms, Jacobi warm / tridiagonal cold): 16 x 1024^2 54.8 (the
-# benchmark's basis one step old) / 25.7, 8 x 1025^2 (K-FAC's factors, a basis ten steps old) 25.9 at tol 1e-6,
-# 20.5 at 1e-5, 14.6 at 1e-4 (K-FAC's eigh_tol) / 21.2; 64 x 512^2 21.5 / 12.5 (fourteenth to seventeenth sessions;
-# RESULTS.md, eighteenth session, for the probe that measures this rule).
+# tol is at least EIGH_WARM_JACOBI_MIN_TOL: the Jacobi kernels' warm start needs two to five sweeps of about 11 at
+# 16 x 1024^2 at full accuracy (Jacobi warm / tridiagonal cold): 16 x 1024^2 54.8 (the benchmark's basis one step
+# old) / 25.7, 8 x 1025^2 (K-FAC's factors, a basis ten steps old) 25.9 at tol 1e-6, 20.5 at 1e-5, 14.6 at 1e-4
+# (K-FAC's eigh_tol) / 21.2; 64 x 512^2 21.5 / 12.5.
 EIGH_WARM_JACOBI_MIN_TOL = 1e-4
+
+
+def _torch_steps(name: str, table: tuple) -> dict:
+    """The (N, B) table as EIGH_TORCH_STEPS pairs of scalar -D flags (unused steps never apply)."""
+    assert len(table) <= EIGH_TORCH_STEPS and list(table) == sorted(table), name
+    padded = list(table) + [(2 ** 62, 0)] * (EIGH_TORCH_STEPS - len(table))
+    flags = {}
+    for i, (n, below) in enumerate(padded):
+        flags[f"TORCHKERN_{name}_N{i}"] = int(n)
+        flags[f"TORCHKERN_{name}_B{i}"] = int(below)
+    return flags
+
 
 COMPILE_DEFINITIONS.update({
     "TORCHKERN_EIGH_TRIDIAGONAL_MIN_N": EIGH_TRIDIAGONAL_MIN_N,
-    "TORCHKERN_EIGH_TRIDIAGONAL_MIN_BATCH": EIGH_TRIDIAGONAL_MIN_BATCH,
     "TORCHKERN_EIGH_WARM_JACOBI_MIN_TOL": EIGH_WARM_JACOBI_MIN_TOL,
     "TORCHKERN_EIGH_TOL_F32": EIGH_TOL_F32,
     "TORCHKERN_EIGH_TOL_F64": EIGH_TOL_F64,
@@ -119,4 +135,6 @@ COMPILE_DEFINITIONS.update({
     "TORCHKERN_EIGH_SYEV_MIN_ELEMS": EIGH_SYEV_MIN_ELEMS,
     "TORCHKERN_EIGH_SYEV_WARM_MIN_ELEMS": EIGH_SYEV_WARM_MIN_ELEMS,
     "TORCHKERN_EIGH_SYEV_WARM_MIN_N": EIGH_SYEV_WARM_MIN_N,
+    **_torch_steps("EIGH_TORCH_F32", EIGH_TORCH_F32),
+    **_torch_steps("EIGH_TORCH_F64", EIGH_TORCH_F64),
 })

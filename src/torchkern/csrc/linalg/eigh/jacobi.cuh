@@ -18,8 +18,8 @@
 // repeats the A work and the rotations of the others: the same instructions on the same data give bitwise the
 // same A, rotations and stopping decisions in every block, with no communication. A batch too small to fill
 // the GPU (64 x 128^2 on 132 multiprocessors) then uses the idle ones for V (double, and as much
-// shared-memory traffic per round as A's float). 64 x 128^2, float32: 3.3 -> 2.2 (H200) to 2.4 ms (H100) with
-// the slices, the triangle and V beside the rotations (benchmarks/RESULTS.md, 2026-11-26, sixth session).
+// shared-memory traffic per round as A's float). 64 x 128^2, float32: 2.2 (H200) to 2.4 ms (H100) with the
+// slices, the triangle and V beside the rotations, against 3.3 without them.
 //
 // Rotation of pair (p, q) (Rutishauser's formulas): theta = (a_qq - a_pp) / (2 a_pq),
 // t = sign(theta) / (|theta| + sqrt(1 + theta^2)), c = 1 / sqrt(1 + t^2), s = t c; a_pp -= t a_pq,

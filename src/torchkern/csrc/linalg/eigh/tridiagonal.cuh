@@ -1,6 +1,7 @@
-// eigh's tridiagonal solver (float32 compute; eigh.cu's eigh_tridiagonal drives it): A = Q T Q^T by Householder
+// eigh's tridiagonal solver (float32 compute; eigh_tridiagonal.cu drives it): A = Q T Q^T by Householder
 // reflections (sytrd_kernel), the eigenpairs of T in float64 (split_kernel, bisect_kernel, inverse_iteration_kernel),
-// and the eigenvectors of A = Q Z by the reflections' compact WY form (panel_t_kernel here, the products in eigh.cu).
+// and the eigenvectors of A = Q Z by the reflections' compact WY form (panel_t_kernel here, the products in
+// eigh_tridiagonal.cu).
 // docs/design.md, "Symmetric eigensolver", has the method and why each step is done as it is.
 //
 // Why this shape: a 1024^2 matrix takes about 4/3 n^3 flops to reduce, but the reduction is a sequence of n
@@ -19,7 +20,7 @@
 
 #include <cstdint>
 
-#include "cluster.cuh"
+#include "../cluster.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {

@@ -1,4 +1,4 @@
-// The block method's subproblems (eigh.cu): per block-row pair, its 64 x 64 diagonal tile of the float64 matrix
+// The block method's subproblems (eigh_block_method.cu): per block-row pair, its 64 x 64 diagonal tile of the float64 matrix
 // gets TORCHKERN_EIGH_INNER_SWEEPS cyclic Jacobi sweeps, and the product of their rotations is returned as U (the
 // tile's eigenvector estimate, columns in the tile's index order, unsorted: close to the identity once the matrix
 // is nearly diagonal, so that the block rows keep their meaning). One thread block per tile, A and the rotation
@@ -11,15 +11,13 @@
 // ("groups" of four). A triple is one step of two phases: warp 0 runs the three rounds on the 16 groups' 4 x 4
 // diagonal blocks of A (lanes 2G, 2G + 1 one rotation each per round) and accumulates each group's product Q_G
 // (barrier); then warps 0-7 turn every off-diagonal 4 x 4 block of A into Q_G1^T A_G1G2 Q_G2 while warps 8-15
-// take V's rows to V_G Q_G (barrier). Against jacobi_kernel's one round at a time on 2 x 2 blocks with the
-// circle ordering (this kernel's predecessor here): a third of the barriers, no rotation tables, and each step's
-// accesses to A and V in 4 x 4 blocks. A/B on one H100 (benchmarks/RESULTS.md, 2026-11-26, ninth session): the
-// block method at 64 x 256^2 13.0 -> 10.9 ms, 16 x 1024^2 130 -> 118 ms, K-FAC's warm 8 x 1025^2 34.9 -> 31.7 ms.
-// Phase 1 (the rotations' dependent chains, one warp) is what the others wait for: the same 63 chains a sweep as
-// before, no longer hidden behind V's rotation.
-// Convergence (benchmarks/probes/tile_ordering_model.py convergence): in a numpy model of the block method (n =
-// 256, tol 1e-6 and 1e-13; random, 1e8-conditioned, clustered, rank-8 and nearly diagonal spectra) this ordering
-// took within one outer sweep of the circle method's count, either way.
+// take V's rows to V_G Q_G (barrier). Against one round at a time on 2 x 2 blocks with the circle ordering (as
+// jacobi.cuh does): a third of the barriers, no rotation tables, and each step's accesses to A and V in 4 x 4
+// blocks; on one H100 the block method at 64 x 256^2 took 10.9 ms against 13.0, 16 x 1024^2 118 against 130 ms.
+// Phase 1 (the rotations' dependent chains, one warp) is what the others wait for.
+// Convergence: in a numpy model of the block method (n = 256, tol 1e-6 and 1e-13; random, 1e8-conditioned,
+// clustered, rank-8 and nearly diagonal spectra) this ordering took within one outer sweep of the circle method's
+// count, either way.
 //
 // Rotation of pair (p, q), d = a_qq - a_pp, a gap r = sqrt(d^2 + 4 a_pq^2): t = tan(phi) = 2 a_pq sign(d) / (|d| +
 // r) (Rutishauser's t without theta), so with u = |d| + r, c = u / sqrt(u^2 + 4 a_pq^2) and s = 2 a_pq sign(d) /
@@ -56,10 +54,9 @@ constexpr int kQld = 17;         // Q_G's stride: odd, so lanes reading differen
 // offset mod 16, which only sees an index's low four bits. So an index x is stored at phys(x) = x with bits 4-5
 // folded into the low four (x ^ 5 (x >> 4): linear over GF(2), bijective), and each step takes bits (lo, hi)
 // whose removal leaves the low four bits of phys a bijection of the other four (every step has such a pair). With
-// kLd = 67, a model of the kernel's accesses (phase 1's pair entries, the blocks' loads and stores, V's rows;
-// benchmarks/probes/tile_ordering_model.py banks) gives 1.04 times the conflict-free wavefronts, against 1.94 with
-// phys = x; a first version without phys, with one block per two threads, had 2.4 (loads) and 5.9 (stores)
-// times (Nsight Compute) and was no faster than jacobi_kernel.
+// kLd = 67, a model of the kernel's accesses (phase 1's pair entries, the blocks' loads and stores, V's rows) gives
+// 1.04 times the conflict-free wavefronts, against 1.94 with phys = x (and, in Nsight Compute, 2.4 for the loads
+// and 5.9 for the stores of a layout without phys and with one block per two threads).
 __host__ __device__ constexpr int phys(int x) { return x ^ (5 * (x >> 4)); }
 
 // Multiplication by x in GF(2^6) = GF(2)[x] / (x^6 + x + 1) (x is primitive: its powers are the 63 masks).
@@ -159,7 +156,7 @@ constexpr bool make_plan_is_complete() {
 static_assert(make_plan_is_complete(), "the tile sweep's plan must cover every pair once with conflict-free groups");
 __constant__ Plan kPlan = make_plan();
 
-// The block method's buffers of one call (eigh.cu), in device memory: its kernels read them from there, so that a
+// The block method's buffers of one call (eigh_block_method.cu), in device memory: its kernels read them from there, so that a
 // CUDA graph of its sweeps serves every call of one shape (each call writes its own first).
 struct BlockBuffers {
   double* a[2];          // [B, N, N] the matrix: a round reads a[from] and writes a[1 - from]
@@ -216,7 +213,7 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(const Tiles pr) {
     amax = nan_max(amax, fabs(v));
   }
   amax = block_reduce<kThreads, double, true>(amax, red);  // its barriers also publish A and V
-  if (!isfinite(amax)) {  // uniform (never from eigh.cu, which zeroes such matrices)
+  if (!isfinite(amax)) {  // uniform (never from the block method, which zeroes such matrices)
     for (int i = tid; i < kM * kM; i += kThreads) __stwb(u + i, NAN);
     return;
   }

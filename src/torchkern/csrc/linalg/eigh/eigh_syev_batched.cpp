@@ -1,31 +1,38 @@
-// cusolverDnXsyevBatched through the cuSOLVER that torch loaded (see syev_batched.h).
+// eigh's cuSOLVER batched solver: cusolverDnXsyevBatched (cuSOLVER >= 11.7.1, CUDA 12.6.2), which torch.linalg.eigh
+// calls only for n <= 32 (above, it loops over syevd one matrix at a time), between the shared way in and out
+// (eigh_prep.h). Q0, when given, is only checked: a direct method gains nothing from a warm start.
 //
-// torch loads cuSOLVER lazily, with its linear-algebra library, under the soname of its CUDA's cuSOLVER; linking
-// torchkern against a cuSOLVER of its own could load a second copy from another toolkit. So the symbols are looked
-// up at the first call: in the process, else in the already-loaded libcusolver.so.<major> (after one tiny
-// torch.linalg.eigh, which makes torch load it, if it has not been loaded yet). A cuSOLVER without the routine
-// (before CUDA 12.6.2) leaves syev_batched_available() false and eigh.cu on its other paths.
+// The routine comes from the cuSOLVER that torch loaded. torch loads cuSOLVER lazily, with its linear-algebra
+// library, under the soname of its CUDA's cuSOLVER; linking torchkern against a cuSOLVER of its own could load a
+// second copy from another toolkit. So the symbols are looked up at the first call: in the process, else in the
+// already-loaded libcusolver.so.<major> (after one tiny torch.linalg.eigh, which makes torch load it, if it has not
+// been loaded yet). A cuSOLVER without the routine (before CUDA 12.6.2) leaves syev_batched_available() false and
+// the router on its other solvers.
 //
 // Nor does it include cuSOLVER's headers: torch's wheels ship the library without them, and a toolkit may lack them
 // too (this project's CI toolkit has no cusolverDn.h, cublas_api.h or cusparse.h). The interface used here is a few
 // opaque pointers and enums, declared below with the values of cusolver_common.h, cublas_api.h and
 // library_types.h.
-#include "syev_batched.h"
-
 #include <ATen/ops/empty.h>
 #include <ATen/ops/eye.h>
 #include <ATen/ops/linalg_eigh.h>
+#include <ATen/ops/sort.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <tuple>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
+#include "eigh_prep.h"
+#include "eigh_solvers.h"
 #include "torchkern/checks.h"
 #include "torchkern/launch.h"
 
 namespace torchkern {
+namespace eigh {
 namespace {
 
 using Status = int;                  // cusolverStatus_t
@@ -101,10 +108,9 @@ Handle handle_for_current_device() {
   return it->second;
 }
 
-}  // namespace
-
-bool syev_batched_available() { return api().solve != nullptr; }
-
+// cuSOLVER's decomposition of X [B, n, n], symmetric, float32 or float64, on the current stream: (w [B, n], the
+// eigenvalues as the routine leaves them, V [B, n, n] with the eigenvectors as its rows, info [B] int, nonzero for a
+// matrix that did not converge). A contiguous X is overwritten (pass a temporary).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> syev_batched(at::Tensor X) {
   TORCHKERN_OP("eigh");
   const Api& a = api();
@@ -132,4 +138,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> syev_batched(at::Tensor X) {
   return {w, V, info};
 }
 
+}  // namespace
+
+bool syev_batched_available() { return api().solve != nullptr; }
+
+// The routine can leave the copies of a repeated eigenvalue out of order by an ulp (seen on an H200, cuSOLVER 12.0
+// of CUDA 13.0), so the eigenvalues are sorted after it; a matrix it reports as not converged comes back NaN (never
+// the case for the scaled, symmetrized matrices passed here; the public eigh names it if it ever happens).
+Result solve_syev_batched(const at::Tensor& X, const at::Tensor& Q) {
+  const int64_t B = X.size(0), n = X.size(1);
+  const auto iopt = X.options().dtype(at::kInt);
+  at::Tensor exponent = at::empty({B}, iopt), flagged = at::empty({B}, iopt);
+  at::Tensor S = at::empty({B, n, n}, X.options().dtype(X.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
+  prep_direct(X, Q, S, exponent, flagged);
+  const auto [w_raw, V_rows, info] = syev_batched(std::move(S));
+  const auto [sorted, order] = at::sort(w_raw, /*dim=*/1);
+  at::Tensor w = at::empty({B, n}, X.options()), V = at::empty({B, n, n}, X.options());
+  finish(V_rows, /*rows=*/true, sorted, order, exponent, flagged, info, w, V);
+  return {w, V};
+}
+
+}  // namespace eigh
 }  // namespace torchkern

@@ -28,7 +28,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "cluster.cuh"
+#include "../cluster.cuh"
 #include "torchkern/launch.h"
 #include "torchkern/reduce.cuh"
 
