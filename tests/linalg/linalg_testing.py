@@ -6,6 +6,7 @@ against the bars below; kron and kron_precondition against explicit torch.kron p
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -60,8 +61,9 @@ EIGH_ORTH = {torch.float32: 1e-5, torch.float64: 1e-12}
 # n = 136, condition 1e8); 16 eps covers n <= 256 in float32
 EIGH_VALUES = {torch.float32: 16 * torch.finfo(torch.float32).eps, torch.float64: 1e-12}
 EIGH_KINDS = ["random", "clustered", "repeated", "rank_deficient", "cond1e8", "zero", "diagonal"]
-# CUDA eigh's solvers: "auto" (the fastest for the shape, linalg/constants.py), "jacobi" (the Jacobi kernels at every
-# size) or "tridiagonal" (Householder reduction and inverse iteration, float32 compute only)
+# CUDA eigh's solvers: "auto" (the fastest for the shape, linalg/constants.py), or at every size "jacobi" (the Jacobi
+# kernels), "tridiagonal" (Householder reduction and inverse iteration, float32 compute only) or "cusolver" (cuSOLVER's
+# batched solver, where the loaded cuSOLVER has it)
 EIGH_SOLVERS = list(twins.EIGH_SOLVERS)
 
 
@@ -113,3 +115,16 @@ def skip_solver(device: str, solver: str, dtype: torch.dtype = torch.float32) ->
         pytest.skip("the solver choice is CUDA's (the CPU runs LAPACK either way)")
     if solver == "tridiagonal" and dtype == torch.float64:
         pytest.skip("the tridiagonal solver computes in float32 (test_eigh_bad_inputs: float64 is refused)")
+    if solver == "cusolver" and not cusolver_available():
+        pytest.skip("the loaded cuSOLVER has no cusolverDnXsyevBatched")
+
+
+@functools.cache
+def cusolver_available() -> bool:
+    try:
+        torch.ops.torchkern.eigh(torch.eye(2, device="cuda"), None, "cusolver")
+    except RuntimeError as exc:
+        if "needs cusolverDnXsyevBatched" in str(exc):
+            return False
+        raise
+    return True

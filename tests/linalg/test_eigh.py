@@ -207,7 +207,7 @@ def test_eigh_bad_inputs():
     with raises("torchkern.eigh: Q0 must have dtype float32 like A, got float64"):
         linalg.eigh(A, torch.eye(4, dtype=torch.float64))
     for device in ["cpu"] + ["cuda"] * torch.cuda.is_available():  # the twin's message and the kernel's
-        with raises("torchkern.eigh: solver must be 'auto', 'jacobi' or 'tridiagonal', got 'qr'"):
+        with raises("torchkern.eigh: solver must be 'auto', 'jacobi', 'tridiagonal' or 'cusolver', got 'qr'"):
             linalg.eigh(A.to(device), solver="qr")
         with raises("torchkern.eigh: solver='tridiagonal' computes in float32 (float32, float16 and bfloat16 "
                      "input); float64 A takes 'auto' or 'jacobi'"):

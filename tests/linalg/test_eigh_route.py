@@ -16,7 +16,7 @@ LINALG = Path(constants.__file__).resolve().parent
 EIGH_SRC = LINALG.parent / "csrc" / "linalg" / "eigh"
 CXX = shutil.which("c++") or shutil.which("g++")
 SOLVERS = ("in_block", "block_method", "syev_batched", "tridiagonal", "torch")
-CHOICES = {"auto": 0, "jacobi": 1, "tridiagonal": 2}
+CHOICES = {"auto": 0, "jacobi": 1, "tridiagonal": 2, "cusolver": 3}
 # sm_90's in-block limits (jacobi.cuh: the matrix and its eigenvectors in 227 KiB of shared memory)
 IN_BLOCK_MAX_N = {"float32": 136, "float64": 118}
 
@@ -171,6 +171,8 @@ def test_explicit_choices(router):
     assert router(1, 4096, choice="jacobi") == "block_method"
     assert router(1, 8, choice="tridiagonal") == "tridiagonal"
     assert router(1, 4096, choice="tridiagonal", tridiagonal=False) == "tridiagonal"  # (the solver then refuses)
+    assert router(1, 8, choice="cusolver") == "syev_batched"
+    assert router(64, 4096, "float64", warm=True, choice="cusolver") == "syev_batched"
 
 
 def test_cusolver_is_asked_only_where_a_rule_could_take_it(router):

@@ -32,7 +32,8 @@ def test_newton_scaling_step(p):
 
 
 def plain_newton_steps(G: torch.Tensor, p: int, eps: float, tol: float = 1e-6) -> list[int]:
-    """Steps of the unscaled iteration (docs/design.md, "Inverse roots") (c = 1, z = (p + 1) / (2 ||A||_F)) in float32, same stopping rule."""
+    """Steps of the unscaled iteration (c = 1, z = (p + 1) / (2 ||A||_F); docs/design.md, "Inverse roots") in
+    float32, same stopping rule."""
     A = G.float() + eps * torch.eye(G.shape[-1])
     z = (p + 1) / (2 * torch.linalg.matrix_norm(A))
     M = z[:, None, None] * A

@@ -49,9 +49,10 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
             that is not by far (``constants.EIGH_Q0_ORTH_TOL_*``, measured on two probe vectors per matrix: a
             few matrix-vector products) is refused. Where a direct solver takes the call (cuSOLVER, the
             tridiagonal solver; docs/design.md) Q0 goes unused: a direct method gains nothing from it.
-        solver: ``"auto"`` (the fastest solver for the shape, measured: ``linalg/constants.py``), ``"jacobi"``
-            (the Jacobi kernels at every size, e.g. to compare them) or ``"tridiagonal"`` (the tridiagonal solver
-            at every size; float32, float16 and bfloat16 input only). CPU: LAPACK either way.
+        solver: ``"auto"`` (the fastest solver for the shape, measured: ``linalg/constants.py``), or one at every
+            size, e.g. to compare them: ``"jacobi"`` (the Jacobi kernels), ``"tridiagonal"`` (the tridiagonal
+            solver; float32, float16 and bfloat16 input only) or ``"cusolver"`` (cuSOLVER's batched solver, where
+            the loaded cuSOLVER has it). CPU: LAPACK either way.
         tol: where the Jacobi kernels stop: a matrix is done once its off-diagonal norm is at most
             ``tol * ||A||_F`` (residual and orthogonality then of that order). None: the smallest, and the
             default (``constants.EIGH_TOL_F32`` for float32 and the half types, ``EIGH_TOL_F64`` for float64);
@@ -63,10 +64,10 @@ def eigh(A: torch.Tensor, Q0: torch.Tensor | None = None, *, solver: str = "auto
 
     Raises:
         RuntimeError: non-square or non-floating A, Q0 of another shape, dtype or device, or not orthogonal, an
-            unknown solver (or ``"tridiagonal"`` for float64 A), or NaN/Inf in A or Q0 (the messages list the
-            batch indices of those matrices). Checking costs one host sync, as torch.linalg.eigh's own error
-            check does; ``torch.ops.torchkern.eigh`` is the op without it, which returns NaN for those matrices
-            and takes Q0 as given.
+            unknown or unavailable solver (or ``"tridiagonal"`` for float64 A), or NaN/Inf in A or Q0 (the
+            messages list the batch indices of those matrices). Checking costs one host sync, as
+            torch.linalg.eigh's own error check does; ``torch.ops.torchkern.eigh`` is the op without it, which
+            returns NaN for those matrices and takes Q0 as given.
 
     Differentiable in A by the standard formula (``twins.eigh_backward``); like torch.linalg.eigh's, the
     gradient through V is not finite when eigenvalues coincide.

@@ -71,31 +71,29 @@ def eigh_finish(w: torch.Tensor, A: torch.Tensor, Q0: torch.Tensor | None, op: s
     """``w`` (a copy) once the decomposition of A (from Q0) is known good: one host sync. Raises, naming the
     argument and the matrices, for a NaN or Inf in A or Q0 and for a Q0 that is not orthogonal (its eigenvectors
     would inherit the error; :func:`orthogonality_deviation`); a NaN from finite input is a solver's failure."""
-    nan = torch.isnan(w).any(-1) if w.numel() else w.new_zeros(w.shape[:-1], dtype=torch.bool)
-    tol = deviation = None
-    flags = nan
+    bad = torch.isnan(w).any()  # the one flag read back (Q0's probes join it)
+    deviation = tol = None
     if Q0 is not None and Q0.numel():
         tol = orthogonality_tol(Q0.dtype)
         deviation = orthogonality_deviation(Q0)
-        flags = nan | (deviation > tol)
-    if bool(flags.any()):
+        bad = bad | (deviation > tol).any()
+    if bool(bad):
         raise_if_nonfinite(op, name, A)
         raise_if_nonfinite(op, "Q0", Q0)
         batch = w.shape[:-1]
         if deviation is not None and bool((deviation > tol).any()):
-            skew = deviation > tol
             fail(op, f"Q0 must be orthogonal (||Q0^T Q0 v - v|| <= {tol:g} ||v||), got {deviation.max().item():.3g}"
-                     f"{where(skew, batch)}")
-        fail(op, f"no eigendecomposition of the finite matrices{where(nan, batch)} (a solver did not converge; please "
-                 "report this as a bug)")
+                     f"{where(deviation > tol, batch)}")
+        fail(op, f"no eigendecomposition of the finite matrices{where(torch.isnan(w).any(-1), batch)} (a solver did "
+                 "not converge; please report this as a bug)")
     return w.clone()
 
 
 def newton_finish(G: torch.Tensor, root: torch.Tensor, err: torch.Tensor, p: int, eps: float, tol: float,
                   fallback: bool) -> torch.Tensor:
-    """The Newton root in G's dtype once every matrix is known good: one host sync (``err.max()``). A non-finite G
-    raises, naming the matrices; a matrix that did not converge (or whose root does not fit G's dtype,
-    :func:`twins.newton_failed`) gets the float64 eigh root, or, with ``fallback=False``, raises."""
+    """The Newton root in G's dtype once every matrix is known good: one host sync (whether any failed). A
+    non-finite G raises, naming the matrices; a matrix that did not converge (or whose root does not fit G's
+    dtype, :func:`twins.newton_failed`) gets the float64 eigh root, or, with ``fallback=False``, raises."""
     out = root.to(G.dtype)
     failed = twins.newton_failed(err, tol, out)
     if not bool(failed.any()):

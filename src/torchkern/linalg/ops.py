@@ -54,7 +54,8 @@ def _eigh_backward(ctx, grad_w, grad_V):
 
 # Outputs: eigenvalues ascending (..., n) and eigenvectors as columns (..., n, n), of the symmetric part of A
 # (NaN for a matrix with a NaN or Inf entry). Q0: a previous eigenbasis to start from (not differentiated).
-# solver: "auto" (CUDA: cuSOLVER where it is faster, docs/design.md) or "jacobi" (the Jacobi kernels at every size).
+# solver: "auto" (CUDA: the fastest solver for the shape, docs/design.md), or one solver family at every size: "jacobi"
+# (the Jacobi kernels), "tridiagonal" or "cusolver" (cuSOLVER's batched solver).
 # tol: the Jacobi kernels' stopping tolerance (off-diagonal norm relative to ||A||_F), None for the dtype's smallest.
 define("eigh(Tensor A, Tensor? Q0=None, str solver=\"auto\", float? tol=None) -> (Tensor, Tensor)", twin=twins.eigh,
        fake=_eigh_fake, backward=_eigh_backward, setup_context=_eigh_setup)

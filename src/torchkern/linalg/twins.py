@@ -304,7 +304,7 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
 # ----------------------------------------------------------------------------- eigh
 
 
-EIGH_SOLVERS = ("auto", "jacobi", "tridiagonal")
+EIGH_SOLVERS = ("auto", "jacobi", "tridiagonal", "cusolver")
 
 
 def eigh_min_tol(dtype: torch.dtype) -> float:
@@ -314,7 +314,7 @@ def eigh_min_tol(dtype: torch.dtype) -> float:
 
 def check_eigh_args(A: torch.Tensor, Q0: torch.Tensor | None, solver: str = "auto", tol: float | None = None) -> None:
     op = "eigh"
-    check(solver in EIGH_SOLVERS, op, f"solver must be 'auto', 'jacobi' or 'tridiagonal', got {solver!r}")
+    check(solver in EIGH_SOLVERS, op, f"solver must be 'auto', 'jacobi', 'tridiagonal' or 'cusolver', got {solver!r}")
     check_float(op, "A", A)
     check(solver != "tridiagonal" or A.dtype != torch.float64, op, "solver='tridiagonal' computes in float32 "
           "(float32, float16 and bfloat16 input); float64 A takes 'auto' or 'jacobi'")

@@ -26,8 +26,10 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
                                              c10::string_view solver_choice, c10::optional<double> tol_choice) {
   TORCHKERN_OP("eigh");
   const bool jacobi_only = solver_choice == "jacobi", tridiagonal_only = solver_choice == "tridiagonal";
-  TORCHKERN_CHECK(jacobi_only || tridiagonal_only || solver_choice == "auto",
-                  "solver must be 'auto', 'jacobi' or 'tridiagonal', got '", std::string(solver_choice), "'");
+  const bool cusolver_only = solver_choice == "cusolver";
+  TORCHKERN_CHECK(jacobi_only || tridiagonal_only || cusolver_only || solver_choice == "auto",
+                  "solver must be 'auto', 'jacobi', 'tridiagonal' or 'cusolver', got '", std::string(solver_choice),
+                  "'");
   TORCHKERN_CHECK_FLOAT(A);
   TORCHKERN_CHECK(!tridiagonal_only || A.scalar_type() != at::kDouble,
                   "solver='tridiagonal' computes in float32 (float32, float16 and bfloat16 input); float64 A takes "
@@ -54,7 +56,13 @@ std::tuple<at::Tensor, at::Tensor> eigh_cuda(const at::Tensor& A, const c10::opt
   const Call call{B, n, f64, warm_start.has_value(), tol_choice.value_or(min_tol)};
   const Device device{[&] { return in_block_fits(n, f64); }, [&] { return tridiagonal_fits(n); },
                       [] { return syev_batched_available(); }};
-  const Choice choice = jacobi_only ? Choice::kJacobi : tridiagonal_only ? Choice::kTridiagonal : Choice::kAuto;
+  TORCHKERN_CHECK(!cusolver_only || syev_batched_available(),
+                  "solver='cusolver' needs cusolverDnXsyevBatched (cuSOLVER >= 11.7.1, CUDA 12.6.2), which the "
+                  "cuSOLVER torch loaded lacks");
+  const Choice choice = jacobi_only        ? Choice::kJacobi
+                        : tridiagonal_only ? Choice::kTridiagonal
+                        : cusolver_only    ? Choice::kCusolver
+                                           : Choice::kAuto;
   const at::Tensor X = A.reshape({B, n, n}).contiguous();
   const at::Tensor Q = warm_start.has_value() ? warm_start->reshape({B, n, n}).contiguous() : at::Tensor();
   Result result;

@@ -22,7 +22,7 @@ enum class Solver {
 };
 
 // What the caller asked for: the op's `solver` argument.
-enum class Choice { kAuto, kJacobi, kTridiagonal };
+enum class Choice { kAuto, kJacobi, kTridiagonal, kCusolver };
 
 struct Call {
   int64_t batch, n;
@@ -99,6 +99,8 @@ inline Solver route(Choice choice, const Call& c, const Device& d) {
       return jacobi_solver(d);
     case Choice::kTridiagonal:
       return Solver::kTridiagonal;
+    case Choice::kCusolver:
+      return Solver::kSyevBatched;
     default:
       return route_auto(c, d);
   }
