@@ -244,7 +244,7 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
             flats, views = (pending.flats, pending.views) if pending is not None else (layout.empty(), None)
             views = views or layout.views(flats)
             norms = engine.clipped(module, loss_fn, inputs, targets, method, loss_reduction, max_norm, views,
-                                   1 if pending is not None else 0)
+                                   1 if pending is not None else 0, p=plan)
         count = inputs.shape[0] + (pending.count if pending is not None else 0)
         if not finalize:
             if views is None:

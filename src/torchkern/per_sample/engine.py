@@ -236,15 +236,16 @@ class _Call:
         return tuple(map(_version, self.leaves())) == self.versions
 
 
-def _swap_in(unit: _Unit, stack: list) -> Callable:
-    """Forward pre-hook: the unit's parameter slots get fresh leaf aliases (views: autocast caches no cast of a
-    view, so a step under a long-lived autocast context leaves nothing behind)."""
+def _swap_in(unit: _Unit, stack: list, autocast: bool) -> Callable:
+    """Forward pre-hook: the unit's parameter slots get fresh leaf aliases (under ``autocast``, views: autocast
+    caches no cast of a view, so a step under a long-lived autocast context leaves nothing behind)."""
     def hook(module, args):
         saved, aliases = [], []
         for mod, local, _ in unit.slots:
             current = mod._parameters[local]
             saved.append(current)
-            alias = mod._parameters[local] = current.detach()[...].requires_grad_()
+            alias = current.detach()[...] if autocast else current.detach()
+            mod._parameters[local] = alias.requires_grad_()
             aliases.append(alias)
         stack.append((unit, saved, aliases))
 
@@ -286,20 +287,32 @@ def _sizer(unit: _Unit, calls: list) -> Callable:
     return hook
 
 
+# The key of the hooks a recording puts on its units: they go straight into the dicts that
+# register_forward_pre_hook / register_forward_hook fill, without those functions' handle objects (about 6 us of
+# host time per unit and call, registering and removing); handle ids are ints, so this key meets none of theirs.
+_HOOK = "torchkern.per_sample"
+
+
 def _forward(p: Plan, model: nn.Module, inputs: torch.Tensor, hooks: list[Callable], stack: list | None = None):
-    """``model(inputs)`` with ``hooks`` (one per unit) as forward hooks and, given the ``_recorder`` hooks'
-    ``stack``, every unit's parameters aliased during its calls; returns the outputs, or None where the
-    aliases could not be put back in order."""
-    handles = []
+    """``model(inputs)`` with ``hooks`` (one per unit) as forward hooks (after the module's own, where
+    register_forward_hook puts them) and, given the ``_recorder`` hooks' ``stack``, every unit's parameters aliased
+    during its calls (a pre-hook before the module's own); returns the outputs, or None where the aliases could not
+    be put back in order."""
+    autocast = torch.is_autocast_enabled(inputs.device.type)
     try:
         for unit, hook in zip(p.units, hooks):
+            module = unit.module
             if stack is not None:
-                handles.append(unit.module.register_forward_pre_hook(_swap_in(unit, stack), prepend=True))
-            handles.append(unit.module.register_forward_hook(hook, with_kwargs=True))
+                module._forward_pre_hooks[_HOOK] = _swap_in(unit, stack, autocast)
+                module._forward_pre_hooks.move_to_end(_HOOK, last=False)
+            module._forward_hooks[_HOOK] = hook
+            module._forward_hooks_with_kwargs[_HOOK] = True
         outputs = model(inputs)
     finally:
-        for h in handles:
-            h.remove()
+        for unit in p.units:
+            module = unit.module
+            for hooks_dict in (module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_with_kwargs):
+                hooks_dict.pop(_HOOK, None)
         if stack:  # an exception (raised, or caught by the model) skipped a unit's forward hook
             for unit in p.units:
                 for mod, local, q in unit.slots:
@@ -680,14 +693,14 @@ def check_batch(inputs: torch.Tensor, targets: torch.Tensor) -> None:
 
 
 def prepare(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, method: str,
-            loss_reduction: str | None) -> tuple[Plan, Run | None]:
-    """Checks, the plan, and the recorded run (None: torch.func over the whole model). An empty batch gives a
-    run without entries: every gradient is zero, nothing ran."""
+            loss_reduction: str | None, p: Plan | None = None) -> tuple[Plan, Run | None]:
+    """Checks, the plan (``p``: the model's, just validated by the caller), and the recorded run (None: torch.func
+    over the whole model). An empty batch gives a run without entries: every gradient is zero, nothing ran."""
     check_method(method, loss_reduction)
     check_batch(inputs, targets)
     if loss_reduction is None and type(loss_fn) in _SEPARABLE_LOSSES and loss_fn.reduction in ("sum", "mean"):
         loss_reduction = loss_fn.reduction
-    p = plan(model)
+    p = p or plan(model)
     if not p.params:
         fail("the model has no parameter that requires grad")
     for bn in p.batchnorms:
@@ -932,11 +945,11 @@ def norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torc
 
 def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor, method: str,
             loss_reduction: str | None, max_norm: float, views: dict[str, torch.Tensor], beta: int,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
+            mask: torch.Tensor | None = None, p: Plan | None = None) -> torch.Tensor:
     """Writes sum_i m_i min(1, max_norm / ||grad_i||) grad_i of every trainable parameter into ``views``
     (overwrite for ``beta=0``, add for ``beta=1``), m = ``mask`` (B,) bool or 1: rows masked out (a padded batch's
-    filler) contribute nothing; returns the per-sample norms (B,)."""
-    p, run = prepare(model, loss_fn, inputs, targets, method, loss_reduction)
+    filler) contribute nothing; returns the per-sample norms (B,). ``p``: as for :func:`prepare`."""
+    p, run = prepare(model, loss_fn, inputs, targets, method, loss_reduction, p)
     writer = Writer(views, beta)
     grads = func_gradients(model, loss_fn, inputs, targets, p.params, loss_reduction) if run is None else None
     with plain_math(inputs.device.type):
