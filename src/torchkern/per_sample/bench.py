@@ -1,4 +1,4 @@
-"""Cases for per-sample gradient norms and per-sample Linear gradients (issue 4's bars: Linear 1024 -> 1024, B = 256).
+"""Benchmark cases of per_sample: per-sample gradient norms, per-sample Linear gradients, and DP-SGD steps.
 
 * ``grad_norms/...``: the whole computation a DP-SGD step needs, from the model: torchkern's
   ``per_sample_grad_norms`` (one batched forward/backward with hooks, then the ghost-norm kernel, the loss
@@ -15,24 +15,27 @@
   (B, d_out, d_in) output plus inputs) or a bmm (T; compute-bound); ``per_sample_gradients/...`` end to end
   against torch.func.
 * ``dp_step/...``: one DP-SGD step (forward, per-sample clipping, noise, the averaged ``.grad``; no optimizer
-  step) on issue 15's models, same model, batch, C = 1 and sigma = 1 for every implementation:
-  ``mlp_b256`` (4 Linear layers 1024 wide, B = 256), ``transformer_b64_t128`` (embedding 8k x 256, 2 pre-LN blocks
-  of attention built from nn.Linear + MLP, mean-pooled classifier; B = 64, T = 128), ``cnn_b128`` (3 convolutions
-  + GroupNorm + linear head on 32 x 32 inputs, B = 128). ``torchkern``: ``clip_and_accumulate``;
-  ``torchkern_graph``: the same with ``cuda_graph=True`` (CUDA); ``opacus``: Opacus 1.6's ghost clipping
-  (``GradSampleModuleFastGradientClipping`` + ``DPLossFastGradientClipping`` + ``DPOptimizerFastGradientClipping``'s
-  ``pre_step``) for the MLP and the transformer, its hooks mode (``GradSampleModule`` + ``DPOptimizer.pre_step``)
-  for the CNN, skipped where opacus is not installed; ``torch_func``: vmap(grad) per-sample gradients, then
-  clip, sum, noise as a user writes them; ``eager_loop``: one backward per sample. Every implementation starts
-  with ``zero_grad(set_to_none=True)``, as a training loop does. ``check`` compares the ``.grad`` of each with
-  noise off (TF32 off during the check). The note gives each one's peak extra memory.
+  step), same model, batch, C = 1 and sigma = 1 for every implementation: ``mlp_b256`` (4 Linear layers 1024
+  wide, B = 256), ``transformer_b64_t128`` (embedding 8k x 256, 2 pre-LN blocks of attention built from nn.Linear +
+  MLP, mean-pooled classifier; B = 64, T = 128), ``cnn_b128`` (3 convolutions + GroupNorm + linear head on 32 x 32
+  inputs, B = 128), ``textcnn_b128_t64`` (Embedding(5000, 128), Conv1d, LayerNorm, linear head; B = 128, T = 64),
+  ``vit_b128`` (stride-4 Conv2d patch embedding of 32 x 32 images, LayerNorm, residual MLP, RMSNorm, linear head;
+  B = 128). ``torchkern``: ``clip_and_accumulate``; ``torchkern_graph``: the same with ``cuda_graph=True``
+  (CUDA); ``opacus_hooks`` / ``opacus_ghost``: Opacus 1.6's hooks mode (``GradSampleModule`` +
+  ``DPOptimizer.pre_step``) and ghost clipping (``GradSampleModuleFastGradientClipping`` +
+  ``DPLossFastGradientClipping`` + ``DPOptimizerFastGradientClipping``'s ``pre_step``), skipped where opacus is not
+  installed; ``torch_func``: vmap(grad) per-sample gradients, then clip, sum, noise as a user writes them;
+  ``eager_loop``: one backward per sample. Every implementation starts with ``zero_grad(set_to_none=True)``, as a
+  training loop does. ``check`` compares the ``.grad`` of each with noise off (TF32 off during the check). The note
+  gives each one's peak extra memory. ``..._poisson``: the same models on Poisson-sized batches (each call the
+  next of 64 sizes drawn as Binomial(100 B, 0.01), expected B), divided by the expected size, the graph captured
+  once at the largest size (``max_batch_size``); torchkern and Opacus only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +44,7 @@ from torch import nn
 import torchkern
 from torchkern import per_sample
 
-from .._bench import Case, Prepared, TransformerBlock, synchronize
+from .._bench import Case, Prepared, TransformerBlock, peer_available, synchronize
 
 B, D_IN, D_OUT, SEQ, CLASSES = 256, 1024, 1024, 32, 10
 
@@ -195,7 +198,6 @@ def _e2e_grads_case(device: str, seq: int | None, quick: bool) -> Case:
 
 # ---------------------------------------------------------------------------------------------------- DP-SGD step
 
-HAS_OPACUS = importlib.util.find_spec("opacus") is not None
 MAX_NORM, SIGMA = 1.0, 1.0
 
 
@@ -236,41 +238,111 @@ def cnn(channels: tuple[int, ...] = (32, 64, 128), classes: int = 10) -> nn.Modu
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, classes))
 
 
-def dp_problem(name: str, device: str, quick: bool):
-    """(model, inputs, targets) of one dp_step case; ``quick``: small sizes."""
+class TextCNN(nn.Module):
+    """A text classifier: token embedding, one Conv1d over the positions (kernel 5, same length), ReLU, LayerNorm over
+    the channels, mean pooling, a linear head."""
+
+    def __init__(self, vocab: int = 5000, dim: int = 128, classes: int = 2, kernel: int = 5):
+        super().__init__()
+        self.emb, self.conv = nn.Embedding(vocab, dim), nn.Conv1d(dim, dim, kernel, padding=kernel // 2)
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, idx):  # (B, T) token ids
+        h = self.conv(self.emb(idx).transpose(1, 2)).relu().transpose(1, 2)
+        return self.head(self.norm(h).mean(1))
+
+
+class PatchNet(nn.Module):
+    """A ViT-style image classifier without attention: a stride-``patch`` Conv2d patch embedding, LayerNorm, a
+    residual MLP (GELU), RMSNorm, mean pooling over the patches, a linear head."""
+
+    def __init__(self, dim: int = 128, hidden: int = 256, classes: int = 10, patch: int = 4, channels: int = 3):
+        super().__init__()
+        self.patch = nn.Conv2d(channels, dim, patch, stride=patch)
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.rms, self.head = nn.RMSNorm(dim), nn.Linear(dim, classes)
+
+    def forward(self, x):  # (B, C, H, W) images
+        h = self.norm(self.patch(x).flatten(2).transpose(1, 2))
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return self.head(self.rms(h).mean(1))
+
+
+def dp_problem(name: str, device: str, quick: bool, batch: int | None = None):
+    """(model, inputs, targets) of one dp_step case; ``quick``: small sizes; ``batch``: that many samples instead of
+    the case's batch size."""
     torch.manual_seed(0)
+
+    def rows(b):
+        return b if batch is None else batch
+
     if name == "mlp":
         b, width = (16, 64) if quick else (256, 1024)
-        return mlp(width).to(device), torch.randn(b, width, device=device), torch.randint(0, 10, (b,), device=device)
+        return (mlp(width).to(device), torch.randn(rows(b), width, device=device),
+                torch.randint(0, 10, (rows(b),), device=device))
     if name == "transformer":
         b, t, vocab, dim = (4, 16, 128, 32) if quick else (64, 128, 8192, 256)
         model = Transformer(vocab, dim, seq=t).to(device)
-        return model, torch.randint(0, vocab, (b, t), device=device), torch.randint(0, 2, (b,), device=device)
+        return (model, torch.randint(0, vocab, (rows(b), t), device=device),
+                torch.randint(0, 2, (rows(b),), device=device))
+    if name == "textcnn":
+        b, t, vocab, dim = (8, 12, 64, 16) if quick else (128, 64, 5000, 128)
+        return (TextCNN(vocab, dim).to(device), torch.randint(0, vocab, (rows(b), t), device=device),
+                torch.randint(0, 2, (rows(b),), device=device))
+    if name == "vit":
+        b, dim, hidden = (8, 16, 32) if quick else (128, 128, 256)
+        return (PatchNet(dim, hidden).to(device), torch.randn(rows(b), 3, 32, 32, device=device),
+                torch.randint(0, 10, (rows(b),), device=device))
     b, side, channels = (8, 16, (8, 16, 16)) if quick else (128, 32, (32, 64, 128))
-    return (cnn(channels).to(device), torch.randn(b, 3, side, side, device=device),
-            torch.randint(0, 10, (b,), device=device))
+    return (cnn(channels).to(device), torch.randn(rows(b), 3, side, side, device=device),
+            torch.randint(0, 10, (rows(b),), device=device))
 
 
-def torchkern_step(model, x, y, noise: float = SIGMA, graph: bool = False):
+class PoissonBatches:
+    """Batches of Poisson-sampled sizes for timing: each call returns the next of 64 sizes drawn as
+    Binomial(100 E, 0.01) (expected E, as a PoissonLoader over 100 E examples with q = 0.01 draws), as the first
+    that many rows of a pool of inputs and targets. ``max_size``: the largest size drawn."""
+
+    def __init__(self, make_pool, expected: int):
+        draws = torch.binomial(torch.full((64,), 100.0 * expected), torch.full((64,), 0.01),
+                               generator=torch.Generator().manual_seed(0))
+        self.sizes = [max(1, int(s)) for s in draws.tolist()]
+        self.max_size, self.expected, self.i = max(self.sizes), expected, 0
+        self.x, self.y = make_pool(self.max_size)
+
+    def __call__(self):
+        size = self.sizes[self.i % len(self.sizes)]
+        self.i += 1
+        return self.x[:size], self.y[:size]
+
+
+def torchkern_step(model, x, y, noise: float = SIGMA, graph: bool = False, batches: PoissonBatches | None = None):
+    """``batches``: each call on the next Poisson-sized batch, divided by the expected size (the graph captured
+    once at the largest size, ``max_batch_size``)."""
+    extra = {} if batches is None else {"batch_size": batches.expected}
+    if graph and batches is not None:
+        extra["max_batch_size"] = batches.max_size
+
     def step():
+        xs, ys = (x, y) if batches is None else batches()
         model.zero_grad(set_to_none=True)
-        return per_sample.clip_and_accumulate(model, F.cross_entropy, x, y, MAX_NORM, noise, loss_reduction="mean",
-                                              cuda_graph=graph)
+        return per_sample.clip_and_accumulate(model, F.cross_entropy, xs, ys, MAX_NORM, noise, loss_reduction="mean",
+                                              cuda_graph=graph, **extra)
 
     return step
 
 
-def opacus_step(model, x, y, ghost: bool, noise: float = SIGMA):
+def opacus_step(model, x, y, ghost: bool, noise: float = SIGMA, batches: PoissonBatches | None = None):
     """Opacus 1.6 as its documentation sets it up: ghost clipping (two backward passes, norms without
     per-sample gradients for Linear and Embedding) or hooks mode (per-sample gradients); ``pre_step`` clips,
     accumulates, noises and averages ``.grad`` without the optimizer's own step. Wraps ``model`` (its hooks
-    stay on it: give Opacus a copy of its own)."""
+    stay on it: give Opacus a copy of its own). ``batches``: as for :func:`torchkern_step`."""
     from opacus import GradSampleModule
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
     from opacus.optimizers import DPOptimizer, DPOptimizerFastGradientClipping
     from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    batch = x.shape[0]
+    batch = x.shape[0] if batches is None else batches.expected
     if ghost:
         gsm = GradSampleModuleFastGradientClipping(model, max_grad_norm=MAX_NORM, loss_reduction="mean",
                                                    use_ghost_clipping=True)
@@ -285,8 +357,9 @@ def opacus_step(model, x, y, ghost: bool, noise: float = SIGMA):
         criterion = nn.CrossEntropyLoss()
 
     def step():
+        xs, ys = (x, y) if batches is None else batches()
         opt.zero_grad(set_to_none=True)
-        criterion(gsm(x), y).backward()
+        criterion(gsm(xs), ys).backward()
         opt.pre_step()
 
     return step
@@ -355,16 +428,29 @@ def compare_grads(ours: nn.Module, theirs: nn.Module, rtol: float = 2e-5, label:
         assert err <= rtol * (ref + 0.01 * scale), f"{name}: ||ours - {label}|| = {err:.3g}, ||{label}|| = {ref:.3g}"
 
 
+_TAGS = {"mlp": "mlp_b256", "transformer": "transformer_b64_t128", "cnn": "cnn_b128", "textcnn": "textcnn_b128_t64",
+         "vit": "vit_b128"}
+
+
+def _opacus_impls() -> tuple[str, ...]:
+    """Both of Opacus 1.6's modes (the bar is against the faster for each model), where it is installed."""
+    return ("opacus_hooks", "opacus_ghost") if peer_available("opacus") else ()
+
+
+def _opacus(impl: str, model, x, y, noise: float = SIGMA, batches: PoissonBatches | None = None):
+    return opacus_step(copy.deepcopy(model), x, y, impl == "opacus_ghost", noise, batches)
+
+
 def _dp_case(device: str, name: str, quick: bool) -> Case:
-    ghost = name != "cnn"
     impls = ("torchkern",) + (("torchkern_graph",) if torch.device(device).type == "cuda" else ()) \
-        + (("opacus",) if HAS_OPACUS else ()) + ("torch_func", "eager_loop")
+        + _opacus_impls() + ("torch_func", "eager_loop")
 
     def setup() -> Prepared:
         model, x, y = dp_problem(name, device, quick)
         ours = {"torchkern": lambda: torchkern_step(model, x, y),
                 "torchkern_graph": lambda: torchkern_step(model, x, y, graph=True),
-                "opacus": lambda: opacus_step(copy.deepcopy(model), x, y, ghost),
+                "opacus_hooks": lambda: _opacus("opacus_hooks", model, x, y),
+                "opacus_ghost": lambda: _opacus("opacus_ghost", model, x, y),
                 "torch_func": lambda: torch_func_step(copy.deepcopy(model), x, y),
                 "eager_loop": lambda: eager_loop_step(copy.deepcopy(model), x, y)}
         run = {impl: ours[impl]() for impl in impls}
@@ -377,18 +463,52 @@ def _dp_case(device: str, name: str, quick: bool) -> Case:
             # per-sample products stayed at 3e-7: against torch.func the bound is that platform difference.
             with no_tf32():
                 torchkern_step(model, x, y, noise=0.0)()
-                references = [(torch_func_step, 1e-2, "torch_func")]
-                if HAS_OPACUS:
-                    references.append((lambda m, *a, noise: opacus_step(m, *a, ghost, noise=noise), 2e-5, "opacus"))
+                references = [(lambda m: torch_func_step(m, x, y, noise=0.0), 1e-2, "torch_func")]
+                references += [(lambda m, impl=impl: opacus_step(m, x, y, impl == "opacus_ghost", noise=0.0), 2e-5,
+                                impl) for impl in _opacus_impls()]
                 for make, rtol, label in references:
                     other = copy.deepcopy(model)
-                    make(other, x, y, noise=0.0)()
+                    make(other)()
                     compare_grads(model, other, rtol, label)
 
         return Prepared(run, check=check, note=_memory_note(run, device))
 
-    tag = {"mlp": "mlp_b256", "transformer": "transformer_b64_t128", "cnn": "cnn_b128"}[name]
-    return Case("per_sample", f"dp_step/{tag}", setup, device, impls)
+    return Case("per_sample", f"dp_step/{_TAGS[name]}", setup, device, impls)
+
+
+def _dp_poisson_case(device: str, name: str, quick: bool) -> Case:
+    """The dp_step model on Poisson-sized batches (each call the next size of :class:`PoissonBatches`, expected the
+    case's batch size), divided by the expected size: torchkern plain, torchkern's graph captured once at the
+    largest size (``max_batch_size``), Opacus with ``expected_batch_size``."""
+    impls = ("torchkern",) + (("torchkern_graph",) if torch.device(device).type == "cuda" else ()) + _opacus_impls()
+
+    def setup() -> Prepared:
+        model, x, _ = dp_problem(name, device, quick)
+
+        def batches():  # a fresh cycle: every implementation sees the same sizes in the same order
+            return PoissonBatches(lambda rows: dp_problem(name, device, quick, batch=rows)[1:], x.shape[0])
+
+        ours = {"torchkern": lambda: torchkern_step(model, None, None, batches=batches()),
+                "torchkern_graph": lambda: torchkern_step(model, None, None, graph=True, batches=batches()),
+                "opacus_hooks": lambda: _opacus("opacus_hooks", model, None, None, batches=batches()),
+                "opacus_ghost": lambda: _opacus("opacus_ghost", model, None, None, batches=batches())}
+        run = {impl: ours[impl]() for impl in impls}
+
+        def check():  # the first batch of a cycle (not the case's size) through each, noise off
+            with no_tf32():
+                torchkern_step(model, None, None, noise=0.0, batches=batches())()
+                references = [(lambda m, impl=impl: opacus_step(m, None, None, impl == "opacus_ghost", 0.0, batches()),
+                               impl) for impl in _opacus_impls()]
+                if "torchkern_graph" in impls:
+                    references.append((lambda m: torchkern_step(m, None, None, 0.0, True, batches()), "graph"))
+                for make, label in references:
+                    other = copy.deepcopy(model)
+                    make(other)()
+                    compare_grads(model, other, 2e-5, label)
+
+        return Prepared(run, check=check, note=_memory_note(run, device))
+
+    return Case("per_sample", f"dp_step/{_TAGS[name]}_poisson", setup, device, impls)
 
 
 def cases(device: str, quick: bool) -> list[Case]:
@@ -400,5 +520,7 @@ def cases(device: str, quick: bool) -> list[Case]:
     if torch.device(device).type == "cuda":  # the CUDA-graph replay (cuda_graph=True) of the same calls
         out += [_norms_case(device, None, quick, graph=True), _norms_case(device, None, quick, mlp=True, graph=True)]
     out.append(_ghost_case(device, None, quick, fc1=True))
-    out += [_dp_case(device, name, quick) for name in ("mlp", "transformer", "cnn")]
+    names = ("mlp", "transformer", "cnn", "textcnn", "vit")
+    out += [_dp_case(device, name, quick) for name in names]
+    out += [_dp_poisson_case(device, name, quick) for name in names]
     return out
