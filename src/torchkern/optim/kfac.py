@@ -55,6 +55,7 @@ from ._precision import as_operand, bmm, no_autocast
 from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
 from ._step_graph import StepGraph
 from ._update import UpdateScalars
+from .distributed import Distributed, attach, check_distributed, refuse_dtensors
 
 _STAT_KEYS = frozenset({"A", "G", "QA", "dA", "QG", "dG", "momentum_buffer"})
 _FACTOR_KEYS = ("A", "G", "QA", "dA", "QG", "dG")
@@ -139,6 +140,11 @@ class KFAC(GuardedOptimizer):
             has a dimension above this takes SGD steps like the other parameters (a warning names it): its factor
             would take that dimension squared in memory and cubed in each eigendecomposition, with no blocks to
             split it into. The default 4096 is Google's Shampoo's limit for preconditioning a dimension.
+        distributed: how the optimizer uses ``torch.distributed``
+            (:class:`torchkern.optim.distributed.Distributed`; None: not at all). The default, whenever one of
+            several ranks is initialized (a ``DistributedDataParallel`` model's group, else the default group),
+            averages the factor contributions of the ranks' batches and splits the eigendecompositions across the
+            ranks (docs/design.md, "Multi-GPU"). DTensor (FSDP2) parameters raise ValueError.
 
     Factors and their captured contributions are kept in float32 (float64 for float64 weights)
     with autocast off. Captured contributions are folded into A and G inside ``step`` (never
@@ -166,7 +172,8 @@ class KFAC(GuardedOptimizer):
                  factor_update_freq: int = 1, inv_update_freq: int = 10, kl_clip: float | None = 1e-3,
                  momentum: float = 0.0, weight_decay: float = 0.0, batch_averaged: bool = True,
                  grad_scaler: torch.amp.GradScaler | None = None, refresh: str = "eigh", precision: str = "fp32",
-                 cuda_graph: bool = True, eigh_tol: float | None = 1e-4, max_preconditioner_dim: int = 4096):
+                 cuda_graph: bool = True, eigh_tol: float | None = 1e-4, max_preconditioner_dim: int = 4096,
+                 distributed: Distributed | None = Distributed()):
         name = self._name
         check_arg(name, "model", type(model).__name__, isinstance(model, nn.Module), "must be a torch.nn.Module")
         check_arg(name, "factor_decay", factor_decay, is_real(factor_decay) and 0 <= factor_decay < 1,
@@ -189,6 +196,12 @@ class KFAC(GuardedOptimizer):
         params = [p for p in model.parameters() if p.requires_grad]
         check_arg(name, "model", type(model).__name__, len(params) > 0, "has no parameters that require grad")
         defaults = dict(lr=lr, damping=damping, kl_clip=kl_clip, momentum=momentum, weight_decay=weight_decay)
+        check_distributed(name, distributed)
+        refuse_dtensors(name, params, "a layer's factor G mixes every row of its weight, and fully_shard splits the "
+                        "rows over the ranks; wrap the model in DistributedDataParallel, or train sharded parameters "
+                        "with SOAP or Shampoo, which precondition each rank's shard")
+        self._distributed = distributed  # read by _init_caches, with a DDP model's process group
+        self._ddp_group = model.process_group if isinstance(model, nn.parallel.DistributedDataParallel) else None
         super().__init__(params, defaults)
         self.factor_decay = factor_decay
         self.factor_update_freq = factor_update_freq
@@ -240,6 +253,7 @@ class KFAC(GuardedOptimizer):
         self._stack_serial = 0  # counts the stacks made anew (a graph key holds it)
         self._scalars = UpdateScalars()
         self._graph = StepGraph(self._name)
+        self._distribution = attach(self, "layers")  # torch.distributed (distributed.py)
 
     def _capturing(self, module: nn.Module) -> bool:
         self._guard.settle(wait=False)  # a skip already known takes its step back before the schedule is read
@@ -306,7 +320,8 @@ class KFAC(GuardedOptimizer):
 
     def state_dict(self) -> dict:
         out = super().state_dict()
-        out["kfac_steps"] = self.steps
+        # the step count in each param group: DCP keeps those and drops keys beside "state" and "param_groups"
+        out["param_groups"] = [{**g, "kfac_steps": self.steps} for g in out["param_groups"]]
         return out
 
     def _state_spec(self, p: torch.Tensor, group: dict) -> dict:
@@ -321,6 +336,7 @@ class KFAC(GuardedOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """``Optimizer.load_state_dict`` after checking every saved entry against the model (ValueError naming the
         parameter); the factors keep their saved dtype."""
+        state_dict = self._distribution.loadable(state_dict)  # DCP's form (distributed.py)
         check_state_dict("KFAC", self, state_dict, self._state_spec, self._names)
         steps = state_dict.get("kfac_steps", 0)
         check_arg("KFAC", "state_dict['kfac_steps']", steps, is_int(steps) and steps >= 0,
@@ -346,6 +362,7 @@ class KFAC(GuardedOptimizer):
         self._scalars.refresh(self.param_groups)
         folding = [layer for layer in self._layers if layer.A_count and layer.G_count]
         contribs = [layer.A_sum for layer in folding] + [layer.G_sum for layer in folding]
+        contribs = self._distribution.average(contribs)  # DDP: the global batch's statistics (distributed.py)
         states = [self.state[layer.weight] for layer in self._layers]
         refresh = (self.steps % self.inv_update_freq == 0 or any("A" in st and "QA" not in st for st in states)
                    or any("A" not in self.state[layer.weight] for layer in folding))
@@ -449,11 +466,13 @@ class KFAC(GuardedOptimizer):
     def _update_eigen(self, force: bool, ok: dict) -> None:
         """Eigendecompositions of the factors due: one warm-started call per batch of about one size."""
         due = defaultdict(list)  # (dtype, device) -> [(state, factor key)]
+        refresh = self._distribution.refresh()  # each rank's share of the decompositions (distributed.py)
         for layer in self._layers:
             state = self.state[layer.weight]
             if "A" in state and (force or "QA" not in state):
                 for key in ("A", "G"):
-                    due[(state[key].dtype, state[key].device)].append((state, key))
+                    if refresh.factor(layer.weight, state, key):
+                        due[(state[key].dtype, state[key].device)].append((state, key))
         for (dtype, device), entries in due.items():
             entries.sort(key=lambda e: -e[0][e[1]].shape[0])
             while entries:
@@ -461,6 +480,7 @@ class KFAC(GuardedOptimizer):
                 batch = [e for e in entries if e[0][e[1]].shape[0] >= top - max(1, int(_PAD_FRACTION * top))]
                 entries = entries[len(batch):]
                 self._eigen_batch(batch, top, ok.get(device), self.refresh, self.eigh_tol)
+        refresh.exchange()
 
     @staticmethod
     def _eigen_batch(entries: list, n: int, ok: torch.Tensor | None, refresh: str, tol: float | None) -> None:

@@ -54,6 +54,7 @@ from ._precision import as_operand, bmm
 from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
 from ._step_graph import StepGraph, update_key
 from ._update import DeviceSteps, UpdateScalars, apply_updates
+from .distributed import Distributed, attach, check_distributed
 
 _GRAFTINGS = ("adam", "adagrad", None)
 _ROOT_METHODS = ("auto", "eigh", "newton", "qr")
@@ -157,6 +158,11 @@ class Shampoo(GuardedOptimizer):
             set of parameters with gradients captures anew. Not with ``grafting=None`` and ``beta1 > 0``. Memory:
             a copy of the gradients and the update's intermediates; above 2^25 gradient elements steps stay eager.
             False: every step eager.
+        distributed: how the optimizer uses ``torch.distributed``
+            (:class:`torchkern.optim.distributed.Distributed`; None: not at all). The default splits the root
+            updates across the ranks of the default process group whenever one of several ranks is initialized
+            (replicated parameters, as under ``DistributedDataParallel``), and steps DTensor (FSDP2) parameters as
+            each rank's local shard (docs/design.md, "Multi-GPU").
 
     Memory: the gradient EMA and the grafting second moment (each the parameter's size, when enabled);
     per 2-D block of m x n, the statistics L, R and their roots (2 m^2 + 2 n^2 values), plus the roots
@@ -177,13 +183,16 @@ class Shampoo(GuardedOptimizer):
                  eps: float = 1e-6, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
                  max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
                  grafting_beta2: float = 0.999, grafting_eps: float = 1e-8, root_method: str = "auto",
-                 relative_eps: bool = True, precision: str = "fp32", cuda_graph: bool = True):
+                 relative_eps: bool = True, precision: str = "fp32", cuda_graph: bool = True,
+                 distributed: Distributed | None = Distributed()):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         precondition_frequency=precondition_frequency,
                         start_preconditioning_step=start_preconditioning_step,
                         max_preconditioner_dim=max_preconditioner_dim, grafting=grafting, weight_decay=weight_decay,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps, root_method=root_method,
                         relative_eps=relative_eps, precision=precision, cuda_graph=cuda_graph)
+        check_distributed(self._name, distributed)
+        self._distributed = distributed  # read by _init_caches
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, h: dict, where: str) -> None:
@@ -215,6 +224,7 @@ class Shampoo(GuardedOptimizer):
         self._scalars = UpdateScalars()
         self._steps = DeviceSteps()  # the grafting op's step counts
         self._graph = StepGraph(self._name)
+        self._distribution = attach(self, "factors")  # torch.distributed (distributed.py)
 
     # ------------------------------------------------------------------ state
 
@@ -257,8 +267,9 @@ class Shampoo(GuardedOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """``Optimizer.load_state_dict`` after checking every saved state entry against the parameters (ValueError
         naming the parameter); the statistics keep their saved dtype."""
-        check_state_dict("Shampoo", self, state_dict, self._state_spec)
-        load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
+        with self._distribution.loading(state_dict) as state_dict:  # DCP's and DTensors' forms (distributed.py)
+            check_state_dict("Shampoo", self, state_dict, self._state_spec)
+            load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
         self._plans.clear()
         self._root_budgets.clear()
         self._steps = DeviceSteps()
@@ -271,6 +282,10 @@ class Shampoo(GuardedOptimizer):
             self.state[p]["step"] -= 1
 
     def _step(self) -> None:
+        with self._distribution.local():  # DTensor parameters as plain tensors (distributed.py)
+            self._step_local()
+
+    def _step_local(self) -> None:
         stepped = self._params_with_grads()
         if not stepped:
             return
@@ -374,9 +389,14 @@ class Shampoo(GuardedOptimizer):
                 buckets_of[gi] = plan
 
         # roots per factor size, of the unpadded factors (views of the buckets' storage): rare, and exact
+        refresh = self._distribution.refresh()  # each rank's share of the roots (distributed.py)
         for key, due in roots_due.items():
+            due = refresh.factors(due)
+            if not due:
+                continue
             items = [(state[side][i], state[side + "_root"][i], q, first) for state, side, i, q, first in due]
             self._update_roots(key, items, ok[key[2]])
+        refresh.exchange()
         if roots_due:
             for plan in buckets_of.values():
                 for bucket in plan.buckets:

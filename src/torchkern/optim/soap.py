@@ -53,6 +53,7 @@ from ._precision import as_operand, bmm
 from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
 from ._step_graph import StepGraph, update_key
 from ._update import DeviceSteps, UpdateScalars, apply_updates, step_counts
+from .distributed import Distributed, attach, check_distributed
 
 _REFRESHES = ("eigh", "qr")
 _STAT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "L", "R", "QL", "QR"})
@@ -85,6 +86,11 @@ class SOAP(GuardedOptimizer):
             on the device, so schedules need no new capture; a change of another hyperparameter or of which
             parameters have gradients captures anew. Memory: a copy of the gradients and the update's
             intermediates; above 2^25 gradient elements steps stay eager. False: every step eager.
+        distributed: how the optimizer uses ``torch.distributed``
+            (:class:`torchkern.optim.distributed.Distributed`; None: not at all). The default splits the refreshes
+            across the ranks of the default process group whenever one of several ranks is initialized (replicated
+            parameters, as under ``DistributedDataParallel``), and steps DTensor (FSDP2) parameters as each rank's
+            local shard (docs/design.md, "Multi-GPU").
 
     State per m x n block: L, R, Q_L, Q_R (2 m^2 + 2 n^2 values) and Adam's two moments (2 m n, in the
     eigenbasis); per 1-D parameter, the two moments. Statistics and moments are float32 (float64 for float64
@@ -104,11 +110,13 @@ class SOAP(GuardedOptimizer):
     def __init__(self, params: Iterable, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
                  shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
                  precondition_frequency: int = 10, max_preconditioner_dim: int = 1024, refresh: str = "qr",
-                 precision: str = "bf16", cuda_graph: bool = True):
+                 precision: str = "bf16", cuda_graph: bool = True, distributed: Distributed | None = Distributed()):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
                         shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         precondition_frequency=precondition_frequency, max_preconditioner_dim=max_preconditioner_dim,
                         refresh=refresh, precision=precision, cuda_graph=cuda_graph)
+        check_distributed(self._name, distributed)
+        self._distributed = distributed  # read by _init_caches
         super().__init__(params, defaults)
 
     def _check_hyperparameters(self, h: dict, where: str) -> None:
@@ -128,6 +136,7 @@ class SOAP(GuardedOptimizer):
         self._flat_steps = DeviceSteps()  # the 1-D params' step counts
         self._scalars = UpdateScalars()
         self._graph = StepGraph(self._name)
+        self._distribution = attach(self, "blocks")  # torch.distributed (distributed.py)
 
     # ------------------------------------------------------------------ state
 
@@ -164,8 +173,9 @@ class SOAP(GuardedOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """``Optimizer.load_state_dict`` after checking every saved state entry against the parameters (ValueError
         naming the parameter); the statistics keep their saved dtype."""
-        check_state_dict("SOAP", self, state_dict, self._state_spec)
-        load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
+        with self._distribution.loading(state_dict) as state_dict:  # DCP's and DTensors' forms (distributed.py)
+            check_state_dict("SOAP", self, state_dict, self._state_spec)
+            load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
         self._plans.clear()
         self._flat_steps = DeviceSteps()
         self._graph = StepGraph(self._name)  # its graphs read the old state's storage
@@ -180,6 +190,10 @@ class SOAP(GuardedOptimizer):
                 self.state[p]["step"] -= 1
 
     def _step(self) -> None:
+        with self._distribution.local():  # DTensor parameters as plain tensors (distributed.py)
+            self._step_local()
+
+    def _step_local(self) -> None:
         stepped = self._params_with_grads()
         if not stepped:
             return
@@ -199,6 +213,7 @@ class SOAP(GuardedOptimizer):
         for state in counted:
             state["step"] += 1
         stepped_ids = {id(p) for p in stepped}
+        refresh = self._distribution.refresh()  # each rank's share of the refreshes (distributed.py)
         for gi, group, _ in groups:  # bases due after this step's update, of the buckets that took it
             plan = self._plans.get(gi)
             for bucket in plan.buckets if plan is not None else ():
@@ -206,8 +221,10 @@ class SOAP(GuardedOptimizer):
                     continue
                 freq = group["precondition_frequency"]
                 due = [j for j, state in enumerate(bucket.states) if state["step"] % freq == 0]
+                due = refresh.blocks(bucket, due)
                 if due:
                     bucket.refresh(due, group["refresh"], ok[bucket.device])
+        refresh.exchange()
         self._guard.settle(wait=False)
 
     def _graph_key(self, groups: list, stepped: list):
