@@ -48,8 +48,8 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def train(args, device) -> dict:
     generator = torch.Generator().manual_seed(args.seed)
     x, y = make_data(args.examples + 2000, generator)
-    (x_train, y_train), (x_test, y_test) = (x[:args.examples], y[:args.examples]), (x[args.examples:], y[args.examples:])
-    x_test, y_test = x_test.to(device), y_test.to(device)
+    x_train, y_train = x[:args.examples], y[:args.examples]
+    x_test, y_test = x[args.examples:].to(device), y[args.examples:].to(device)
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(DIM, args.hidden), nn.LayerNorm(args.hidden), nn.Tanh(),
                           nn.Linear(args.hidden, args.hidden), nn.Tanh(), nn.Linear(args.hidden, CLASSES)).to(device)
