@@ -7,19 +7,16 @@ noise is drawn once: rank 0's generator reproduces the single-process noise, the
 from __future__ import annotations
 
 import copy
-import datetime
 import math
-import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchkern.per_sample import clip_and_accumulate
+from optim.distributed_testing import gathered, spawn  # the optimizers' 2-process gloo harness
 
 pytestmark = pytest.mark.slow  # spawns processes
 
@@ -44,19 +41,13 @@ def _grads(model):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
-def _gathered(t: torch.Tensor) -> list[torch.Tensor]:
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
-    return out
-
-
 def _micro(model, x, y) -> None:
     """One sample per call, finalizing on the last (the ranks make different numbers of calls)."""
     for i in range(x.shape[0]):
         clip_and_accumulate(model, _loss, x[i:i + 1], y[i:i + 1], 0.7, finalize=i == x.shape[0] - 1)
 
 
-def _parity(rank: int) -> None:
+def _parity(rank: int, world: int) -> None:
     x, y = _data()
     lo, hi = SHARDS[rank]
     single = _model()
@@ -88,11 +79,11 @@ def _parity(rank: int) -> None:
         clip_and_accumulate(model, _loss, x[lo:hi], y[lo:hi], 0.7, 1.0, batch_size=8)
         opt.step()
     params = torch.cat([p.detach().flatten() for p in model.parameters()])
-    first, second = _gathered(params)
+    first, second = gathered(params)
     assert (first - second).abs().max().item() <= 1e-12
 
 
-def _noise(rank: int) -> None:
+def _noise(rank: int, world: int) -> None:
     torch.manual_seed(2)
     model = nn.Linear(64, 64).double()  # 4160 noise entries
     x, y = torch.randn(4, 64, dtype=torch.float64), torch.randn(4, 64, dtype=torch.float64)
@@ -115,27 +106,10 @@ def _noise(rank: int) -> None:
     n = z.numel()
     assert abs(z.mean().item()) <= 3 / math.sqrt(n)
     assert abs(z.var().item() - 1) <= 3 * math.sqrt(2 / (n - 1)), z.var().item()
-    first, second = _gathered(z)
+    first, second = gathered(z)
     assert (first - second).abs().max().item() <= 1e-12
 
 
-CASES = {"parity": _parity, "noise": _noise}
-
-
-def _worker(rank: int, world: int, store: str, case: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # a collective that one rank never joins fails after the timeout instead of hanging the suite
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        CASES[case](rank)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [_parity, _noise], ids=["parity", "noise"])
 def test_two_ranks(case):
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(2, os.path.join(tmp, "store"), case), nprocs=2, join=True)
+    spawn(case)
