@@ -1,8 +1,10 @@
 """Train an MLP energy on two moons by contrastive divergence with a replay buffer; save a PNG of the learned
 density exp(-E) (normalised on a grid) beside samples drawn from it.
 
+    pip install "torchkern[examples]"                          # matplotlib, for the figure
     python examples/ebm_two_moons.py --out moons.png          # GPU: fused Langevin chains, well under a minute
-    python examples/ebm_two_moons.py --small --out moons.png  # CPU, about a minute: a rougher density
+    python examples/ebm_two_moons.py --small --out moons.png  # CPU, under a minute: a rougher density
+    python examples/ebm_two_moons.py --small --no-plot        # no figure, no matplotlib needed
 
 Each iteration takes a batch of chains from the replay buffer (5% restarted from uniform noise), runs a few
 Langevin steps on the current energy in place, and lowers the energy of data against that of the samples
@@ -12,7 +14,9 @@ Langevin steps on the current energy in place, and lowers the energy of data aga
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import sys
 import time
 
 import torch
@@ -20,6 +24,11 @@ import torch
 from torchkern import ebm
 
 BOX = 3.0  # chains live in [-BOX, BOX]^2
+SIZES = {  # --small runs on a CPU in under a minute: fewer, shorter chains, larger steps
+    "full": dict(iterations=2000, batch=512, hidden=128, langevin_steps=40, buffer=20000, step_size=5e-3, lr=2e-3),
+    "small": dict(iterations=300, batch=128, hidden=64, langevin_steps=10, buffer=2000, step_size=1e-2, lr=5e-3),
+}
+REPORTS = 10  # progress lines per run
 
 
 def two_moons(n: int, device, generator=None, noise: float = 0.08) -> torch.Tensor:
@@ -39,7 +48,8 @@ def train(args, device) -> tuple[ebm.MLPEnergy, dict]:
     sampler = ebm.LangevinDynamics(energy, args.step_size, clamp=(-BOX, BOX), precision=args.precision)
     buffer = (2 * torch.rand(args.buffer, 2, device=device) - 1) * BOX
     start, loss = time.perf_counter(), float("nan")
-    for _ in range(args.iterations):
+    every = max(1, args.iterations // REPORTS)
+    for it in range(1, args.iterations + 1):
         idx = torch.randint(args.buffer, (args.batch,), device=device)
         negatives = buffer[idx]  # a copy: the chains run in its storage, then go back to the buffer
         sampler.sample(negatives, n_steps=args.langevin_steps, restart_fraction=0.05, restart_range=(-BOX, BOX),
@@ -50,7 +60,11 @@ def train(args, device) -> tuple[ebm.MLPEnergy, dict]:
         opt.zero_grad(set_to_none=True)
         objective.backward()
         opt.step()
-        loss = objective.item() if _ == args.iterations - 1 else loss
+        if it % every == 0 or it == args.iterations:
+            loss = objective.item()
+            gap = (e_neg.mean() - e_pos.mean()).item()
+            print(f"[{it}/{args.iterations}] loss {loss:+.4f}  E(samples) - E(data) {gap:+.3f}  "
+                  f"{time.perf_counter() - start:.1f} s", flush=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return energy, dict(loss=loss, seconds=time.perf_counter() - start)
@@ -87,23 +101,29 @@ def plot(energy: ebm.MLPEnergy, args, device, path: str) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="ebm_two_moons.png", help="PNG to write")
-    parser.add_argument("--small", action="store_true", help="CPU-sized settings")
+    parser.add_argument("--no-plot", action="store_true", help="train only: no figure, no matplotlib needed")
+    parser.add_argument("--small", action="store_true", help="settings that run on a CPU in under a minute")
     parser.add_argument("--iterations", type=int, default=None)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    big = dict(iterations=2000, batch=512, hidden=128, langevin_steps=40, buffer=20000)
-    small = dict(iterations=1000, batch=128, hidden=64, langevin_steps=20, buffer=4000)
-    for key, value in (small if args.small else big).items():
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
+        sys.exit('ebm_two_moons.py draws its figure with matplotlib, which is not installed: '
+                 'pip install "torchkern[examples]" (or run with --no-plot)')
+    for key, value in SIZES["small" if args.small else "full"].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.step_size, args.lr, args.alpha = 5e-3, 2e-3, 0.01
+    args.alpha = 0.01
     device = torch.device(args.device)
     # bf16 tensor-core operands on the GPU; on the CPU the twin would only emulate their rounding, slowly
     args.precision = "bf16" if device.type == "cuda" else "fp32"
+    print(f"training an MLP energy (2 -> {args.hidden} -> {args.hidden} -> 1) on two moons: {args.iterations} "
+          f"iterations of {args.batch} chains x {args.langevin_steps} Langevin steps on {device}", flush=True)
     energy, stats = train(args, device)
-    plot(energy, args, device, args.out)
-    print(f"trained {args.iterations} iterations in {stats['seconds']:.1f} s on {device}; wrote {args.out}")
+    if not args.no_plot:
+        plot(energy, args, device, args.out)
+    print(f"trained {args.iterations} iterations in {stats['seconds']:.1f} s on {device}"
+          + ("" if args.no_plot else f"; wrote {args.out}"))
     return stats
 
 

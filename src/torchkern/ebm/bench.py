@@ -15,7 +15,7 @@
   ``compiled_graph_bf16``: the closed-form input gradient written in torch, ``torch.compile``d
   (max-autotune without Inductor's own graphs; under bf16 autocast for the second) and all 100 steps captured in
   ONE CUDA graph (the strongest plain-PyTorch alternative). ``generic_graph``: LangevinDynamics' generic path
-  (autograd + fused step) with ``use_cuda_graph=True``.
+  (autograd + fused step) with ``cuda_graph=True``.
 - ``mlp_chain/32-256-256x4096x100x10runs``: ten back-to-back runs of ``torchkern`` and of ``compiled_graph_bf16``
   per timed call, one synchronize at the end (a training loop's view: the sampler's host work overlaps the GPU's).
 - ``hmc/double_well-1024x128``: 100 HMC trajectories of 10 leapfrog steps; torchkern's one launch against the
@@ -233,7 +233,7 @@ def _mlp_chain_case(device: str, quick: bool, calls: int = 1) -> Case:
                     for name, p in (("torchkern", "bf16"), ("torchkern_tf32", "tf32"), ("torchkern_fp32", "fp32"))}
         seq = torch.nn.Sequential(*[m for lin in energy.layers[:-1] for m in (lin, torch.nn.SiLU())],
                                   energy.layers[-1], torch.nn.Flatten(0))
-        generic = ebm.LangevinDynamics(seq, MLP_STEP, use_cuda_graph=True)
+        generic = ebm.LangevinDynamics(seq, MLP_STEP, cuda_graph=True)
         coef = math.sqrt(2.0 * MLP_STEP)
 
         def eager():

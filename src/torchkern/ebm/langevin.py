@@ -6,6 +6,7 @@ x <- x - eta grad E(x) + sigma sqrt(2 eta) eps, eps ~ N(0, I), optionally clampe
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -70,15 +71,17 @@ class LangevinDynamics(ChainSampler):
     speed at 32 -> 256 -> 256, RESULTS.md) or "fp32" (exact FP32 FMAs: for checks). States, the update and the
     noise are FP32 in every case. The Gaussian uses its fused score kernel plus the fused step per step; other
     energies (and MLPs the fused kernel does not take: other dtypes, more than 8 hidden layers, shared memory
-    exceeded) take autograd's gradient plus the fused step, and with ``use_cuda_graph=True`` (CUDA inputs)
-    capture one such step in a CUDA graph and replay it; such MLPs on CUDA always do (a graph per shape and set
-    of parameter tensors).
+    exceeded) take autograd's gradient plus the fused step, and with ``cuda_graph=True`` (CUDA inputs) capture
+    one such step in a CUDA graph and replay it; such MLPs on CUDA always do (a graph per shape and set of
+    parameter tensors). ``use_cuda_graph=`` is the former spelling of ``cuda_graph=`` (deprecated: a
+    FutureWarning).
 
     ``devices=[...]`` splits the chains across devices (each on its own CUDA stream, with its own generator
     seeded from the caller's) and gathers the result on ``devices[0]``. When ``torch.distributed`` is
     initialised with more than one rank, each rank samples its share of the chains (``tensor_split`` order) and
     ``gather=True`` all-gathers every rank's chains onto every rank (``gather=False`` returns the local share).
-    Raises TypeError for a non-number step size, noise scale or clamp bound, ValueError for out-of-range ones.
+    Raises TypeError for a non-number step size, noise scale or clamp bound, ValueError for out-of-range ones
+    and for a ``cuda_graph`` that is not a bool.
 
     A chain whose state goes non-finite (a step size too large for the energy: the update overshoots and
     overflows) makes ``sample`` raise FloatingPointError naming the step at which the first one did and what to
@@ -88,13 +91,22 @@ class LangevinDynamics(ChainSampler):
     """
 
     def __init__(self, energy, step_size: float, noise_scale: float = 1.0, clamp: Clamp | None = None, *,
-                 precision: str = "tf32", use_cuda_graph: bool = False,
-                 devices: Sequence[torch.device | str | int] | None = None, gather: bool = True) -> None:
+                 precision: str = "tf32", cuda_graph: bool = False,
+                 devices: Sequence[torch.device | str | int] | None = None, gather: bool = True,
+                 use_cuda_graph: bool | None = None) -> None:
         self.step_size = positive("step_size", step_size)
         self.noise_scale = non_negative("noise_scale", noise_scale)
         self.clamp = _clamp_bounds(clamp)
         super().__init__(energy, precision=precision, devices=devices, gather=gather)
-        self.use_cuda_graph = bool(use_cuda_graph)
+        if use_cuda_graph is not None:
+            warnings.warn("LangevinDynamics: use_cuda_graph= is deprecated, pass cuda_graph= instead", FutureWarning,
+                          stacklevel=2)
+            if cuda_graph:
+                raise ValueError("LangevinDynamics: pass cuda_graph= only, not also use_cuda_graph=")
+            cuda_graph = use_cuda_graph
+        if not isinstance(cuda_graph, bool):
+            raise ValueError(f"LangevinDynamics: cuda_graph must be True or False, got {cuda_graph!r}")
+        self.cuda_graph = cuda_graph
         self.finite_steps: torch.Tensor | None = None
         # key -> [graph, static state, its FiniteSteps, stream of the last replay]
         self._graphs: dict[tuple, list] = {}
@@ -177,8 +189,8 @@ class LangevinDynamics(ChainSampler):
         kept = n_steps // thin if keep else 0
         traj = x.new_empty((x.shape[0], kept, x.shape[1]))
         # an MLPEnergy the fused kernel does not take is a fixed stack of layers, safe to capture: its steps replay
-        # a graph whatever use_cuda_graph says (launch-bound otherwise); other energies only when asked
-        graphed = (self.use_cuda_graph or isinstance(energy, mlp.MLPEnergy)) and x.is_cuda
+        # a graph whatever cuda_graph says (launch-bound otherwise); other energies only when asked
+        graphed = (self.cuda_graph or isinstance(energy, mlp.MLPEnergy)) and x.is_cuda
         if graphed:
             advance = self._graphed_step(energy, x, generator)
             state, track = advance.output, advance.track

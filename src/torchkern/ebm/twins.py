@@ -2,7 +2,7 @@
 energies (energy and score, Langevin chains), Hamiltonian Monte Carlo, replay-buffer restarts.
 
 Every formula is the one in docs/design.md ("Energies", "Langevin"); the CUDA kernels compute the
-same expressions (``csrc/include/torchkern/energies.cuh``). Half types compute in
+same expressions (``csrc/ebm/energies.cuh``, ``csrc/ebm/mlp_chain/``). Half types compute in
 float32 and round once at the end; a chain keeps its state in the compute dtype
 between steps (as the fused kernel keeps it in float32 registers) and rounds only
 what it writes.
@@ -271,8 +271,8 @@ def check_chain_run(op: str, x: torch.Tensor, n_steps: int, thin: int, noise, no
 # --------------------------------------------------------------------------- MLP energies
 # E(x) = w^T phi(h_H) + b with h_1 = W_0 x + b_0, h_{l+1} = W_l phi(h_l) + b_l; weights[l] is [n_{l+1}, n_l]
 # (nn.Linear's layout), weights[H] = w^T [1, n_H]. The twins compute the closed-form input gradient
-# (csrc/ebm/mlp_chain.cuh) and round operands where the fused kernel does, so that on every backend a
-# precision means the same numbers (up to float32 summation order).
+# (csrc/ebm/mlp_chain/mlp_chain.cuh) and round operands where the fused kernel does, so that on every backend
+# a precision means the same numbers (up to float32 summation order).
 
 
 def check_mlp(op: str, x: torch.Tensor, weights, biases, activation: int, precision: int) -> None:

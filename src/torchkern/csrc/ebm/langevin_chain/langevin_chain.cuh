@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-#include "energies.cuh"
+#include "../energies.cuh"
 
 namespace torchkern {
 namespace chain {

@@ -20,11 +20,11 @@
 
 #include <tuple>
 
-#include "chain_checks.h"
+#include "../chain_checks.h"
 #include "langevin_chain.cuh"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
-#include "energies.cuh"
+#include "../energies.cuh"
 #include "torchkern/launch.h"
 #include "torchkern/philox.cuh"
 

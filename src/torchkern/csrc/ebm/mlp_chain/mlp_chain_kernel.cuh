@@ -20,7 +20,7 @@
 
 #include <type_traits>
 
-#include "energies.cuh"
+#include "../energies.cuh"
 #include "mlp_chain.cuh"
 #include "mlp_operands.cuh"
 #include "mlp_wgmma.cuh"

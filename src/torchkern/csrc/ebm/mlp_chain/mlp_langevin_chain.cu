@@ -10,8 +10,8 @@
 #include <cmath>
 #include <tuple>
 
-#include "chain_checks.h"
-#include "energies.cuh"
+#include "../chain_checks.h"
+#include "../energies.cuh"
 #include "mlp_host.h"
 #include "torchkern/philox.cuh"
 

@@ -9,7 +9,7 @@
 #include <algorithm>
 #include <tuple>
 
-#include "chain_checks.h"
+#include "../chain_checks.h"
 #include "mlp_host.h"
 #include "torchkern/philox.cuh"
 
