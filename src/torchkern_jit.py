@@ -14,12 +14,13 @@ nothing. The guarantees are in docs/design.md ("The loader").
   SHA-256). A library is loaded only after it matches its manifest, so a truncated or swapped file
   is rebuilt instead of crashing the process inside ``dlopen``. Loading needs no lock and no write
   access: a read-only cache that holds the build works.
-- **Locked builds.** A build runs under an ``flock`` that the kernel releases when its holder dies;
-  the wait is bounded (``TORCHKERN_LOCK_TIMEOUT``). It compiles in a private staging directory,
-  in a child process that, when its parent dies (even by SIGKILL, Linux) or is interrupted, stops
-  ninja and the compilers (which ninja runs in process groups of their own) within about a second,
-  and is published by one atomic rename. A failed build leaves nothing; a killed one's staging
-  directory is removed by the next build into the cache.
+- **Locked builds.** A build runs under an ``flock`` per key that the kernel releases when its holder
+  dies; the wait is bounded (``TORCHKERN_LOCK_TIMEOUT``). Several libraries build in one ninja run
+  (:func:`load_plans`), in a private staging directory, in a child process that, when its parent
+  dies (even by SIGKILL, Linux) or is interrupted, stops ninja and the compilers (which ninja runs in
+  process groups of their own) within about a second; each library is published by one atomic
+  rename. A failed build leaves nothing; a killed one's staging directory is removed by the next
+  build into the cache.
 
 Environment variables (read and validated by :func:`settings` and nowhere else):
 
@@ -27,8 +28,9 @@ Environment variables (read and validated by :func:`settings` and nowhere else):
 ``TORCHKERN_CACHE``         cache root, a directory; default ``~/.cache/torchkern``
 ``TORCHKERN_LOCK_TIMEOUT``  seconds (finite, >= 0) to wait for another process's build; default 600
 ``TORCHKERN_VERBOSE``       ``1``/``0`` (also true/false, yes/no, on/off): stream the ninja build
-``TORCH_CUDA_ARCH_LIST``    archs to build for (``9.0``, ``sm_90``, ``8.0;9.0+PTX``; KNOWN_ARCHS); default: the visible GPUs
-``MAX_JOBS``                parallel compile jobs, a positive integer (torch's ninja driver reads it)
+``TORCH_CUDA_ARCH_LIST``    archs to build for (``9.0``, ``sm_90``, ``8.0;9.0+PTX``: KNOWN_ARCHS); default: the
+                            visible GPUs
+``MAX_JOBS``                parallel compile jobs, a positive integer (ninja's -j; default: ninja's)
 ``CUDA_HOME``/``CUDA_PATH`` the CUDA toolkit; when set it is the one used, else ``nvcc`` on ``PATH``
 """
 
@@ -577,7 +579,8 @@ def _ninja_escape(path: Path | str) -> str:
 def _object(p: Plan, source: Path) -> str:
     """``<name>/<path under the sources' common folder>[.cuda].o``: one folder per library, no two objects alike."""
     root = Path(os.path.commonpath([s.parent for s in p.sources]))
-    return f"{p.name}/{source.relative_to(root).with_suffix('').as_posix()}{'.cuda' if source.suffix == '.cu' else ''}.o"
+    kind = ".cuda" if source.suffix == ".cu" else ""  # a.cu and a.cpp may sit side by side
+    return f"{p.name}/{source.relative_to(root).with_suffix('').as_posix()}{kind}.o"
 
 
 def ninja_file(plans: Sequence[Plan]) -> str:
@@ -894,7 +897,7 @@ def _build(plans: Sequence[Plan], root: Path, whys: Sequence[str], verbose: bool
         with contextlib.suppress(OSError):
             staging.rmdir()  # only when no other build is staging
     built = [p.name for p in plans if not isinstance(results[p.key], BuildError)]
-    if built:
+    if len(built) > 1 or (built and sys.stderr.isatty()):  # a log has a line per library already (Progress)
         status(f"compiled {', '.join(built)} in {time.perf_counter() - start:.1f} s")
     return results
 

@@ -2,10 +2,10 @@
 //
 // These ops are cheap enough that the per-call cost of a Python autograd formula
 // (about 5 us on an H200 host, measured) doubled a small call against torch eager;
-// a C++ Autograd kernel keeps the no-grad path in C++. The formulas are the ones in
-// library.py (which still serves when the kernels are not built): da = g * b,
-// db = g * a; batched_outer: da[k] = g[k] @ b[k], db[k] = g[k]^T @ a[k]. Tests
-// compare both against the twins.
+// a C++ Autograd kernel keeps the no-grad path in C++. The formulas are the ones
+// registered in torchkern/primitives/ops.py (which serve when this library is not
+// built): add_constant: dx = g; mul: da = g * b, db = g * a; batched_outer:
+// da[k] = g[k] @ b[k], db[k] = g[k]^T @ a[k]. Tests compare both against the twins.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/bmm.h>

@@ -7,12 +7,13 @@
 // compute in float and round once, as torch does.
 #pragma once
 
-#include <ATen/OpMathType.h>
-
-#include "torchkern/launch.h"
-#include "torchkern/vec.cuh"
+#include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+
+#include "torchkern/dispatch.cuh"
+#include "torchkern/vec.cuh"
 
 namespace torchkern {
 
@@ -20,11 +21,10 @@ constexpr int kElementwiseThreads = 256;
 
 template <int kInputs, typename T, typename Op>
 __device__ __forceinline__ T apply(const Op& op, T x, T y) {
-  using C = at::opmath_type<T>;
   if constexpr (kInputs == 1) {
-    return static_cast<T>(op(static_cast<C>(x)));
+    return from_opmath<T>(op(to_opmath(x)));
   } else {
-    return static_cast<T>(op(static_cast<C>(x), static_cast<C>(y)));
+    return from_opmath<T>(op(to_opmath(x), to_opmath(y)));
   }
 }
 
@@ -44,21 +44,20 @@ elementwise_kernel(T* __restrict__ out,           // [n]
     if constexpr (kInputs == 2) y = load_vec<T, V>(in1, i);
     Vec<T, V> r;
 #pragma unroll
-    for (int k = 0; k < V; ++k) r.v[k] = apply<kInputs>(op, x.v[k], kInputs == 2 ? y.v[k] : T(0));
+    for (int k = 0; k < V; ++k) r.v[k] = apply<kInputs>(op, x.v[k], kInputs == 2 ? y.v[k] : x.v[k]);
     store_vec<T, V>(out, i, r);
   }
   // The last n % V elements: one each for the first threads of the grid.
   if constexpr (V > 1) {
     const int64_t tail = n / V * V + i;
-    if (tail < n) out[tail] = apply<kInputs>(op, in0[tail], kInputs == 2 ? in1[tail] : T(0));
+    if (tail < n) out[tail] = apply<kInputs>(op, in0[tail], kInputs == 2 ? in1[tail] : in0[tail]);
   }
 }
 
 template <int kInputs, typename T, typename Op>
-void launch_elementwise(T* out, const T* in0, const T* in1, int64_t n, Op op) {
+cudaError_t launch_elementwise(T* out, const T* in0, const T* in1, int64_t n, Op op, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   const bool aligned = is_aligned(out, 16) && is_aligned(in0, 16) && (kInputs == 1 || is_aligned(in1, 16));
-  const cudaStream_t stream = current_stream();
   const int64_t vectors = aligned ? std::max<int64_t>(1, n / V) : n;  // at least one block for the tail
   const auto blocks = static_cast<unsigned>((vectors + kElementwiseThreads - 1) / kElementwiseThreads);
   if (aligned) {
@@ -66,7 +65,7 @@ void launch_elementwise(T* out, const T* in0, const T* in1, int64_t n, Op op) {
   } else {
     elementwise_kernel<T, 1, kInputs><<<blocks, kElementwiseThreads, 0, stream>>>(out, in0, in1, n, op);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return cudaGetLastError();
 }
 
 }  // namespace torchkern

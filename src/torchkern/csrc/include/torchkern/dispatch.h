@@ -1,23 +1,29 @@
-// Dtype dispatch and compile-time switches.
+// Dtype dispatch on the host side: ATen's dispatch for code that runs on tensors, and the map from
+// at::ScalarType to the DType a torch-free launcher takes.
 #pragma once
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+#include "torchkern/common.h"
 
 // float32, float64, float16, bfloat16; inside, scalar_t is the storage type and
 // at::opmath_type<scalar_t> the compute type (float for the half types).
 #define TORCHKERN_DISPATCH_FLOATING(dtype, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
 
-// Turns a runtime bool into a constexpr one, so the kernel has no branch on it:
-//   TORCHKERN_BOOL_SWITCH(has_clamp, kClamp, [&] { launch<kClamp>(...); });
-#define TORCHKERN_BOOL_SWITCH(cond, name, ...) \
-  [&] {                                        \
-    if (cond) {                                \
-      constexpr bool name = true;              \
-      return __VA_ARGS__();                    \
-    } else {                                   \
-      constexpr bool name = false;             \
-      return __VA_ARGS__();                    \
-    }                                          \
-  }()
+namespace torchkern {
+
+// The DType of a float tensor (the caller has checked it: TORCHKERN_CHECK_FLOAT).
+inline DType to_dtype(at::ScalarType type) {
+  TORCH_CHECK(type == at::kFloat || type == at::kDouble || type == at::kHalf || type == at::kBFloat16,
+              "torchkern: no kernel for dtype ", c10::toString(type));
+  return type == at::kFloat ? DType::kFloat32
+         : type == at::kDouble ? DType::kFloat64
+         : type == at::kHalf   ? DType::kFloat16
+                               : DType::kBFloat16;
+}
+
+}  // namespace torchkern

@@ -1,5 +1,5 @@
-// Philox4x32-10 counter-based random numbers and Box-Muller normals, plus the host call that
-// reserves counters from PyTorch's CUDA generator.
+// Philox4x32-10 counter-based random numbers and Box-Muller normals, torch-free; the host side reserves the
+// counters from PyTorch's CUDA generator (philox.h) and hands the kernel a PhiloxState.
 //
 // Counter layout (as curand's Philox): counter = (c0, c1) a 64-bit "draw" index = the
 // generator's offset / 4 plus the step, (c2, c3) a 64-bit element-group index; key = seed.
@@ -9,15 +9,22 @@
 // that reserve the same offsets draw the same noise.
 #pragma once
 
-#include <ATen/core/Generator.h>
-#include <ATen/cuda/CUDAGeneratorImpl.h>
-#include <ATen/cuda/PhiloxUtils.cuh>
+#include <cuda_runtime.h>
 
 #include <cstdint>
-#include <mutex>
-#include <optional>
 
 namespace torchkern {
+
+// What a kernel needs of PyTorch's generator state (at::PhiloxCudaState, filled by philox.h): the seed and
+// offset, or, while a CUDA graph is captured, where the graph keeps them, so a replay draws new numbers.
+struct PhiloxState {
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+  const int64_t* seed_ptr = nullptr;    // captured: the seed lives here
+  const int64_t* offset_ptr = nullptr;  // captured: the offset is *offset_ptr + offset_intragraph
+  uint64_t offset_intragraph = 0;
+  bool captured = false;
+};
 
 struct PhiloxKey {
   uint64_t seed;
@@ -85,17 +92,14 @@ __device__ __forceinline__ float component(const float4& v, int c) {
   return c == 0 ? v.x : c == 1 ? v.y : c == 2 ? v.z : v.w;
 }
 
-__device__ __forceinline__ PhiloxKey unpack_key(const at::PhiloxCudaState& state) {
-  const auto seeds = at::cuda::philox::unpack(state);
-  return PhiloxKey{std::get<0>(seeds), std::get<1>(seeds) / 4};
-}
-
-// Host: reserve `draws_per_group` Philox calls per element group from the generator (default:
-// the current device's), the way PyTorch's own random kernels do (graph-capture safe).
-inline at::PhiloxCudaState reserve_philox(const std::optional<at::Generator>& generator, uint64_t draws_per_group) {
-  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(generator, at::cuda::detail::getDefaultCUDAGenerator());
-  std::lock_guard<std::mutex> lock(gen->mutex_);
-  return gen->philox_cuda_state(4 * draws_per_group);  // in 32-bit values: 4 per Philox call
+// The key of a call, read on the device (under capture from the graph's own seed and offset), as
+// at::cuda::philox::unpack reads at::PhiloxCudaState.
+__device__ __forceinline__ PhiloxKey unpack_key(const PhiloxState& state) {
+  if (state.captured) {
+    return PhiloxKey{static_cast<uint64_t>(*state.seed_ptr),
+                     (static_cast<uint64_t>(*state.offset_ptr) + state.offset_intragraph) / 4};
+  }
+  return PhiloxKey{state.seed, state.offset / 4};
 }
 
 }  // namespace torchkern
