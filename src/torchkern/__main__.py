@@ -1,4 +1,5 @@
-"""``python -m torchkern info | build [--family F] [--arch 9.0] | bench [--quick] [--family F] [--out DIR] | clean``.
+"""``python -m torchkern [--version] info | build [--family F] [--arch 9.0] | bench [--quick] [--family F]
+[--out DIR] | clean``.
 
 Each subcommand loads only what it needs: ``info`` looks at the cache without building, ``build``
 builds the families and archs asked for, ``clean`` removes what torchkern put in the cache, ``bench`` loads the
@@ -11,6 +12,7 @@ import argparse
 import json
 import sys
 
+import torchkern
 import torchkern_jit as jit
 from torchkern._backend import FAMILIES
 
@@ -77,6 +79,7 @@ def _bench(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchkern", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"torchkern {torchkern.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     info = commands.add_parser("info", help="backend, reason, archs, each family's cache key and whether it is "
                                             "built: builds nothing")

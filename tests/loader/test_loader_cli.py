@@ -12,6 +12,7 @@ import zipfile
 import pytest
 from loader_testing import ROOT, child_env, publish_fake_entry, run_cli
 
+import torchkern
 import torchkern_jit as jit
 from torchkern import _backend
 
@@ -29,6 +30,13 @@ def test_cli_subcommands_build_only_what_they_are_asked_for(counted, tmp_path):
     out = run_cli("build", "--family", "ebm", env=env, pythonpath=path)
     assert "fake build of torchkern_ebm" in out.stderr
     assert builds() == ["torchkern_ebm 9.0a"], "build --family ebm builds ebm alone"
+
+
+def test_version_prints_the_version_and_builds_nothing(counted):
+    env, path, builds = counted
+    out = run_cli("--version", env=env, pythonpath=path)
+    assert out.returncode == 0 and out.stdout == f"torchkern {torchkern.__version__}\n", out.stderr
+    assert builds() == []
 
 
 def test_info_reports_a_cached_build_without_loading_it(counted, tmp_path, monkeypatch):
