@@ -294,7 +294,8 @@ class _Recurrent(nn.Module):
         seq = x if self.rnn.batch_first else x.transpose(0, 1)
         args = (seq,)
         if self.state:
-            h0 = torch.linspace(-1, 1, 5, dtype=x.dtype).expand(self.rnn.num_layers * self.dirs, x.shape[0], 5)
+            h0 = torch.linspace(-1, 1, 5, dtype=x.dtype, device=x.device).expand(self.rnn.num_layers * self.dirs,
+                                                                                  x.shape[0], 5)
             args += ((h0, h0) if isinstance(self.rnn, nn.LSTM) else h0,)
         out, h = self.rnn(*args)
         h = h[0] if isinstance(h, tuple) else h
@@ -305,13 +306,14 @@ class _Recurrent(nn.Module):
     (nn.GRU, True, 1, False, False, 5), (nn.GRU, False, 2, True, False, 5), (nn.GRU, True, 2, False, True, 5),
     (nn.GRU, True, 2, True, False, 1), (nn.RNN, False, 2, False, True, 5), (nn.LSTM, True, 2, True, True, 5)],
     ids=["gru", "gru_sequence_first", "gru_state", "gru_one_sample", "rnn", "lstm"])
-def test_recurrent_layers_on_every_path(kind, batch_first, layers, bidirectional, state, batch):
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+def test_recurrent_layers_on_every_path(kind, batch_first, layers, bidirectional, state, batch, device):
     """nn.GRU and nn.RNN (whose fused kernels' decomposition vmap refused: every path failed) and nn.LSTM: per-sample
     gradients, norms and the clipped sum on every path against one backward per sample (their final states carry
     the batch in dim 1, which the torch.func unit maps over)."""
     torch.manual_seed(0)
-    model = _Recurrent(kind, batch_first, layers, bidirectional, state).double()
-    x, y = randn(batch, 6, 4, dtype=torch.float64), randn(batch, 3, dtype=torch.float64)
+    model = _Recurrent(kind, batch_first, layers, bidirectional, state).double().to(device)
+    x, y = (randn(batch, 6, 4, dtype=torch.float64, device=device), randn(batch, 3, dtype=torch.float64, device=device))
     params = dict(model.named_parameters())
     loop = [torch.autograd.grad(mse_sum(model(x[i:i + 1]), y[i:i + 1]), list(params.values())) for i in range(batch)]
     grads = {k: torch.stack([g[j] for g in loop]) for j, k in enumerate(params)}
