@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 
 def _worker(rank: int, world: int, store: str, fn, args: tuple) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)  # the ranks share the machine's cores
     # a collective that one rank never joins fails after the timeout instead of hanging the suite
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

@@ -79,10 +79,10 @@ class Shards:
             yield
             return
         opt = self._dist.optimizer
-        originals = [(g, g["params"]) for g in opt.param_groups]
+        originals = [g["params"] for g in opt.param_groups]
         pairs = []
-        for g, params in originals:
-            g["params"] = list(params)
+        for g in opt.param_groups:
+            g["params"] = list(g["params"])
         for g, i, p in found:
             alias = self.alias(p)
             g["params"][i] = alias
@@ -102,7 +102,8 @@ class Shards:
                 alias.grad = None
                 if alias in opt.state:
                     opt.state[p] = opt.state.pop(alias)
-            for g, params in originals:
+            # by position: load_state_dict makes new param group dicts (holding the aliases' lists)
+            for g, params in zip(opt.param_groups, originals):
                 g["params"] = params
 
     def _load_gradients(self, pairs: list) -> None:
