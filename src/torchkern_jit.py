@@ -311,6 +311,7 @@ def included_files(sources: Sequence[Path], include_paths: Sequence[Path]) -> se
     as the compiler finds it: a quoted name beside the file that includes it, then in ``include_paths``; an angled
     one in ``include_paths``. Torch's and the system's headers are not found there: their versions are in the key."""
     found: set[Path] = set()
+    lookups: dict[tuple[Path, bytes], Path | None] = {}  # (directory, name) -> the file; many files share headers
     todo = [Path(s).resolve() for s in sources]
     while todo:
         path = todo.pop()
@@ -319,14 +320,14 @@ def included_files(sources: Sequence[Path], include_paths: Sequence[Path]) -> se
         except OSError:
             continue
         for quote, name in _INCLUDE.findall(text):
-            where = [path.parent, *include_paths] if quote == b'"' else include_paths
-            for directory in where:
-                candidate = Path(directory) / os.fsdecode(name.strip())
-                if candidate.is_file():
-                    candidate = candidate.resolve()
-                    if candidate not in found:
-                        found.add(candidate)
-                        todo.append(candidate)
+            for directory in [path.parent, *include_paths] if quote == b'"' else include_paths:
+                if (directory, name) not in lookups:
+                    candidate = Path(directory) / os.fsdecode(name.strip())
+                    lookups[directory, name] = candidate.resolve() if candidate.is_file() else None
+                if lookups[directory, name] is not None:
+                    if lookups[directory, name] not in found:
+                        found.add(lookups[directory, name])
+                        todo.append(lookups[directory, name])
                     break
     return found
 
@@ -336,16 +337,17 @@ def collect_files(sources: Sequence[Path], depends: Sequence[Path], include_path
     file their ``#include`` directives reach (:func:`included_files`), and the headers beside each source and under
     each include path (which a computed ``#include MACRO`` may reach)."""
     files = {Path(s).resolve() for s in sources}
-    for dep in map(Path, depends):
+    for dep in (Path(d).resolve() for d in depends):
         if dep.is_dir():
-            files.update(p.resolve() for p in dep.rglob("*") if p.is_file())
+            files.update(p for p in dep.rglob("*") if p.is_file())
         else:
-            files.add(dep.resolve())
-    for src in sources:
-        files.update(p.resolve() for p in Path(src).resolve().parent.iterdir() if p.suffix in HEADER_SUFFIXES)
-    for inc in include_paths:
-        files.update(p.resolve() for p in Path(inc).rglob("*") if p.suffix in HEADER_SUFFIXES)
-    files |= included_files(sources, [Path(i).resolve() for i in include_paths])
+            files.add(dep)
+    for folder in {Path(s).resolve().parent for s in sources}:
+        files.update(p for p in folder.iterdir() if p.suffix in HEADER_SUFFIXES)
+    includes = [Path(i).resolve() for i in include_paths]
+    for inc in includes:
+        files.update(p for p in inc.rglob("*") if p.suffix in HEADER_SUFFIXES)
+    files |= included_files(sources, includes)
     return sorted(files)
 
 
