@@ -15,7 +15,11 @@ impls: ``torchkern`` (the case's optimizer at its defaults; Shampoo with Adam gr
 (torch.optim.Adam/AdamW, their default foreach path), ``adam_fused``/``adamw_fused`` (``fused=True``, CUDA
 only), for Shampoo ``shampoo_bf16`` (``precision="bf16"``), for SOAP ``soap_fp32`` (``precision="fp32"``)
 and ``soap_eigh`` (``refresh="eigh"``), for K-FAC ``kfac_qr`` (``refresh="qr"``) and ``kfac_bf16``
-(``precision="bf16"``). Divide a row's time by 100 for the per-step time; ratio = impl time / torchkern time, so
+(``precision="bf16"``). Peers, where importable (else the runner prints that their rows are skipped):
+``meta_shampoo`` for Shampoo, Meta's DistributedShampoo (facebookresearch/optimizers' ``distributed_shampoo``
+source tree on PYTHONPATH; single process, its default distributor) with Adam grafting and the same frequency,
+betas, block size and start; ``heavyball_soap`` for SOAP, heavyball's SOAP with the same frequency, betas and
+block size. Divide a row's time by 100 for the per-step time; ratio = impl time / torchkern time, so
 the bars read: Shampoo <= 2x Adam as ratio >= 0.5 on shampoo_train's ``adam`` row, SOAP <= 2x AdamW as ratio >= 0.5
 on soap_train's ``adamw`` row, K-FAC <= 3x Adam as ratio >= 0.33 on kfac_train's ``adam`` row.
 """
@@ -29,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..optim import KFAC, SOAP, Shampoo
-from .._bench import Case, Prepared
+from .._bench import Case, Prepared, peer_available
 
 FREQ, PERIODS = 20, 5
 STEPS = FREQ * PERIODS
@@ -55,6 +59,8 @@ def _optimizers(kind: str, device: str) -> dict:
             out["adamw_fused"] = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
         out["soap_fp32"] = lambda m: SOAP(m.parameters(), lr=1e-3, precision="fp32")
         out["soap_eigh"] = lambda m: SOAP(m.parameters(), lr=1e-3, refresh="eigh")
+        if peer_available("heavyball", "pip install heavyball"):
+            out["heavyball_soap"] = heavyball_soap
         return out
     own = (lambda m: KFAC(m, lr=1e-3)) if kind == "kfac" else \
         (lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ))
@@ -69,7 +75,32 @@ def _optimizers(kind: str, device: str) -> dict:
                                                 precision="bf16")
         out["shampoo_qr"] = lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
                                               root_method="qr")
+        if peer_available("distributed_shampoo", "facebookresearch/optimizers' distributed_shampoo tree on "
+                                                 "PYTHONPATH"):
+            out["meta_shampoo"] = meta_shampoo
     return out
+
+
+def heavyball_soap(model: nn.Module, lr: float = 1e-3):
+    """heavyball's SOAP at torchkern SOAP's defaults: refresh every 10 steps, betas and shampoo_beta 0.95, blocks
+    of at most 1024."""
+    import heavyball
+
+    return heavyball.SOAP(model.parameters(), lr=lr, betas=(0.95, 0.95), shampoo_beta=0.95,
+                          precondition_frequency=10, max_precond_dim=1024)
+
+
+def meta_shampoo(model: nn.Module, lr: float = 1e-3, distributed_config=None):
+    """Meta's DistributedShampoo at torchkern Shampoo's defaults: Adam grafting (beta2 0.999, eps 1e-8), betas
+    (0.9, 1.0), roots every FREQ steps from step FREQ, blocks of at most 1024; its default (eigendecomposition)
+    roots and epsilon 1e-12, as its README recommends. ``distributed_config``: its DDP distributor's, for
+    example (default: one device)."""
+    from distributed_shampoo import AdamPreconditionerConfig, DistributedShampoo
+
+    extra = {} if distributed_config is None else {"distributed_config": distributed_config}
+    return DistributedShampoo(model.parameters(), lr=lr, betas=(0.9, 1.0), epsilon=1e-12,
+                              max_preconditioner_dim=1024, precondition_frequency=FREQ, start_preconditioning_step=FREQ,
+                              grafting_config=AdamPreconditionerConfig(beta2=0.999, epsilon=1e-8), **extra)
 
 
 def _check(kind: str, model: nn.Module, opt, base: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
