@@ -1,5 +1,6 @@
 """Steps whose gradients are not all finite: skipped on the device with parameters and state unchanged, counted,
-warned once, without a host sync on CUDA; K-FAC's non-finite factor contributions dropped."""
+warned once, without a host sync on CUDA; K-FAC's non-finite factor contributions dropped; skips past the
+optimizer's SkipLimits raise DivergenceError naming what diverged."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchkern.optim import KFAC, SOAP, Shampoo
+from torchkern.optim import KFAC, SOAP, DivergenceError, Shampoo, SkipLimits
 from testing import requires_cuda
 from optim_testing import same, small_classifier_case, snapshot
 
@@ -135,3 +136,73 @@ def test_kfac_drops_nonfinite_contributions_without_zero_grad():
         p.grad = torch.zeros_like(p)
     opt.step()
     assert torch.equal(opt.state[model[0].weight]["G"], A)
+
+
+def _train_with_bad_steps(opt, model, bad, steps):
+    """``steps`` steps on fixed data, the gradient of the first weight made NaN at the steps in ``bad``."""
+    g = torch.Generator().manual_seed(3)
+    for i in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(torch.randn(8, 5, generator=g)), torch.randint(0, 3, (8,), generator=g)).backward()
+        if i in bad:
+            model[0].weight.grad[0, 0] = float("nan")
+        opt.step()
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap", "kfac"])
+def test_consecutive_skipped_steps_raise_divergence_naming_what_diverged(name):
+    model = _model()
+    opt = _make_for_skip(name, model)
+    _train_with_bad_steps(opt, model, bad=range(4, 100), steps=14)  # steps 5 to 14 skipped: ten in a row
+    params = [p.detach().clone() for p in model.parameters()]
+    who = r"parameter '0.weight' \(shape \[6, 5\]\)" if name == "kfac" else \
+        r"param_groups\[0\] parameter 0 \(shape \[6, 5\]\)"
+    with pytest.raises(DivergenceError, match=rf"{type(opt).__name__}: training diverged: the gradients were not all "
+                                              rf"finite in 10 steps in a row .* Not finite in this step's gradients: "
+                                              rf"{who}\. Norms, largest first .*: .*parameter \d.* Try a lower lr"):
+        _train_with_bad_steps(opt, model, bad=range(100), steps=1)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))  # the raising step changed nothing
+    assert opt.skipped_steps == 10
+    _train_with_bad_steps(opt, model, bad=(), steps=3)  # caught, the run goes on afresh
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["shampoo", "soap", "kfac"])
+def test_stray_bad_batches_are_skipped_with_a_warning(name):
+    model = _model()
+    opt = _make_for_skip(name, model)
+    with pytest.warns(RuntimeWarning, match="skipped a step"):
+        _train_with_bad_steps(opt, model, bad=range(5, 120, 7), steps=120)  # one step in seven: 17 of 120
+    assert opt.skipped_steps == 17 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_fraction_of_recent_skipped_steps_raises_divergence():
+    model = _model()
+    opt = SOAP(model.parameters(), lr=0.01, skip_limits=SkipLimits(consecutive=5, fraction=0.3, window=20))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(DivergenceError, match=r"not all finite in 7 of the last 19 steps"):
+            _train_with_bad_steps(opt, model, bad=range(0, 100, 3), steps=30)  # every third step
+
+
+def test_skip_limits_none_only_skips():
+    model = _model()
+    opt = Shampoo(model.parameters(), skip_limits=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _train_with_bad_steps(opt, model, bad=range(5, 40), steps=40)
+    assert opt.skipped_steps == 35
+
+
+@pytest.mark.parametrize("kwargs,name", [(dict(consecutive=0), "consecutive"), (dict(fraction=1.0), "fraction"),
+                                         (dict(window=2.5), "window")])
+def test_skip_limits_bad_values(kwargs, name):
+    with pytest.raises(ValueError, match=f"SkipLimits: invalid {name} "):
+        SkipLimits(**kwargs)
+    with pytest.raises(ValueError, match="SOAP: invalid skip_limits 3: must be a SkipLimits or None"):
+        SOAP(_model().parameters(), skip_limits=3)

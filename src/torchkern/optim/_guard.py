@@ -4,10 +4,35 @@ host learns of it a step later, without a sync."""
 from __future__ import annotations
 
 import warnings
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
+
+
+class DivergenceError(FloatingPointError):
+    """Raised by an optimizer's step once its skipped steps (non-finite gradients) pass its ``skip_limits``."""
+
+
+@dataclass(frozen=True)
+class SkipLimits:
+    """When skipped steps stop being stray bad batches and the optimizer raises :class:`DivergenceError` instead of
+    skipping on: ``consecutive`` skipped steps in a row, or more than ``fraction`` of the last ``window`` steps.
+    A diverging run skips every step from some point on (gradients growing to overflow, then NaN), so it meets
+    the first limit within ``consecutive`` steps; the second catches one that blows up only now and then."""
+
+    consecutive: int = 10
+    fraction: float = 0.2
+    window: int = 100
+
+    def __post_init__(self):
+        for name, ok, requirement in (
+                ("consecutive", isinstance(self.consecutive, int) and self.consecutive >= 1, "an integer >= 1"),
+                ("fraction", isinstance(self.fraction, (int, float)) and 0 <= self.fraction < 1, "a number in [0, 1)"),
+                ("window", isinstance(self.window, int) and self.window >= 1, "an integer >= 1")):
+            if not ok:
+                raise ValueError(f"SkipLimits: invalid {name} {getattr(self, name)!r}: must be {requirement}")
 
 
 class StepGuard:
@@ -21,15 +46,20 @@ class StepGuard:
     The host learns the flag later: it is copied to pinned memory without waiting, and ``settle()`` (called at
     the start of the next step, by ``state_dict`` and by ``skipped_steps``) reads it once the copy is done. A
     skipped step then runs ``undo`` (the optimizer takes back its host-side counters, such as the step count
-    that sets the bias corrections and the root schedule), is counted in ``skipped`` and warns once. The wait in
+    that sets the bias corrections and the root schedule), is counted in ``skipped`` and warns once; skips past
+    ``limits`` (:class:`SkipLimits`) set ``tripped``, which the optimizer's next step raises. The wait in
     ``settle`` is for a copy queued a whole step earlier, so it only holds a host that has run more than a step
     ahead of the device, which still has that step's work queued: no bubble. On the CPU everything is settled at
     once.
     """
 
-    def __init__(self, owner: str):
+    def __init__(self, owner: str, limits: SkipLimits | None = None):
         self.owner = owner
+        self.limits = limits
         self.skipped = 0
+        self.tripped: str | None = None  # why the skips passed ``limits``, until the optimizer raises it
+        self._run = 0  # skipped steps in a row
+        self._recent: deque = deque(maxlen=limits.window if limits is not None else 1)  # settled steps, True: skipped
         self._pending: list[tuple[torch.Tensor, torch.cuda.Event | None, Callable[[], None]]] = []
         self._warned = False
         self._one: dict[torch.device, torch.Tensor] = {}
@@ -89,7 +119,10 @@ class StepGuard:
                     return
                 event.synchronize()
             self._pending.pop(0)
-            if float(host) != 0.0:
+            skipped = float(host) != 0.0
+            self._recent.append(skipped)
+            self._run = self._run + 1 if skipped else 0
+            if skipped:
                 undo()
                 self.skipped += 1
                 if not self._warned:
@@ -97,3 +130,15 @@ class StepGuard:
                     warnings.warn(f"{self.owner}: skipped a step whose gradients were not all finite (parameters and "
                                   f"optimizer state unchanged; counted in skipped_steps; warned once)",
                                   RuntimeWarning, stacklevel=5)
+            limits = self.limits
+            if limits is not None and self.tripped is None:
+                recent = sum(self._recent)
+                if self._run >= limits.consecutive:
+                    self.tripped = f"{self._run} steps in a row"
+                elif recent > limits.fraction * limits.window:
+                    self.tripped = f"{recent} of the last {len(self._recent)} steps"
+
+    def reset_limits(self) -> None:
+        """Start counting towards the limits afresh (after the optimizer raised, or when its limits change)."""
+        self.tripped, self._run = None, 0
+        self._recent = deque(maxlen=self.limits.window if self.limits is not None else 1)

@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from ._guard import StepGuard
+from ._guard import DivergenceError, SkipLimits, StepGuard
 from ._precision import no_autocast
 
 
@@ -19,16 +19,23 @@ class GuardedOptimizer(torch.optim.Optimizer):
     extends ``_init_caches`` and implements ``_step``."""
 
     _name = "optimizer"
+    _divergence_hint = "a lower lr"  # what to try first when training diverges (the subclass's own knobs)
 
-    def __init__(self, params: Iterable, defaults: dict) -> None:
+    def __init__(self, params: Iterable, defaults: dict, skip_limits: SkipLimits | None = SkipLimits()) -> None:
+        if not (skip_limits is None or isinstance(skip_limits, SkipLimits)):
+            raise ValueError(f"{self._name}: invalid skip_limits {skip_limits!r}: must be a SkipLimits or None")
         self._check_hyperparameters(defaults, "")  # the constructor's arguments, named plainly
         self._checked: dict[int, tuple] = {}
+        self.skip_limits = skip_limits
         super().__init__(params, defaults)  # add_param_group checks every group
         self._init_caches()
 
     def _init_caches(self) -> None:
-        self._guard = StepGuard(self._name)
+        self._guard = StepGuard(self._name, self.skip_limits)
         self._checked = {}  # param group index -> (its values, its parameter count) when last checked
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "skip_limits": self.skip_limits}
 
     def _check_hyperparameters(self, group: dict, where: str) -> None:
         """Raise ValueError naming the argument (and ``where``, the group) for any invalid hyperparameter of
@@ -99,10 +106,54 @@ class GuardedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _params_with_grads(self) -> list[torch.Tensor]:
-        """The parameters this step updates (those with a gradient), after earlier steps' skips are settled."""
-        self._guard.settle()
+        """The parameters this step updates (those with a gradient), after earlier steps' skips are settled; raises
+        DivergenceError when they passed ``skip_limits``."""
+        guard = self._guard
+        if guard.limits is not self.skip_limits:  # changed by the user mid-run
+            guard.limits = self.skip_limits
+            guard.reset_limits()
+        guard.settle()
+        if guard.tripped is not None:
+            reason = guard.tripped
+            guard.reset_limits()  # a caller that catches the error, lowers lr and steps on starts afresh
+            raise DivergenceError(self._divergence_message(reason))
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{self._name} does not support sparse gradients")
         return params
+
+    def _param_name(self, p: torch.Tensor, group: int, index: int) -> str:
+        return f"param_groups[{group}] parameter {index} (shape {list(p.shape)})"
+
+    def _divergence_message(self, reason: str) -> str:
+        """What diverged: the parameters whose gradients are not finite now, and the three parameters with the
+        largest norms among the parameter and its state entries (as after the last finite step), each entry's."""
+        not_finite, rows = [], []
+        with torch.no_grad():
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    name = self._param_name(p, gi, pi)
+                    if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                        not_finite.append(name)
+                    norms = {"parameter": torch.linalg.vector_norm(p.double()).item()}
+                    for key, value in self.state.get(p, {}).items():
+                        if key.startswith("Q") or key.endswith("_basis"):  # orthonormal bases: sqrt(n) whatever
+                            continue
+                        tensors = [t for t in (value if isinstance(value, list) else [value])
+                                   if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 1]
+                        if tensors:
+                            norms[key] = max(torch.linalg.vector_norm(t.double()).item() for t in tensors)
+                    rows.append((max(norms.values()), name, norms))
+        rows.sort(key=lambda row: -row[0])
+        largest = "; ".join(f"{name}: " + ", ".join(f"{key} {value:.3g}" for key, value in norms.items())
+                            for _, name, norms in rows[:3])
+        bad = ""
+        if not_finite:
+            more = f" and {len(not_finite) - 3} more" if len(not_finite) > 3 else ""
+            bad = f"Not finite in this step's gradients: {', '.join(not_finite[:3])}{more}. "
+        return (f"{self._name}: training diverged: the gradients were not all finite in {reason} (each skipped: the "
+                f"parameters and the optimizer state are as after the last finite step). {bad}Norms, largest first "
+                f"(of a state entry in blocks, its largest block's): {largest}. Try {self._divergence_hint}, or clip the "
+                f"gradients (torch.nn.utils.clip_grad_norm_). skip_limits (SkipLimits) sets when this is raised; "
+                f"skip_limits=None only skips and warns.")

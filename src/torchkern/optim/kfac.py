@@ -50,6 +50,7 @@ from .._checks import opmath_dtype
 from ..linalg.twins import eigen_scale, eigh_min_tol
 from ._eigenbases import eigh, power_step, rayleigh_quotients
 from ._hyperparameters import check_arg, is_int, is_real
+from ._guard import SkipLimits
 from ._optimizer import GuardedOptimizer
 from ._precision import as_operand, bmm, no_autocast
 from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
@@ -145,6 +146,10 @@ class KFAC(GuardedOptimizer):
             several ranks is initialized (a ``DistributedDataParallel`` model's group, else the default group),
             averages the factor contributions of the ranks' batches and splits the eigendecompositions across the
             ranks (docs/design.md, "Multi-GPU"). DTensor (FSDP2) parameters raise ValueError.
+        skip_limits: when steps skipped for non-finite gradients mean divergence (:class:`SkipLimits`: by
+            default 10 in a row or more than 20 of the last 100): the next step raises
+            :class:`DivergenceError` naming the parameters and statistics that diverged and what to try. None: skip
+            and warn only.
 
     Factors and their captured contributions are kept in float32 (float64 for float64 weights)
     with autocast off. Captured contributions are folded into A and G inside ``step`` (never
@@ -167,13 +172,14 @@ class KFAC(GuardedOptimizer):
     """
 
     _name = "KFAC"
+    _divergence_hint = "a lower lr, a larger damping or a smaller kl_clip"
 
     def __init__(self, model: nn.Module, lr: float, damping: float = 1e-3, factor_decay: float = 0.95,
                  factor_update_freq: int = 1, inv_update_freq: int = 10, kl_clip: float | None = 1e-3,
                  momentum: float = 0.0, weight_decay: float = 0.0, batch_averaged: bool = True,
                  grad_scaler: torch.amp.GradScaler | None = None, refresh: str = "eigh", precision: str = "fp32",
                  cuda_graph: bool = True, eigh_tol: float | None = 1e-4, max_preconditioner_dim: int = 4096,
-                 distributed: Distributed | None = Distributed()):
+                 distributed: Distributed | None = Distributed(), skip_limits: SkipLimits | None = SkipLimits()):
         name = self._name
         check_arg(name, "model", type(model).__name__, isinstance(model, nn.Module), "must be a torch.nn.Module")
         check_arg(name, "factor_decay", factor_decay, is_real(factor_decay) and 0 <= factor_decay < 1,
@@ -202,7 +208,7 @@ class KFAC(GuardedOptimizer):
                         "with SOAP or Shampoo, which precondition each rank's shard")
         self._distributed = distributed  # read by _init_caches, with a DDP model's process group
         self._ddp_group = model.process_group if isinstance(model, nn.parallel.DistributedDataParallel) else None
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, skip_limits)
         self.factor_decay = factor_decay
         self.factor_update_freq = factor_update_freq
         self.inv_update_freq = inv_update_freq
@@ -231,6 +237,10 @@ class KFAC(GuardedOptimizer):
         if too_large:
             warnings.warn(f"KFAC: the layers {too_large} have a weight dimension above max_preconditioner_dim "
                           f"({max_preconditioner_dim}) and take SGD steps", RuntimeWarning, stacklevel=2)
+
+    def _param_name(self, p: torch.Tensor, group: int, index: int) -> str:
+        return f"parameter {self._names[p]!r} (shape {list(p.shape)})" if p in self._names else \
+            super()._param_name(p, group, index)
 
     def _check_hyperparameters(self, h: dict, where: str) -> None:
         name = self._name

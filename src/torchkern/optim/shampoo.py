@@ -49,6 +49,7 @@ from ._blocks import as_matrix, assemble, block_grid, blocks, has_factors
 from ._buckets import Storage, cached_plan
 from ._eigenbases import eigh, power_step, rayleigh_quotients
 from ._hyperparameters import check_arg, check_common_hyperparameters, is_int, is_real
+from ._guard import SkipLimits
 from ._optimizer import GuardedOptimizer
 from ._precision import as_operand, bmm
 from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
@@ -163,6 +164,10 @@ class Shampoo(GuardedOptimizer):
             updates across the ranks of the default process group whenever one of several ranks is initialized
             (replicated parameters, as under ``DistributedDataParallel``), and steps DTensor (FSDP2) parameters as
             each rank's local shard (docs/design.md, "Multi-GPU").
+        skip_limits: when steps skipped for non-finite gradients mean divergence (:class:`SkipLimits`: by
+            default 10 in a row or more than 20 of the last 100): the next step raises
+            :class:`DivergenceError` naming the parameters and statistics that diverged and what to try. None: skip
+            and warn only.
 
     Memory: the gradient EMA and the grafting second moment (each the parameter's size, when enabled);
     per 2-D block of m x n, the statistics L, R and their roots (2 m^2 + 2 n^2 values), plus the roots
@@ -178,13 +183,14 @@ class Shampoo(GuardedOptimizer):
     """
 
     _name = "Shampoo"
+    _divergence_hint = "a lower lr or a larger eps"
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 1.0),
                  eps: float = 1e-6, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
                  max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
                  grafting_beta2: float = 0.999, grafting_eps: float = 1e-8, root_method: str = "auto",
                  relative_eps: bool = True, precision: str = "fp32", cuda_graph: bool = True,
-                 distributed: Distributed | None = Distributed()):
+                 distributed: Distributed | None = Distributed(), skip_limits: SkipLimits | None = SkipLimits()):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         precondition_frequency=precondition_frequency,
                         start_preconditioning_step=start_preconditioning_step,
@@ -193,7 +199,7 @@ class Shampoo(GuardedOptimizer):
                         relative_eps=relative_eps, precision=precision, cuda_graph=cuda_graph)
         check_distributed(self._name, distributed)
         self._distributed = distributed  # read by _init_caches
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, skip_limits)
 
     def _check_hyperparameters(self, h: dict, where: str) -> None:
         name = self._name

@@ -46,8 +46,9 @@ import torch
 from .._checks import opmath_dtype
 from ._blocks import as_matrix, assemble, block_grid, blocks, has_factors
 from ._buckets import Storage, cached_plan
-from ._eigenbases import eigh, power_step
+from ._eigenbases import eigenbasis, power_step
 from ._hyperparameters import check_arg, check_common_hyperparameters, is_real
+from ._guard import SkipLimits
 from ._optimizer import GuardedOptimizer
 from ._precision import as_operand, bmm
 from ._state_dict import check_state_dict, load_state_dict_keeping_dtypes
@@ -91,6 +92,10 @@ class SOAP(GuardedOptimizer):
             across the ranks of the default process group whenever one of several ranks is initialized (replicated
             parameters, as under ``DistributedDataParallel``), and steps DTensor (FSDP2) parameters as each rank's
             local shard (docs/design.md, "Multi-GPU").
+        skip_limits: when steps skipped for non-finite gradients mean divergence (:class:`SkipLimits`: by
+            default 10 in a row or more than 20 of the last 100): the next step raises
+            :class:`DivergenceError` naming the parameters and statistics that diverged and what to try. None: skip
+            and warn only.
 
     State per m x n block: L, R, Q_L, Q_R (2 m^2 + 2 n^2 values) and Adam's two moments (2 m n, in the
     eigenbasis); per 1-D parameter, the two moments. Statistics and moments are float32 (float64 for float64
@@ -106,18 +111,20 @@ class SOAP(GuardedOptimizer):
     """
 
     _name = "SOAP"
+    _divergence_hint = "a lower lr"
 
     def __init__(self, params: Iterable, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
                  shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
                  precondition_frequency: int = 10, max_preconditioner_dim: int = 1024, refresh: str = "qr",
-                 precision: str = "bf16", cuda_graph: bool = True, distributed: Distributed | None = Distributed()):
+                 precision: str = "bf16", cuda_graph: bool = True, distributed: Distributed | None = Distributed(),
+                 skip_limits: SkipLimits | None = SkipLimits()):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
                         shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
                         precondition_frequency=precondition_frequency, max_preconditioner_dim=max_preconditioner_dim,
                         refresh=refresh, precision=precision, cuda_graph=cuda_graph)
         check_distributed(self._name, distributed)
         self._distributed = distributed  # read by _init_caches
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, skip_limits)
 
     def _check_hyperparameters(self, h: dict, where: str) -> None:
         name = self._name
@@ -294,7 +301,7 @@ class SOAP(GuardedOptimizer):
                     due[(state[side][i].shape[-1], dtype, device)].append((state, side, i))
         for (n, dtype, device), items in due.items():
             S = torch.stack([state[side][i] for state, side, i in items])
-            Q = eigh(S)[1]
+            Q = eigenbasis(S)
             eye = torch.eye(n, dtype=dtype, device=device)
             good = ok[device] & torch.isfinite(Q).flatten(1).all(dim=1)
             Q = torch.where(good[:, None, None], Q, eye)
@@ -383,7 +390,7 @@ class _Bucket(Storage):
                     by_size[self.dim("Q" + side, j, 0)].append((side, t, j))
             for d, items in by_size.items():
                 S = torch.stack([getattr(self, side)[j, :d, :d] for side, _, j in items])
-                Q = eigh(S, torch.stack([old[side][t, :d, :d] for side, t, _ in items]))[1]
+                Q = eigenbasis(S, torch.stack([old[side][t, :d, :d] for side, t, _ in items]))
                 for q, (side, t, _) in zip(Q.unbind(0), items):
                     new[side][t, :d, :d] = q
         for side in ("L", "R"):
