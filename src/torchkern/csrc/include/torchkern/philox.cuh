@@ -31,6 +31,8 @@ struct PhiloxKey {
   uint64_t draw;  // the generator's offset / 4: index of this call's first draw
 };
 
+#if defined(__CUDACC__)  // the device code; philox.h, read by the host compiler, needs PhiloxState alone
+
 __device__ __forceinline__ uint4 philox4x32_10(uint4 ctr, uint32_t k0, uint32_t k1) {
   constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
 #pragma unroll
@@ -101,5 +103,7 @@ __device__ __forceinline__ PhiloxKey unpack_key(const PhiloxState& state) {
   }
   return PhiloxKey{state.seed, state.offset / 4};
 }
+
+#endif  // defined(__CUDACC__)
 
 }  // namespace torchkern
