@@ -122,7 +122,7 @@ def test_opcheck_mlp_and_hmc_random(device):
 
 
 def test_shared_memory_layout():
-    # The planner's buffers ascend in 128-byte steps and fit what csrc/ebm/mlp_chain/mlp_chain.cuh reads; the
+    # The planner's buffers ascend in 128-byte steps and fit what csrc/ebm/mlp_chain/mlp_chain.h reads; the
     # benchmark's MLP (32 -> 256 -> 256 -> 1) keeps its bf16 weights resident with 32 chains per block within an
     # H100's or H200's 227 KiB, and its TF32 weights stream.
     h100_optin = 227 * 1024
@@ -142,7 +142,7 @@ def test_shared_memory_layout():
     # widths up to 512 and inputs up to 1024 fit the bf16 kernel (streamed, 16 chains per block)
     assert ebm_mlp.shared_memory_layout([1024, 512, 512], ebm_constants.BF16, False, 16, False)[-1] <= h100_optin
     assert ebm_mlp.plan(ebm.MLPEnergy(3, [4]), torch.zeros(2, 3), 0, False) == []  # CPU: the twin
-    # bf16 on warpgroup products (mode 2): the benchmark's MLP fits, its buffers sized as mlp_chain.cuh lists them
+    # bf16 on warpgroup products (mode 2): the benchmark's MLP fits, its buffers sized as mlp_chain.h lists them
     for hmc in (False, True):
         wg = ebm_mlp.shared_memory_layout([32, 256, 256], ebm_constants.BF16, hmc, 32, True, wgmma=True)
         assert wg[:2] == [32, 2] and wg[-1] <= h100_optin

@@ -1,7 +1,7 @@
 """Constants of the ebm family that the twins and the CUDA kernels share.
 
 Defined here once: the loader passes ``COMPILE_DEFINITIONS`` to the compiler as ``-D`` flags
-(``csrc/ebm/energies.cuh``, ``chain_checks.h`` and ``mlp_chain/mlp_chain.cuh`` read them), and the Python modules
+(``csrc/ebm/launchers.h``, ``host_checks.h`` and ``mlp_chain/mlp_chain.h`` read them), and the Python modules
 import the names. The file is run by path at build time, so it imports nothing.
 """
 
@@ -22,7 +22,7 @@ SOFTPLUS_THRESHOLD = 20.0  # softplus(h) = h above it, as torch.nn.Softplus(beta
 BF16, TF32, FP32 = range(3)
 PRECISION_NAMES = ("bf16", "tf32", "fp32")
 
-# The fused MLP kernel's geometry (csrc/ebm/mlp_chain/mlp_chain.cuh): warps per block, the K extent of one
+# The fused MLP kernel's geometry (csrc/ebm/mlp_chain/mlp_chain.h): warps per block, the K extent of one
 # streamed weight chunk, the multiple every width is padded to, the most hidden layers, the widest pass of output
 # columns (one warp: 32 columns), and the shared-memory buffers whose byte offsets the planner
 # (ebm/mlp.py) hands the kernel, in this order ("end": the total).

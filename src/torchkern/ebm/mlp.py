@@ -1,5 +1,5 @@
 """MLP energies: ``MLPEnergy``, and the plan of the fused kernel that samples from one
-(csrc/ebm/mlp_chain/mlp_chain.cuh).
+(csrc/ebm/mlp_chain/mlp_chain.h).
 
 E(x) = w^T phi(W_H ... phi(W_1 x + b_1) ... + b_H) + b: a stack of ``nn.Linear`` layers with one activation and a
 scalar output. The module is an ordinary ``nn.Module`` (train it with autograd: contrastive divergence, score
@@ -208,7 +208,7 @@ def shared_memory_layout(widths: Sequence[int], precision: int, hmc: bool, rows:
     """The fused kernel's plan for an MLP of widths [d, n_1, ..., n_H]: [rows, mode, byte offset of each
     shared-memory buffer in ``constants.MLP_SLOTS`` order, the last one the total]; mode 0 streams the weights,
     1 keeps them resident, 2 runs bf16 on Hopper's warpgroup products (``wgmma``: resident weights, 32 rows).
-    Buffer sizes follow csrc/ebm/mlp_chain/mlp_chain.cuh: every width padded to MLP_ALIGN (hidden widths to
+    Buffer sizes follow csrc/ebm/mlp_chain/mlp_chain.h: every width padded to MLP_ALIGN (hidden widths to
     MLP_WGMMA_ALIGN for wgmma), 16 bytes of padding per row (none in wgmma's interleaved operands)."""
     if wgmma and (precision != C.BF16 or rows != 32 or not resident):
         raise ValueError("shared_memory_layout: wgmma takes bf16 with resident weights and 32 rows, got "

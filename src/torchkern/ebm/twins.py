@@ -271,7 +271,7 @@ def check_chain_run(op: str, x: torch.Tensor, n_steps: int, thin: int, noise, no
 # --------------------------------------------------------------------------- MLP energies
 # E(x) = w^T phi(h_H) + b with h_1 = W_0 x + b_0, h_{l+1} = W_l phi(h_l) + b_l; weights[l] is [n_{l+1}, n_l]
 # (nn.Linear's layout), weights[H] = w^T [1, n_H]. The twins compute the closed-form input gradient
-# (csrc/ebm/mlp_chain/mlp_chain.cuh) and round operands where the fused kernel does, so that on every backend
+# (csrc/ebm/mlp_chain/mlp_chain.h) and round operands where the fused kernel does, so that on every backend
 # a precision means the same numbers (up to float32 summation order).
 
 

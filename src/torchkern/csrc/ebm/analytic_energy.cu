@@ -4,17 +4,9 @@
 // One warp per row: lanes stride over the row's columns, the energy is a warp sum.
 // Rosenbrock reads its neighbours (cached loads); Ackley first reduces sum x^2 and
 // sum cos(c x), then writes the score. Half types compute in float.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
-#include <tuple>
-
-#include "torchkern/checks.h"
-#include "torchkern/dispatch.h"
 #include "energies.cuh"
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/dispatch.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
@@ -27,8 +19,8 @@ __global__ void __launch_bounds__(kWarps * 32)
 analytic_kernel(const T* __restrict__ x,   // [B, d]
                 T* __restrict__ energy,    // [B], unused unless kEnergy
                 T* __restrict__ score,     // [B, d], unused unless kScore
-                int64_t batch, int d, EnergyParams<at::opmath_type<T>> p) {
-  using C = at::opmath_type<T>;
+                int64_t batch, int d, EnergyParams<opmath_t<T>> p) {
+  using C = opmath_t<T>;
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (row >= batch) return;  // whole warps leave together
@@ -38,7 +30,7 @@ analytic_kernel(const T* __restrict__ x,   // [B, d]
   if constexpr (kKind == kAckley) {
     C s2 = C(0), sc = C(0);
     for (int j = lane; j < d; j += 32) {
-      const C v = static_cast<C>(xr[j]);
+      const C v = to_opmath(xr[j]);
       s2 += v * v;
       sc += cos(p.p2 * v);
     }
@@ -46,25 +38,25 @@ analytic_kernel(const T* __restrict__ x,   // [B, d]
     e = t.energy;
     if constexpr (kScore) {
       for (int j = lane; j < d; j += 32) {
-        const C v = static_cast<C>(xr[j]);
-        sr[j] = static_cast<T>(-(t.radial * v + t.wave * sin(p.p2 * v)));
+        const C v = to_opmath(xr[j]);
+        sr[j] = from_opmath<T>(-(t.radial * v + t.wave * sin(p.p2 * v)));
       }
     }
   } else {
     for (int j = lane; j < d; j += 32) {
-      const C v = static_cast<C>(xr[j]);
+      const C v = to_opmath(xr[j]);
       C g;
       if constexpr (kKind == kRosenbrock) {
         const bool has_prev = j > 0, has_next = j + 1 < d;
-        const C xp = has_prev ? static_cast<C>(xr[j - 1]) : C(0);
-        const C xn = has_next ? static_cast<C>(xr[j + 1]) : C(0);
+        const C xp = has_prev ? to_opmath(xr[j - 1]) : C(0);
+        const C xn = has_next ? to_opmath(xr[j + 1]) : C(0);
         if constexpr (kEnergy) e += rosenbrock_energy(v, xn, has_next, p);
         g = rosenbrock_grad(v, xp, xn, has_prev, has_next, p);
       } else {
         if constexpr (kEnergy) e += elementwise_energy<kKind>(v, p);
         g = elementwise_grad<kKind>(v, p);
       }
-      if constexpr (kScore) sr[j] = static_cast<T>(-g);
+      if constexpr (kScore) sr[j] = from_opmath<T>(-g);
     }
     if constexpr (kEnergy) {
       e = warp_sum(e);
@@ -72,54 +64,34 @@ analytic_kernel(const T* __restrict__ x,   // [B, d]
     }
   }
   if constexpr (kEnergy) {
-    if (lane == 0) energy[row] = static_cast<T>(e);
+    if (lane == 0) energy[row] = from_opmath<T>(e);
   }
 }
 
-template <bool kEnergy, bool kScore>
-std::tuple<at::Tensor, at::Tensor> analytic_cuda(const char* op, const at::Tensor& x, int64_t kind,
-                                                 at::ArrayRef<double> params) {
-  check_analytic_args(op, x, kind, params);
-  const char* torchkern_op_name = op;
-  TORCHKERN_CHECK_CUDA(x);
-  const at::cuda::OptionalCUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous();
-  const int64_t batch = x.size(0), d = x.size(1);
-  at::Tensor energy = at::empty({kEnergy ? batch : 0}, x.options());
-  at::Tensor score = at::empty({kScore ? batch : 0, d}, x.options());
-  if (batch == 0 || d == 0) return {energy, score};
-  TORCHKERN_DISPATCH_FLOATING(x.scalar_type(), "analytic_energy", [&] {
-    using C = at::opmath_type<scalar_t>;
-    const EnergyParams<C> p{static_cast<C>(params[0]), static_cast<C>(params[1]), static_cast<C>(params[2])};
-    TORCHKERN_KIND_SWITCH(static_cast<int>(kind), kKind, [&] {
-      const unsigned grid = static_cast<unsigned>((batch + kWarps - 1) / kWarps);
-      analytic_kernel<kKind, kEnergy, kScore, scalar_t><<<grid, kWarps * 32, 0, current_stream()>>>(
-          xc.const_data_ptr<scalar_t>(), kEnergy ? energy.mutable_data_ptr<scalar_t>() : nullptr,
-          kScore ? score.mutable_data_ptr<scalar_t>() : nullptr, batch, static_cast<int>(d), p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+template <bool kEnergy, bool kScore, typename T>
+void launch_kind(const AnalyticParams& p, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>((p.batch + kWarps - 1) / kWarps);
+  TORCHKERN_KIND_SWITCH(p.kind, kKind, [&] {
+    analytic_kernel<kKind, kEnergy, kScore, T><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(p.x), static_cast<T*>(p.energy), static_cast<T*>(p.score), p.batch, p.d,
+        energy_params<opmath_t<T>>(p.params));
   });
-  return {energy, score};
-}
-
-at::Tensor analytic_energy_cuda(const at::Tensor& x, int64_t kind, at::ArrayRef<double> params) {
-  return std::get<0>(analytic_cuda<true, false>("torchkern.analytic_energy", x, kind, params));
-}
-
-at::Tensor analytic_score_cuda(const at::Tensor& x, int64_t kind, at::ArrayRef<double> params) {
-  return std::get<1>(analytic_cuda<false, true>("torchkern.analytic_score", x, kind, params));
-}
-
-std::tuple<at::Tensor, at::Tensor> analytic_energy_and_score_cuda(const at::Tensor& x, int64_t kind,
-                                                                  at::ArrayRef<double> params) {
-  return analytic_cuda<true, true>("torchkern.analytic_energy_and_score", x, kind, params);
 }
 
 }  // namespace
-}  // namespace torchkern
 
-TORCH_LIBRARY_IMPL(torchkern, CUDA, m) {
-  m.impl("analytic_energy", &torchkern::analytic_energy_cuda);
-  m.impl("analytic_score", &torchkern::analytic_score_cuda);
-  m.impl("analytic_energy_and_score", &torchkern::analytic_energy_and_score_cuda);
+cudaError_t analytic_launch(const AnalyticParams& p, cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (p.energy && p.score) {
+      launch_kind<true, true, T>(p, stream);
+    } else if (p.energy) {
+      launch_kind<true, false, T>(p, stream);
+    } else {
+      launch_kind<false, true, T>(p, stream);
+    }
+    return cudaGetLastError();
+  });
 }
+
+}  // namespace torchkern

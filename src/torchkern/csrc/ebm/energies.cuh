@@ -1,36 +1,24 @@
-// Device math of the analytic energies (docs/design.md, "Energies"), shared by the energy/score
-// kernels and the whole-chain sampler. C is the compute type (float, or double).
+// Device math of the analytic energies (docs/design.md, "Energies") and the Langevin update, shared by the
+// energy/score kernels and the chain kernels; torch-free. C is the compute type (float, or double).
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <cuda_runtime.h>
 
-#include <cmath>
-#include <optional>
+#include <cstdint>
 
-#include "torchkern/checks.h"
+#include "launchers.h"
 
 namespace torchkern {
-
-// The kinds and the parameter count come from torchkern/ebm/constants.py, as -D flags from the loader.
-#if !defined(TORCHKERN_ENERGY_KINDS) || !defined(TORCHKERN_ENERGY_PARAMS)
-#error "build through torchkern's loader: it defines the TORCHKERN_ENERGY_* constants (ebm/constants.py)"
-#endif
-enum EnergyKind : int {
-  kDoubleWell = TORCHKERN_ENERGY_DOUBLE_WELL,
-  kHarmonic = TORCHKERN_ENERGY_HARMONIC,
-  kRastrigin = TORCHKERN_ENERGY_RASTRIGIN,
-  kRosenbrock = TORCHKERN_ENERGY_ROSENBROCK,
-  kAckley = TORCHKERN_ENERGY_ACKLEY,
-  kNumKinds = TORCHKERN_ENERGY_KINDS,
-};
-constexpr int kEnergyParams = TORCHKERN_ENERGY_PARAMS;
 
 template <typename C>
 struct EnergyParams {
   C p0, p1, p2;  // DoubleWell (h, b), Harmonic (k), Rastrigin (a), Rosenbrock (a, b), Ackley (a, b, c)
 };
 
-constexpr bool is_elementwise(int kind) { return kind == kDoubleWell || kind == kHarmonic || kind == kRastrigin; }
+template <typename C>
+EnergyParams<C> energy_params(const double (&params)[kEnergyParams]) {
+  return EnergyParams<C>{static_cast<C>(params[0]), static_cast<C>(params[1]), static_cast<C>(params[2])};
+}
 
 template <typename C>
 __device__ __forceinline__ void sincos_2pi(C x, C* s, C* c) {
@@ -105,16 +93,16 @@ __device__ __forceinline__ AckleyTerms<C> ackley_terms(C s2, C sc, int d, const 
 }
 
 // ---------------------------------------------------------------- Langevin update
-// x' = x - eta g + sigma sqrt(2 eta) eps, optionally clamped to [lo, hi] (infinite bounds when absent).
+// StepArgs (launchers.h) in the compute type.
 template <typename C>
 struct StepParams {
   C step, noise_coef, lo, hi;
 };
 
 template <typename C>
-StepParams<C> make_step_params(double step, double sigma, std::optional<double> lo, std::optional<double> hi) {
-  return StepParams<C>{static_cast<C>(step), static_cast<C>(sigma * std::sqrt(2.0 * step)),
-                       static_cast<C>(lo.value_or(-INFINITY)), static_cast<C>(hi.value_or(INFINITY))};
+StepParams<C> step_params(const StepArgs& a) {
+  return StepParams<C>{static_cast<C>(a.step), static_cast<C>(a.noise_coef), static_cast<C>(a.lo),
+                       static_cast<C>(a.hi)};
 }
 
 template <typename C>
@@ -128,32 +116,6 @@ __device__ __forceinline__ C langevin_update(C x, C grad, C eps, const StepParam
 // after step t + 1, so at most t finite steps.
 __device__ __forceinline__ void note_non_finite(int64_t* finite_steps, int64_t row, int t) {
   atomicMin(reinterpret_cast<unsigned long long*>(finite_steps + row), static_cast<unsigned long long>(t));
-}
-
-// ---------------------------------------------------------------- host checks (same words as ebm/twins.py)
-
-inline void check_analytic_args(const char* torchkern_op_name, const at::Tensor& x, int64_t kind,
-                                at::ArrayRef<double> params) {
-  TORCHKERN_CHECK_FLOAT(x);
-  TORCHKERN_CHECK_DIM(x, 2, "[B, d]");
-  TORCHKERN_CHECK(kind >= 0 && kind < kNumKinds, "kind must be in [0, ", static_cast<int>(kNumKinds), "), got ", kind);
-  TORCHKERN_CHECK(params.size() == kEnergyParams, "params must hold ", kEnergyParams, " numbers, got ", params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    TORCHKERN_CHECK(std::isfinite(params[i]), "params[", i, "] must be a finite number, got ", params[i]);
-  }
-  static const char* names[] = {"double_well", "harmonic", "rastrigin", "rosenbrock", "ackley"};  // KIND_NAMES
-  static_assert(sizeof(names) / sizeof(names[0]) == kNumKinds, "one name per kind (ebm/constants.py)");
-  const int64_t min_d = kind == kRosenbrock ? 2 : 1;
-  TORCHKERN_CHECK(x.size(1) >= min_d, "x must have at least ", min_d, " columns for ", names[kind], ", got ", x.sizes());
-}
-
-inline void check_step_args(const char* torchkern_op_name, double step, double sigma, std::optional<double> lo,
-                            std::optional<double> hi) {
-  TORCHKERN_CHECK(step > 0 && std::isfinite(step), "step_size must be a finite number > 0, got ", step);
-  TORCHKERN_CHECK(sigma >= 0 && std::isfinite(sigma), "noise_scale must be a finite number >= 0, got ", sigma);
-  if (lo.has_value() && hi.has_value()) {
-    TORCHKERN_CHECK(*lo <= *hi, "clamp must satisfy min <= max, got (", *lo, ", ", *hi, ")");
-  }
 }
 
 }  // namespace torchkern

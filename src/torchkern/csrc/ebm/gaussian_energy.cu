@@ -7,23 +7,13 @@
 // float64 keeps the simpler warp-per-4-rows kernel. Large d: score = mu P - x P in one cuBLAS call
 // (addmm with the bias row mu P), then a row-wise epilogue E = -1/2 sum (x - mu) * score. The
 // energy is exact for any P (1/2 r.(P^T r) = 1/2 r.(P r)); the score assumes P symmetric, which
-// GaussianEnergy checks at construction.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/addmm.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/matmul.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
+// GaussianEnergy checks at construction. The GEMM runs on the host (ops.cpp); this file's launchers do the rest.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <tuple>
-#include <type_traits>
 
-#include "torchkern/checks.h"
-#include "torchkern/dispatch.h"
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/dispatch.cuh"
+#include "torchkern/launch.cuh"
 #include "torchkern/reduce.cuh"
 #include "torchkern/vec.cuh"
 
@@ -88,9 +78,9 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
   const int tid = threadIdx.x;
   for (int i = tid; i < L.kpad * L.ldp; i += kTileThreads) {
     const int k = i / L.ldp, c = i - k * L.ldp;
-    P[i] = k < d && c < d ? static_cast<float>(precision[k * d + c]) : 0.f;
+    P[i] = k < d && c < d ? to_opmath(precision[k * d + c]) : 0.f;
   }
-  for (int i = tid; i < L.kpad; i += kTileThreads) mu[i] = i < d ? static_cast<float>(mean[i]) : 0.f;
+  for (int i = tid; i < L.kpad; i += kTileThreads) mu[i] = i < d ? to_opmath(mean[i]) : 0.f;
 
   const int tx = tid % kTX, ty = tid / kTX;
   const int warp = tid / 32, lane = tid % 32;
@@ -110,7 +100,7 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
         if (row < batch) {
           const Vec<T, N> xv = load_vec<T, N>(x, (row * d + c) / N);
 #pragma unroll
-          for (int j = 0; j < N; ++j) f[j] = static_cast<float>(xv.v[j]) - mu[c + j];
+          for (int j = 0; j < N; ++j) f[j] = to_opmath(xv.v[j]) - mu[c + j];
         } else {
 #pragma unroll
           for (int j = 0; j < N; ++j) f[j] = 0.f;
@@ -124,7 +114,7 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
       for (int rl = warp; rl < kTileRows; rl += kTileThreads / 32) {
         const int64_t row = row0 + rl;
         for (int c = lane; c < L.kpad; c += 32) {
-          r[rl * L.ldr + c] = row < batch && c < d ? static_cast<float>(x[row * d + c]) - mu[c] : 0.f;
+          r[rl * L.ldr + c] = row < batch && c < d ? to_opmath(x[row * d + c]) - mu[c] : 0.f;
         }
       }
     }
@@ -185,7 +175,7 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
               if (row < batch) {
                 Vec<T, 4> out;
 #pragma unroll
-                for (int j = 0; j < 4; ++j) out.v[j] = static_cast<T>(-acc[i][4 * h + j]);
+                for (int j = 0; j < 4; ++j) out.v[j] = from_opmath<T>(-acc[i][4 * h + j]);
                 store_vec<T, 4>(score, (row * d + c) / 4, out);
               }
             }
@@ -194,7 +184,7 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
             for (int j = 0; j < 4; ++j) {
               if (c + j < d) {
                 e[i] += rr[c + j] * acc[i][4 * h + j];
-                if (row < batch) score[row * d + c + j] = static_cast<T>(-acc[i][4 * h + j]);
+                if (row < batch) score[row * d + c + j] = from_opmath<T>(-acc[i][4 * h + j]);
               }
             }
           }
@@ -204,7 +194,6 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
       // over passes stays in e_rows[rl], which this thread alone touches (no barrier).
 #pragma unroll
       for (int i = 0; i < kTM; ++i) {
-#pragma unroll
         e[i] = warp_sum<kTX>(e[i]);
       }
       if (tx == 0) {
@@ -215,7 +204,7 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
           if (pass + 1 < passes) {
             e_rows[rl] = total;
           } else if (row0 + rl < batch) {
-            energy[row0 + rl] = static_cast<T>(0.5f * total);
+            energy[row0 + rl] = from_opmath<T>(0.5f * total);
           }
         }
       }
@@ -223,44 +212,31 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
   }
 }
 
-// Opt-in shared memory for the tiled kernel on the current device: min(the device's limit,
-// kTiledMaxSharedBytes), set once per instantiation and device.
-template <typename T, bool kVec>
-int64_t prepare_tiled_kernel() {
-  static std::atomic<int> limit[64] = {};
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 64 && limit[device].load()) return limit[device].load();
-  int optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const int bytes = static_cast<int>(std::min<int64_t>(optin, kTiledMaxSharedBytes));
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(gaussian_tiled_kernel<T, kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(gaussian_tiled_kernel<T, kVec>,
-                                      cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
-  if (device < 64) limit[device].store(bytes);
-  return bytes;
+// Shared memory the tiled kernel may use on the current device: min(the device's opt-in limit,
+// kTiledMaxSharedBytes).
+int64_t tiled_shared_limit() {
+  return std::min<int64_t>(static_cast<int64_t>(smem_optin_bytes()), kTiledMaxSharedBytes);
 }
 
-// Runs the tiled kernel and returns the score, or an undefined tensor where its shared memory
-// does not fit (the caller takes the GEMM path). x, mean, precision contiguous; batch > 0.
+// Runs the tiled kernel (gaussian_fused has checked that its shared memory fits); batch > 0.
 template <typename T>
-at::Tensor launch_tiled(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& precision,
-                        at::Tensor& energy) {
-  const int64_t batch = x.size(0);
-  const int d = static_cast<int>(x.size(1));
-  const int64_t shared = TileLayout(d).floats() * static_cast<int64_t>(sizeof(float));
-  const bool vec = d % kVec16<T> == 0 && is_aligned(x.const_data_ptr<T>(), 16);
-  return TORCHKERN_BOOL_SWITCH(vec, kVec, [&] {
-    if (shared > prepare_tiled_kernel<T, kVec>()) return at::Tensor();
-    at::Tensor score = at::empty({batch, d}, x.options());
-    const int64_t tiles = (batch + kTileRows - 1) / kTileRows;
+void launch_tiled(const GaussianParams& p, cudaStream_t stream) {
+  const int64_t shared = TileLayout(p.d).floats() * static_cast<int64_t>(sizeof(float));
+  const bool vec = p.d % kVec16<T> == 0 && is_aligned(p.x, 16);
+  TORCHKERN_BOOL_SWITCH(vec, kVec, [&] {
+    static int opted_in[kCachedDevices] = {};  // the opt-in and the carveout, once per device
+    per_device(opted_in, [](int) {
+      cudaFuncSetAttribute(gaussian_tiled_kernel<T, kVec>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(tiled_shared_limit()));
+      cudaFuncSetAttribute(gaussian_tiled_kernel<T, kVec>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared);
+      return 0;
+    });
+    const int64_t tiles = (p.batch + kTileRows - 1) / kTileRows;
     const unsigned grid = grid_for(gaussian_tiled_kernel<T, kVec>, kTileThreads, tiles, 1, shared);
-    gaussian_tiled_kernel<T, kVec><<<grid, kTileThreads, shared, current_stream()>>>(
-        x.const_data_ptr<T>(), mean.const_data_ptr<T>(), precision.const_data_ptr<T>(), energy.mutable_data_ptr<T>(),
-        score.mutable_data_ptr<T>(), batch, d);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return score;
+    gaussian_tiled_kernel<T, kVec><<<grid, kTileThreads, shared, stream>>>(
+        static_cast<const T*>(p.x), static_cast<const T*>(p.mean), static_cast<const T*>(p.precision),
+        static_cast<T*>(p.energy), static_cast<T*>(p.score), p.batch, p.d);
   });
 }
 
@@ -275,7 +251,7 @@ gaussian_warp_kernel(const T* __restrict__ x,          // [B, d]
                       T* __restrict__ energy,           // [B]
                       T* __restrict__ score,            // [B, d]
                       int64_t batch, int d) {
-  using C = at::opmath_type<T>;
+  using C = opmath_t<T>;
   extern __shared__ unsigned char shared_raw[];
   C* P = reinterpret_cast<C*>(shared_raw);       // [d, d]
   C* mu = P + d * d;                             // [d]
@@ -327,89 +303,55 @@ gaussian_energy_epilogue(const T* __restrict__ x,      // [B, d]
                          const T* __restrict__ score,  // [B, d]
                          T* __restrict__ energy,       // [B]
                          int64_t batch, int d) {
-  using C = at::opmath_type<T>;
+  using C = opmath_t<T>;
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (row >= batch) return;
   C e = C(0);
   for (int j = lane; j < d; j += 32) {
-    e += (static_cast<C>(x[row * d + j]) - static_cast<C>(mean[j])) * static_cast<C>(score[row * d + j]);
+    e += (to_opmath(x[row * d + j]) - to_opmath(mean[j])) * to_opmath(score[row * d + j]);
   }
   e = warp_sum(e);
-  if (lane == 0) energy[row] = static_cast<T>(C(-0.5) * e);
+  if (lane == 0) energy[row] = from_opmath<T>(C(-0.5) * e);
 }
 
-std::tuple<at::Tensor, at::Tensor> gaussian_cuda(const char* torchkern_op_name, const at::Tensor& x,
-                                                 const at::Tensor& mean, const at::Tensor& precision) {
-  TORCHKERN_CHECK_FLOAT(x);
-  TORCHKERN_CHECK_FLOAT(mean);
-  TORCHKERN_CHECK_SAME_DTYPE(x, mean);
-  TORCHKERN_CHECK_SAME_DEVICE(x, mean);
-  TORCHKERN_CHECK_FLOAT(precision);
-  TORCHKERN_CHECK_SAME_DTYPE(x, precision);
-  TORCHKERN_CHECK_SAME_DEVICE(x, precision);
-  TORCHKERN_CHECK_DIM(x, 2, "[B, d]");
-  const int64_t batch = x.size(0), d = x.size(1);
-  TORCHKERN_CHECK(mean.dim() == 1 && mean.size(0) == d, "mean must have shape [d] with d = ", d, " like x, got ",
-                  mean.sizes());
-  TORCHKERN_CHECK(precision.dim() == 2 && precision.size(0) == d && precision.size(1) == d,
-                  "precision must have shape [d, d] with d = ", d, " like x, got ", precision.sizes());
-  TORCHKERN_CHECK_CUDA(x);
-  const at::cuda::OptionalCUDAGuard guard(x.device());
-  const at::Tensor xc = x.contiguous(), mc = mean.contiguous(), pc = precision.contiguous();
-  at::Tensor energy = at::empty({batch}, x.options());
-  if (batch == 0) return {energy, at::empty({0, d}, x.options())};
-  if (d <= kTiledMaxD) {
-    at::Tensor score;
-    switch (x.scalar_type()) {
-      case at::kFloat: score = launch_tiled<float>(xc, mc, pc, energy); break;
-      case at::kHalf: score = launch_tiled<at::Half>(xc, mc, pc, energy); break;
-      case at::kBFloat16: score = launch_tiled<at::BFloat16>(xc, mc, pc, energy); break;
-      default: break;
-    }
-    if (score.defined()) return {energy, score};
-  }
-  const int64_t warp_shared = (d * d + d + kWarps * kRows * d) * static_cast<int64_t>(sizeof(double));
-  if (x.scalar_type() == at::kDouble && warp_shared <= kSharedBytes) {
-    at::Tensor score = at::empty({batch, d}, x.options());
-    const int64_t groups = (batch + kRows - 1) / kRows;
-    const unsigned grid = grid_for(groups, kWarps, 4);
-    gaussian_warp_kernel<double><<<grid, kWarps * 32, warp_shared, current_stream()>>>(
-        xc.const_data_ptr<double>(), mc.const_data_ptr<double>(), pc.const_data_ptr<double>(),
-        energy.mutable_data_ptr<double>(), score.mutable_data_ptr<double>(), batch, static_cast<int>(d));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return {energy, score};
-  }
-  // score = mu P - x P (P symmetric): one GEMM with a bias row.
-  const at::Tensor score = at::addmm(at::matmul(mc, pc).unsqueeze(0), xc, pc, /*beta=*/1, /*alpha=*/-1);
-  TORCHKERN_DISPATCH_FLOATING(x.scalar_type(), "gaussian_energy", [&] {
-    const unsigned grid = static_cast<unsigned>((batch + kWarps - 1) / kWarps);
-    gaussian_energy_epilogue<scalar_t><<<grid, kWarps * 32, 0, current_stream()>>>(
-        xc.const_data_ptr<scalar_t>(), mc.const_data_ptr<scalar_t>(), score.const_data_ptr<scalar_t>(),
-        energy.mutable_data_ptr<scalar_t>(), batch, static_cast<int>(d));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return {energy, score.contiguous()};
-}
-
-at::Tensor gaussian_energy_cuda(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& precision) {
-  return std::get<0>(gaussian_cuda("torchkern.gaussian_energy", x, mean, precision));
-}
-
-at::Tensor gaussian_score_cuda(const at::Tensor& x, const at::Tensor& mean, const at::Tensor& precision) {
-  return std::get<1>(gaussian_cuda("torchkern.gaussian_score", x, mean, precision));
-}
-
-std::tuple<at::Tensor, at::Tensor> gaussian_energy_and_score_cuda(const at::Tensor& x, const at::Tensor& mean,
-                                                                  const at::Tensor& precision) {
-  return gaussian_cuda("torchkern.gaussian_energy_and_score", x, mean, precision);
+// Shared memory of the float64 kernel: P, mu and each warp's kRows rows of r.
+int64_t warp_shared_bytes(int d) {
+  return (static_cast<int64_t>(d) * d + d + kWarps * kRows * d) * static_cast<int64_t>(sizeof(double));
 }
 
 }  // namespace
-}  // namespace torchkern
 
-TORCH_LIBRARY_IMPL(torchkern, CUDA, m) {
-  m.impl("gaussian_energy", &torchkern::gaussian_energy_cuda);
-  m.impl("gaussian_score", &torchkern::gaussian_score_cuda);
-  m.impl("gaussian_energy_and_score", &torchkern::gaussian_energy_and_score_cuda);
+bool gaussian_fused(int d, DType dtype) {
+  if (dtype == DType::kFloat64) return warp_shared_bytes(d) <= kSharedBytes;
+  return d <= kTiledMaxD && TileLayout(d).floats() * static_cast<int64_t>(sizeof(float)) <= tiled_shared_limit();
 }
+
+cudaError_t gaussian_launch(const GaussianParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kFloat32: launch_tiled<float>(p, stream); break;
+    case DType::kFloat16: launch_tiled<__half>(p, stream); break;
+    case DType::kBFloat16: launch_tiled<__nv_bfloat16>(p, stream); break;
+    case DType::kFloat64: {
+      const int64_t groups = (p.batch + kRows - 1) / kRows;
+      gaussian_warp_kernel<double><<<grid_for(groups, kWarps, 4), kWarps * 32, warp_shared_bytes(p.d), stream>>>(
+          static_cast<const double*>(p.x), static_cast<const double*>(p.mean),
+          static_cast<const double*>(p.precision), static_cast<double*>(p.energy), static_cast<double*>(p.score),
+          p.batch, p.d);
+    }
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t gaussian_energy_launch(const GaussianParams& p, cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const unsigned grid = static_cast<unsigned>((p.batch + kWarps - 1) / kWarps);
+    gaussian_energy_epilogue<T><<<grid, kWarps * 32, 0, stream>>>(
+        static_cast<const T*>(p.x), static_cast<const T*>(p.mean), static_cast<const T*>(p.score),
+        static_cast<T*>(p.energy), p.batch, p.d);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace torchkern

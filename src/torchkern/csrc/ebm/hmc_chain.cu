@@ -8,21 +8,9 @@
 // kick, n_leapfrog x (drift, kick) with the last kick halved, and accept where log u < H0 - H1 with u from
 // draw 2t + 1 (group = row); a divergent trajectory (non-finite H1) is rejected and ends the row's count of
 // finite trajectories. float16/bfloat16 states run in float32 (converted on the host).
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
-#include <algorithm>
-#include <cmath>
-#include <tuple>
-
-#include "chain_checks.h"
 #include "energies.cuh"
-#include "torchkern/checks.h"
-#include "torchkern/dispatch.h"
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/dispatch.cuh"
 #include "torchkern/philox.cuh"
 #include "torchkern/reduce.cuh"
 
@@ -31,7 +19,7 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxChunks = 8;
+constexpr int kMaxChunks = kHmcChainMaxD / (32 * 4);
 
 template <typename C>
 struct HmcArgs {
@@ -122,7 +110,7 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
                bool* __restrict__ accepted,    // [B, n_steps] or null
                int64_t* __restrict__ count,    // [B]
                int64_t* __restrict__ finite,   // [B]: trajectories before the first divergent one
-               HmcArgs<C> a, at::PhiloxCudaState philox) {
+               HmcArgs<C> a, PhiloxState philox) {
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (r >= a.batch) return;  // whole warps leave together
@@ -224,75 +212,39 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
   }
 }
 
-template <int kKind, typename C>
-void launch_hmc(int chunks, C* x, C* traj, C* energy, bool* accepted, int64_t* count, int64_t* finite,
-                const HmcArgs<C>& a, const at::PhiloxCudaState& philox) {
-  const unsigned grid = static_cast<unsigned>((a.batch + kWarps - 1) / kWarps);
-  if (chunks == 1) {
-    hmc_row_kernel<kKind, 1, C><<<grid, kThreads, 0, current_stream()>>>(x, traj, energy, accepted, count, finite, a,
-                                                                         philox);
-  } else {
-    hmc_row_kernel<kKind, kMaxChunks, C><<<grid, kThreads, 0, current_stream()>>>(x, traj, energy, accepted, count,
-                                                                                  finite, a, philox);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> hmc_chain_cuda(
-    at::Tensor& x, int64_t kind, at::ArrayRef<double> params, double step_size, int64_t n_leapfrog, int64_t n_steps,
-    int64_t thin, bool return_trajectory, bool return_energy, bool return_acceptance,
-    std::optional<at::Generator> generator, const std::optional<at::Tensor>& noise,
-    const std::optional<at::Tensor>& uniform) {
-  TORCHKERN_OP("hmc_chain_");
-  check_analytic_args(torchkern_op_name, x, kind, params);
-  check_hmc_run(torchkern_op_name, x, step_size, n_leapfrog, n_steps, thin, noise, uniform);
-  const int64_t batch = x.size(0), d = x.size(1), kept = n_steps / thin;
-  TORCHKERN_CHECK(d <= 32 * 4 * kMaxChunks, "x must have at most ", 32 * 4 * kMaxChunks,
-                  " columns for the fused HMC kernel (HamiltonianMonteCarlo samples wider rows by its generic path), "
-                  "got ", x.sizes());
-  TORCHKERN_CHECK_CUDA(x);
-  const at::cuda::OptionalCUDAGuard guard(x.device());
-  const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor traj = at::empty({batch, return_trajectory ? kept : 0, d}, x.options().dtype(ct));
-  at::Tensor energy = at::empty({batch, return_energy ? kept : 0}, x.options().dtype(ct));
-  at::Tensor accepted = at::zeros({batch, return_acceptance ? n_steps : 0}, x.options().dtype(at::kBool));
-  at::Tensor count = at::zeros({batch}, x.options().dtype(at::kLong));
-  at::Tensor finite = at::zeros({batch}, x.options().dtype(at::kLong));  // the kernel writes every row
-  if (batch > 0 && n_steps > 0) {
-    at::Tensor work = x.scalar_type() == ct && x.is_contiguous() ? x : x.to(ct).contiguous();
-    const at::Tensor nz = noise.has_value() ? noise->to(ct).contiguous() : at::Tensor();
-    const at::Tensor un = uniform.has_value() ? uniform->to(ct).contiguous() : at::Tensor();
-    const bool use_philox = !(noise.has_value() && uniform.has_value());
-    const at::PhiloxCudaState philox =
-        use_philox ? reserve_philox(generator, 2 * static_cast<uint64_t>(n_steps)) : at::PhiloxCudaState();
-    const int chunks = d <= 128 ? 1 : kMaxChunks;
-    AT_DISPATCH_FLOATING_TYPES(ct, "hmc_chain_", [&] {
-      using C = scalar_t;
-      HmcArgs<C> a;
-      a.noise = nz.defined() ? nz.const_data_ptr<C>() : nullptr;
-      a.uniform = un.defined() ? un.const_data_ptr<C>() : nullptr;
-      a.batch = batch;
-      a.d = static_cast<int>(d);
-      a.n_steps = static_cast<int>(n_steps);
-      a.n_leapfrog = static_cast<int>(n_leapfrog);
-      a.thin = static_cast<int>(std::min<int64_t>(thin, 1 << 30));
-      a.kept = static_cast<int>(kept);
-      a.step = static_cast<C>(step_size);
-      a.p = EnergyParams<C>{static_cast<C>(params[0]), static_cast<C>(params[1]), static_cast<C>(params[2])};
-      C* tp = return_trajectory && kept ? traj.mutable_data_ptr<C>() : nullptr;
-      C* ep = return_energy && kept ? energy.mutable_data_ptr<C>() : nullptr;
-      bool* ap = return_acceptance ? accepted.mutable_data_ptr<bool>() : nullptr;
-      TORCHKERN_KIND_SWITCH(static_cast<int>(kind), kKind, [&] {
-        launch_hmc<kKind, C>(chunks, work.mutable_data_ptr<C>(), tp, ep, ap, count.mutable_data_ptr<int64_t>(),
-                             finite.mutable_data_ptr<int64_t>(), a, philox);
-      });
-    });
-    if (!work.is_same(x)) x.copy_(work);
-  }
-  return {traj.to(x.scalar_type()), energy.to(x.scalar_type()), accepted, count, finite};
-}
-
 }  // namespace
-}  // namespace torchkern
 
-TORCH_LIBRARY_IMPL(torchkern, CUDA, m) { m.impl("hmc_chain_", &torchkern::hmc_chain_cuda); }
+cudaError_t hmc_chain_launch(const HmcChainParams& p, cudaStream_t stream) {
+  const unsigned grid = static_cast<unsigned>((p.batch + kWarps - 1) / kWarps);
+  const auto run = [&](auto tag) {
+    using C = typename decltype(tag)::type;
+    HmcArgs<C> a;
+    a.noise = static_cast<const C*>(p.noise);
+    a.uniform = static_cast<const C*>(p.uniform);
+    a.batch = p.batch;
+    a.d = p.d;
+    a.n_steps = p.n_steps;
+    a.n_leapfrog = p.n_leapfrog;
+    a.thin = p.thin;
+    a.kept = p.kept;
+    a.step = static_cast<C>(p.step);
+    a.p = energy_params<C>(p.params);
+    C* x = static_cast<C*>(p.x);
+    C* traj = static_cast<C*>(p.traj);
+    C* energy = static_cast<C*>(p.energy);
+    TORCHKERN_KIND_SWITCH(p.kind, kKind, [&] {
+      if (p.d <= 128) {
+        hmc_row_kernel<kKind, 1, C><<<grid, kThreads, 0, stream>>>(x, traj, energy, p.accepted, p.accept_count,
+                                                                   p.finite_steps, a, p.philox);
+      } else {
+        hmc_row_kernel<kKind, kMaxChunks, C><<<grid, kThreads, 0, stream>>>(x, traj, energy, p.accepted,
+                                                                            p.accept_count, p.finite_steps, a,
+                                                                            p.philox);
+      }
+    });
+    return cudaGetLastError();
+  };
+  return p.dtype == DType::kFloat64 ? run(Type<double>{}) : run(Type<float>{});
+}
+
+}  // namespace torchkern

@@ -1,20 +1,20 @@
-// Shared by langevin_chain.cu (elementwise energies, host entry) and langevin_chain_rows.cu
-// (row-coupled energies): split in two so ninja compiles the two halves in parallel.
+// Shared by langevin_chain.cu (elementwise energies, the launcher) and langevin_chain_rows.cu (row-coupled
+// energies): split in two so ninja compiles the two halves in parallel.
 #pragma once
-
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/PhiloxUtils.cuh>
 
 #include <cstdint>
 
 #include "../energies.cuh"
+#include "../launchers.h"
+#include "torchkern/dispatch.cuh"
+#include "torchkern/philox.cuh"
 
 namespace torchkern {
 namespace chain {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kMaxRowChunks = 8;  // row kernel: d <= 32 * 4 * 8 = 1024
+constexpr int kMaxRowChunks = kLangevinChainMaxRowD / (32 * 4);  // row kernel: 4-column groups per lane
 
 template <typename C>
 struct ChainArgs {
@@ -31,8 +31,8 @@ struct ChainArgs {
 // Launches the one-warp-per-row chain for Rosenbrock or Ackley (langevin_chain_rows.cu);
 // chunks = 4-column groups per lane, one of 1, 2, 4, kMaxRowChunks.
 template <typename T>
-void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
-                 const at::PhiloxCudaState& philox);
+void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainArgs<opmath_t<T>>& a,
+                 const PhiloxState& philox, cudaStream_t stream);
 
 }  // namespace chain
 }  // namespace torchkern

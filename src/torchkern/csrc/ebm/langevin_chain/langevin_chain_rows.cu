@@ -1,12 +1,7 @@
 // langevin_chain for row-coupled energies (Rosenbrock, Ackley): one warp owns a row (see
 // langevin_chain.cu for the layout and the noise contract).
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-
 #include "langevin_chain.cuh"
-#include "torchkern/launch.h"
 #include "torchkern/reduce.cuh"
-#include "torchkern/philox.cuh"
 
 namespace torchkern {
 namespace chain {
@@ -17,8 +12,8 @@ __global__ void __launch_bounds__(kThreads)
 chain_row_kernel(const T* __restrict__ x,  // [B, d]
                  T* __restrict__ out,      // [B, d]
                  T* __restrict__ traj,     // [B, kept, d]
-                 ChainArgs<at::opmath_type<T>> a, at::PhiloxCudaState philox) {
-  using C = at::opmath_type<T>;
+                 ChainArgs<opmath_t<T>> a, PhiloxState philox) {
+  using C = opmath_t<T>;
   constexpr unsigned kFull = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
@@ -33,7 +28,7 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int j = 4 * (lane + 32 * k) + c;
-      v[k][c] = j < d ? static_cast<C>(x[row_base + j]) : C(0);
+      v[k][c] = j < d ? to_opmath(x[row_base + j]) : C(0);
     }
   }
   bool noted = false;  // this lane recorded a non-finite state of the row
@@ -98,7 +93,7 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
         }
         v[k][c] = langevin_update(v[k][c], grad[k][c], eps, a.s, a.clamp);
         finite = finite && isfinite(v[k][c]);
-        if (keep) traj[(r * a.kept + slot) * d + j] = static_cast<T>(v[k][c]);
+        if (keep) traj[(r * a.kept + slot) * d + j] = from_opmath<T>(v[k][c]);
       }
     }
     if (!finite && !noted) {  // diverged: rare
@@ -111,7 +106,7 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int j = 4 * (lane + 32 * k) + c;
-      if (j < d) out[row_base + j] = static_cast<T>(v[k][c]);
+      if (j < d) out[row_base + j] = from_opmath<T>(v[k][c]);
     }
   }
 }
@@ -119,36 +114,34 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
 }  // namespace
 
 template <int kKind, typename T>
-static void launch_row(int chunks, const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
-                const at::PhiloxCudaState& philox) {
+static void launch_row(int chunks, const T* x, T* out, T* traj, const ChainArgs<opmath_t<T>>& a,
+                       const PhiloxState& philox, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>((a.batch + kWarps - 1) / kWarps);
-  const cudaStream_t stream = current_stream();
   switch (chunks) {
     case 1: chain_row_kernel<kKind, 1, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
     case 2: chain_row_kernel<kKind, 2, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
     case 4: chain_row_kernel<kKind, 4, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
     default: chain_row_kernel<kKind, kMaxRowChunks, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T>
-void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainArgs<at::opmath_type<T>>& a,
-                 const at::PhiloxCudaState& philox) {
+void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainArgs<opmath_t<T>>& a,
+                 const PhiloxState& philox, cudaStream_t stream) {
   if (kind == kRosenbrock) {
-    launch_row<kRosenbrock, T>(chunks, x, out, traj, a, philox);
+    launch_row<kRosenbrock, T>(chunks, x, out, traj, a, philox, stream);
   } else {
-    launch_row<kAckley, T>(chunks, x, out, traj, a, philox);
+    launch_row<kAckley, T>(chunks, x, out, traj, a, philox, stream);
   }
 }
 
-#define TORCHKERN_INSTANTIATE_ROWS(T)                                                                      \
-  template void launch_rows<T>(int, int, const T*, T*, T*, const ChainArgs<at::opmath_type<T>>&, \
-                               const at::PhiloxCudaState&);
+#define TORCHKERN_INSTANTIATE_ROWS(T)                                                                          \
+  template void launch_rows<T>(int, int, const T*, T*, T*, const ChainArgs<opmath_t<T>>&, const PhiloxState&, \
+                               cudaStream_t);
 TORCHKERN_INSTANTIATE_ROWS(float)
 TORCHKERN_INSTANTIATE_ROWS(double)
-TORCHKERN_INSTANTIATE_ROWS(at::Half)
-TORCHKERN_INSTANTIATE_ROWS(at::BFloat16)
+TORCHKERN_INSTANTIATE_ROWS(__half)
+TORCHKERN_INSTANTIATE_ROWS(__nv_bfloat16)
 #undef TORCHKERN_INSTANTIATE_ROWS
 
 }  // namespace chain

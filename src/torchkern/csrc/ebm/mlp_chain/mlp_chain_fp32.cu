@@ -6,8 +6,8 @@ namespace torchkern {
 namespace mlp {
 
 template <>
-void launch<kFp32>(const Params& p, const at::PhiloxCudaState& philox, size_t smem_bytes) {
-  launch_op<kFp32, Fp32Op>(p, philox, smem_bytes);
+cudaError_t launch<kFp32>(const Params& p, const PhiloxState& philox, cudaStream_t stream) {
+  return launch_op<kFp32, Fp32Op>(p, philox, stream);
 }
 
 }  // namespace mlp

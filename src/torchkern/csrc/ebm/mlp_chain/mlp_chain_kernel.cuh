@@ -1,4 +1,4 @@
-// The fused MLP-energy chain kernel (see mlp_chain.cuh for the math, the geometry and the layout).
+// The fused MLP-energy chain kernel (see mlp_chain.h for the math, the geometry and the layout).
 // Included once per operand precision by mlp_chain_{bf16,tf32,fp32}.cu.
 //
 // One evaluation (energy and input gradient of the block's rows) is 2H products in this order:
@@ -21,10 +21,10 @@
 #include <type_traits>
 
 #include "../energies.cuh"
-#include "mlp_chain.cuh"
+#include "mlp_chain.h"
 #include "mlp_operands.cuh"
 #include "mlp_wgmma.cuh"
-#include "torchkern/launch.h"
+#include "torchkern/launch.cuh"
 #include "torchkern/philox.cuh"
 #include "torchkern/reduce.cuh"
 
@@ -322,7 +322,7 @@ __device__ __forceinline__ void wait_chunk(const Ctx<Op>& c, unsigned i) {
 }
 
 // Issues the next chunk of the schedule into its stage and advances the cursor (thread 0): rows n0 + [0, pw) of
-// product g's k chunk, one contiguous piece of the packed image (mlp_chain.cuh, stream_image_elems). Chunk i goes
+// product g's k chunk, one contiguous piece of the packed image (mlp_chain.h, stream_image_elems). Chunk i goes
 // to stage i % 2, whose barrier completes its phase i / 2 when the bytes have landed.
 template <class Op>
 __device__ void issue_chunk(Ctx<Op>& c) {
@@ -1077,7 +1077,7 @@ __device__ __forceinline__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
 
 template <class Op>
 __global__ void __launch_bounds__(kThreads, 1)
-mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::PhiloxCudaState philox) {
+mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ PhiloxState philox) {
   using T = typename Op::T;
   constexpr int kPad = Ctx<Op>::kPad;
   extern __shared__ __align__(128) char smem[];
@@ -1257,12 +1257,12 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ at::P
 }
 
 template <int kPrecision, class Op>
-void launch_op(const Params& p, const at::PhiloxCudaState& philox, size_t smem_bytes) {
+cudaError_t launch_op(const Params& p, const PhiloxState& philox, cudaStream_t stream) {
   static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, mlp_chain_kernel<Op>, smem_optin_bytes());
   const unsigned grid = static_cast<unsigned>((p.batch + p.rows - 1) / p.rows);
-  mlp_chain_kernel<Op><<<grid, kThreads, smem_bytes, current_stream()>>>(p, philox);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  mlp_chain_kernel<Op><<<grid, kThreads, static_cast<size_t>(p.smem[kSlotEnd]), stream>>>(p, philox);
+  return cudaGetLastError();
 }
 
 }  // namespace mlp

@@ -1,10 +1,10 @@
-// The fused MLP chain's weight packing (mlp_host.h `pack`): the network's float32 layers copied into the kernel's
+// The fused MLP chain's weight packing (mlp_ops.cpp `pack`): the network's float32 layers copied into the kernel's
 // padded geometry (widths rounded up to kAlign, zeros in the padding; streamed weights as the stages' image) and
 // rounded as the products read them, in ONE launch. Packing by a zeroed buffer and a copy per tensor was ten
 // launches (the op's host time fell from 0.21 to 0.06 ms on an H200 host).
-#include "mlp_chain.cuh"
+#include "mlp_chain.h"
 #include "mlp_operands.cuh"
-#include "torchkern/launch.h"
+#include "torchkern/launch.cuh"
 
 namespace torchkern {
 namespace mlp {
@@ -16,7 +16,7 @@ __device__ __forceinline__ float weight(const PackSource& s, int l, int r, int c
 }
 
 // Element i of [operands | vecs]: hidden layer l's weights at p.w_off[l] (resident: W_l [dims[l+1], dims[l]];
-// streamed: its forward and backward images, mlp_chain.cuh); then b_l at p.b_off[l], the output row at
+// streamed: its forward and backward images, mlp_chain.h); then b_l at p.b_off[l], the output row at
 // p.wlast_off and its bias at p.blast_off (vecs, float32). Operands rounded by Op (mlp_operands.cuh).
 template <class Op>
 __global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_constant__ PackSource s,
@@ -61,23 +61,24 @@ __global__ void mlp_pack_kernel(const __grid_constant__ Params p, const __grid_c
 }
 
 template <class Op>
-void launch_pack_as(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems) {
-  mlp_pack_kernel<Op><<<grid_for(w_elems + v_elems, 256, 2), 256, 0, current_stream()>>>(
+void launch_pack_as(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems,
+                    cudaStream_t stream) {
+  mlp_pack_kernel<Op><<<grid_for(w_elems + v_elems, 256, 2), 256, 0, stream>>>(
       p, s, static_cast<typename Op::T*>(wpack), vpack, w_elems, v_elems);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
 
-void launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems,
-                 int precision) {
+cudaError_t launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems,
+                        int64_t v_elems, int precision, cudaStream_t stream) {
   if (precision == kBf16) {
-    launch_pack_as<Bf16Op>(p, s, wpack, vpack, w_elems, v_elems);
+    launch_pack_as<Bf16Op>(p, s, wpack, vpack, w_elems, v_elems, stream);
   } else if (precision == kTf32) {
-    launch_pack_as<Tf32Op>(p, s, wpack, vpack, w_elems, v_elems);
+    launch_pack_as<Tf32Op>(p, s, wpack, vpack, w_elems, v_elems, stream);
   } else {
-    launch_pack_as<Fp32Op>(p, s, wpack, vpack, w_elems, v_elems);
+    launch_pack_as<Fp32Op>(p, s, wpack, vpack, w_elems, v_elems, stream);
   }
+  return cudaGetLastError();
 }
 
 }  // namespace mlp

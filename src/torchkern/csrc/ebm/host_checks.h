@@ -1,16 +1,43 @@
-// Host checks of the run arguments every chain op of the family takes (langevin_chain, hmc_chain_,
-// mlp_langevin_chain_, mlp_hmc_chain_), in the words of twins.check_chain_run and twins.check_hmc. Op-specific
-// limits (Langevin step arguments, row widths) stay with their ops.
+// Host checks that several of the family's ops share (ops.cpp, mlp_chain/mlp_ops.cpp), in the words of
+// ebm/twins.py: an analytic energy's arguments, the Langevin step's, the run arguments of every chain op
+// (langevin_chain, hmc_chain_, mlp_langevin_chain_, mlp_hmc_chain_), HMC's, and the MLP chains' `start`.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cmath>
+#include <cstdint>
 #include <optional>
 
+#include "launchers.h"
 #include "torchkern/checks.h"
 
 namespace torchkern {
+
+inline void check_analytic_args(const char* torchkern_op_name, const at::Tensor& x, int64_t kind,
+                                at::ArrayRef<double> params) {
+  TORCHKERN_CHECK_FLOAT(x);
+  TORCHKERN_CHECK_DIM(x, 2, "[B, d]");
+  TORCHKERN_CHECK(kind >= 0 && kind < kNumKinds, "kind must be in [0, ", static_cast<int>(kNumKinds), "), got ", kind);
+  TORCHKERN_CHECK(params.size() == kEnergyParams, "params must hold ", kEnergyParams, " numbers, got ", params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCHKERN_CHECK(std::isfinite(params[i]), "params[", i, "] must be a finite number, got ", params[i]);
+  }
+  static const char* names[] = {"double_well", "harmonic", "rastrigin", "rosenbrock", "ackley"};  // KIND_NAMES
+  static_assert(sizeof(names) / sizeof(names[0]) == kNumKinds, "one name per kind (ebm/constants.py)");
+  const int64_t min_d = kind == kRosenbrock ? 2 : 1;
+  TORCHKERN_CHECK(x.size(1) >= min_d, "x must have at least ", min_d, " columns for ", names[kind], ", got ",
+                  x.sizes());
+}
+
+inline void check_step_args(const char* torchkern_op_name, double step, double sigma, std::optional<double> lo,
+                            std::optional<double> hi) {
+  TORCHKERN_CHECK(step > 0 && std::isfinite(step), "step_size must be a finite number > 0, got ", step);
+  TORCHKERN_CHECK(sigma >= 0 && std::isfinite(sigma), "noise_scale must be a finite number >= 0, got ", sigma);
+  if (lo.has_value() && hi.has_value()) {
+    TORCHKERN_CHECK(*lo <= *hi, "clamp must satisfy min <= max, got (", *lo, ", ", *hi, ")");
+  }
+}
 
 // `uniform` is HMC's injected acceptance draws; the Langevin ops have none.
 inline void check_chain_run(const char* torchkern_op_name, const at::Tensor& x, int64_t n_steps, int64_t thin,

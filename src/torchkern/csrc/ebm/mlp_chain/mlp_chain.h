@@ -1,6 +1,7 @@
-// The fused MLP-energy chain: what the host entries (mlp_langevin_chain.cu, mlp_hmc_chain.cu,
-// mlp_energy_and_score.cu) share with the kernel (mlp_chain_kernel.cuh, one instantiation per operand
-// precision in mlp_chain_{bf16,tf32,fp32}.cu, compiled in parallel).
+// The fused MLP-energy chain: what the host side of its ops (mlp_ops.cpp: mlp_energy_and_score,
+// mlp_langevin_chain_, mlp_hmc_chain_) shares with the kernel (mlp_chain_kernel.cuh, one instantiation per operand
+// precision in mlp_chain_{bf16,tf32,fp32}.cu, compiled in parallel): the parameters, the geometry and the
+// launchers. Torch-free, read by nvcc and the host compiler.
 //
 // The energy: E(x) = w^T phi(h_H) + b, h_1 = W_0 x + b_0, h_{l+1} = W_l phi(h_l) + b_l (H hidden layers).
 // Its input gradient: D_{H-1} = phi'(h_H) * w, D_{l-1} = (D_l W_l) * phi'(h_l), dE/dx = D_0 W_0.
@@ -25,11 +26,12 @@
 // byte offset of each buffer (Slot order below = constants.MLP_SLOTS).
 #pragma once
 
-#include <tuple>  // before PhiloxUtils.cuh, which uses std::tuple without including it (torch 2.11)
+#include <cuda_runtime_api.h>
 
-#include <ATen/cuda/PhiloxUtils.cuh>
-
+#include <cstddef>
 #include <cstdint>
+
+#include "torchkern/philox.cuh"
 
 #if !defined(TORCHKERN_MLP_SLOTS) || !defined(TORCHKERN_ACT_KINDS) || !defined(TORCHKERN_PREC_FP32)
 #error "build through torchkern's loader: it defines the TORCHKERN_MLP_* constants (ebm/constants.py)"
@@ -89,9 +91,9 @@ enum Activation : int {
 
 enum Precision : int { kBf16 = TORCHKERN_PREC_BF16, kTf32 = TORCHKERN_PREC_TF32, kFp32 = TORCHKERN_PREC_FP32 };
 
-// One product of the warpgroup path (p.wgmma), planned on the host (mlp_host.h, wg_plan) so that the kernel
-// computes no geometry per product and step (the chain of dependent uniform instructions that did was ~80 per
-// warp and product). Descriptors (mlp_wgmma.cuh) hold shared addresses relative to the dynamic shared memory;
+// One product of the warpgroup path (p.wgmma), planned before the launch (mlp_chain_bf16.cu, wg_plan) so that the
+// kernel computes no geometry per product and step (the chain of dependent uniform instructions that did was ~80
+// per warp and product). Descriptors (mlp_wgmma.cuh) hold shared addresses relative to the dynamic shared memory;
 // the kernel adds its base. [w]: warpgroup w's (they differ where the input-gradient product splits K).
 struct WgProduct {
   uint64_t a[2], b[2];     // A's tile 0 and B at this warpgroup's first k step
@@ -165,13 +167,13 @@ struct PackSource {
 // operand type, rounded as its products read them (mlp_operands.cuh: bf16, TF32-rounded floats, exact floats) at
 // p.w_off (resident: W_l [dims[l+1], dims[l]]; streamed: the images above), v_elems float32 vectors at p.b_off,
 // p.wlast_off, p.blast_off, zeros elsewhere.
-void launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems, int64_t v_elems,
-                 int precision);
+cudaError_t launch_pack(const Params& p, const PackSource& s, void* wpack, float* vpack, int64_t w_elems,
+                        int64_t v_elems, int precision, cudaStream_t stream);
 
 // Launches the kernel for one precision (mlp_chain_<precision>.cu): grid ceil(batch / rows), kThreads
-// threads, smem_bytes of dynamic shared memory.
+// threads, p.smem[kSlotEnd] bytes of dynamic shared memory; bf16 plans the warpgroup products first where p.wgmma.
 template <int kPrecision>
-void launch(const Params& p, const at::PhiloxCudaState& philox, size_t smem_bytes);
+cudaError_t launch(const Params& p, const PhiloxState& philox, cudaStream_t stream);
 
 }  // namespace mlp
 }  // namespace torchkern
