@@ -14,6 +14,7 @@ import dataclasses
 import importlib.abc
 import runpy
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -151,6 +152,7 @@ class BackendInfo:
 _FAMILIES: dict[str, FamilyInfo] = {}  # the families decided in this process
 _PREFLIGHT: tuple[list[str], str | None] | None = None  # toolchain problems and nvcc's version, asked once
 _SECONDS = 0.0
+_DECIDING = threading.RLock()  # two threads importing families decide one at a time
 
 
 def load_families(families: Iterable[str]) -> None:
@@ -158,8 +160,13 @@ def load_families(families: Iterable[str]) -> None:
     their libraries (those not decided yet, in one ninja run), or fall back to the twins with one warning naming
     the families and why. Raises ConfigError for a bad environment variable, and RuntimeError under
     TORCHKERN_BACKEND=cuda when a library cannot be had."""
+    with _DECIDING:
+        _load_families(with_imports(families))
+
+
+def _load_families(families: list[str]) -> None:
     global _PREFLIGHT, _SECONDS
-    wanted = [f for f in with_imports(families) if f not in _FAMILIES]
+    wanted = [f for f in families if f not in _FAMILIES]
     if not wanted:
         return
     start = time.perf_counter()
@@ -223,9 +230,6 @@ def backend_info() -> BackendInfo:
     nvcc = _PREFLIGHT[1] if _PREFLIGHT else None
     return BackendInfo(backend, reason, str(jit.settings().cache), families, round(_SECONDS, 3), nvcc_version=nvcc,
                        archs=archs)
-
-
-load_kernels = backend_info  # the ebm family's name for it (ebm/mlp.py)
 
 
 def cache_status(families: Sequence[str] = FAMILIES) -> dict:

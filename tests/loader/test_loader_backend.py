@@ -71,21 +71,14 @@ def test_backend_cuda_makes_unavailability_an_error(tmp_path):
     assert reason and f"TORCHKERN_BACKEND=cuda, but {reason}" in out.stderr
 
 
-def test_import_without_gpu_compiles_nothing_and_is_fast(tmp_path):
+def test_import_without_gpu_compiles_nothing_and_writes_nothing(tmp_path):
+    # its time is benchmarks/import_time.py's to measure
     if torch.cuda.is_available():
-        pytest.skip("measures the no-GPU path")
-    code = """
-        import time
-        t0 = time.perf_counter(); import torch; t1 = time.perf_counter()
-        import torchkern; t2 = time.perf_counter()
-        print(t2 - t1)
-    """
-    out = run_python(code, env={"TORCHKERN_CACHE": str(tmp_path)})
+        pytest.skip("the no-GPU path")
+    out = run_python("import torchkern", env={"TORCHKERN_CACHE": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "compiling" not in out.stderr
     assert not any(Path(tmp_path).iterdir())
-    # The budget is 0.2 s; the assertion allows for a loaded CI machine.
-    assert float(out.stdout.split()[-1]) < 1.0
 
 
 def test_import_does_not_initialize_cuda():
