@@ -6,7 +6,7 @@
 // the factor in batched products 1.3 ms more, and a refresh takes two passes: most of SOAP's refresh, which is most
 // of what SOAP's step costs beyond AdamW's on large layers. Here the factorization is blocked by kB = 64 columns:
 // per block column j one launch factors the (k, 64, 64) diagonal blocks and inverts their factors in shared memory
-// (block_cholesky_kernel), and batched cuBLAS products do the rest:
+// (block_cholesky_kernel, here), and batched cuBLAS products do the rest (ops.cpp, cholesky_qr_cuda):
 //
 //   L_jj, D_j = chol(G_jj), L_jj^-1                 (the kernel; G_jj already holds the trailing updates)
 //   L_ij^T = D_j G_ij^T (i > j),  G_ii' -= L_ij L_i'j^T (the trailing matrix, both triangles: one product)
@@ -20,30 +20,20 @@
 // but the diagonal blocks in products; n / 64 launches of the small kernel in a chain. The error is that of Cholesky
 // QR with explicit inverses of the diagonal blocks, cond(L_jj) u each (a diagonal block of a factor is no worse
 // conditioned than the factor).
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/baddbmm.h>
-#include <ATen/ops/bmm.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/matmul.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
 
-#include "torchkern/checks.h"
-#include "torchkern/launch.h"
+#include "launchers.h"
 
 namespace torchkern {
 namespace {
 
-constexpr int kB = 64;          // block columns per launch
-constexpr int kLd = kB + 1;     // shared-memory row stride (odd: a column's elements in distinct banks)
-constexpr int kThreads = 256;   // 64 columns x 4 lanes in the inverse
+constexpr int kB = kCholeskyBlock;  // block columns per launch
+constexpr int kLd = kB + 1;         // shared-memory row stride (odd: a column's elements in distinct banks)
+constexpr int kThreads = 256;       // 64 columns x 4 lanes in the inverse
 
 // One thread block per matrix: factor the nb x nb diagonal block of G at (j0, j0) (lower triangle read), write L
 // to it (lower triangle) and L^-1 to D (nb x nb of a kB-strided (k, kB, kB) buffer, upper triangle zero). A pivot
@@ -113,54 +103,21 @@ __global__ void __launch_bounds__(kThreads) block_cholesky_kernel(T* G, int64_t 
   }
 }
 
-at::Tensor cholesky_qr_cuda(const at::Tensor& X_in, double shift) {
-  TORCHKERN_OP("cholesky_qr");
-  TORCHKERN_CHECK(X_in.scalar_type() == at::kFloat || X_in.scalar_type() == at::kDouble,
-                  "X must be float32 or float64, got ", X_in.scalar_type());
-  TORCHKERN_CHECK(X_in.dim() >= 2, "X must have shape [..., m, n] (at least 2 dims), got ", X_in.sizes());
-  TORCHKERN_CHECK(std::isfinite(shift) && shift >= 0.0, "shift must be a finite number >= 0, got ", shift);
-  TORCHKERN_CHECK_CUDA(X_in);
-  const at::cuda::OptionalCUDAGuard guard(X_in.device());
-  const int64_t m = X_in.size(-2), n = X_in.size(-1);
-  at::Tensor out = at::empty_like(X_in, at::MemoryFormat::Contiguous);
-  if (out.numel() == 0) return out;
-  at::Tensor work = X_in.reshape({-1, m, n}).clone(at::MemoryFormat::Contiguous);  // X_j, then X_j - Y_<j L_j<^T
-  const int64_t k = work.size(0);
-  TORCHKERN_CHECK(k < (int64_t(1) << 31), "too many matrices in one call: ", k);
-  at::Tensor Y = out.view({k, m, n});
-  // G: the shifted Gram matrix; as the factorization goes, L_jj in the diagonal blocks' lower triangles and
-  // L_ij^T (i > j) above the diagonal, at (j, i): there no later trailing update writes, and no product reads
-  // across the trailing square it updates (each product below writes a region none of its operands touches)
-  at::Tensor G = at::matmul(work.mT(), work);
-  G.diagonal(0, -2, -1).add_(shift);
-  at::Tensor D = at::empty({k, kB, kB}, work.options());  // L_jj^-1 of the current block column
-  at::Tensor info = at::zeros({k}, work.options().dtype(at::kInt));
-  const cudaStream_t stream = current_stream();
-  for (int64_t j0 = 0; j0 < n; j0 += kB) {
-    const int64_t j1 = std::min<int64_t>(j0 + kB, n), nb = j1 - j0;
-    AT_DISPATCH_FLOATING_TYPES(work.scalar_type(), "cholesky_qr", [&] {
-      block_cholesky_kernel<scalar_t><<<static_cast<unsigned>(k), kThreads, 0, stream>>>(
-          G.mutable_data_ptr<scalar_t>(), n * n, n, static_cast<int>(nb), static_cast<int>(j0),
-          D.mutable_data_ptr<scalar_t>(), info.mutable_data_ptr<int>());
-    });
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const at::Tensor Dj = D.slice(1, 0, nb).slice(2, 0, nb);
-    if (j1 < n) {
-      at::Tensor Lt = G.slice(1, j0, j1).slice(2, j1, n);  // (L_ij)^T for i > j, from G_ij: D_j G_ij^T
-      at::bmm_out(Lt, Dj, G.slice(1, j1, n).slice(2, j0, j1).mT());
-      G.slice(1, j1, n).slice(2, j1, n).baddbmm_(Lt.mT(), Lt, 1.0, -1.0);
-    }
-    at::Tensor Xj = work.slice(2, j0, j1);
-    if (j0 > 0) Xj.baddbmm_(Y.slice(2, 0, j0), G.slice(1, 0, j0).slice(2, j0, j1), 1.0, -1.0);
-    at::Tensor Yj = Y.slice(2, j0, j1);
-    at::bmm_out(Yj, Xj, Dj.mT());
-  }
-  // a failed block leaves the columns before it finite: the whole matrix is NaN, as the twin's
-  Y.masked_fill_(info.ne(0).view({k, 1, 1}), std::numeric_limits<double>::quiet_NaN());
-  return out;
+template <typename T>
+cudaError_t launch(const BlockCholeskyParams& p, cudaStream_t stream) {
+  block_cholesky_kernel<T><<<static_cast<unsigned>(p.count), kThreads, 0, stream>>>(
+      static_cast<T*>(p.G), p.n * p.n, p.n, p.nb, p.j0, static_cast<T*>(p.D), p.info);
+  return cudaGetLastError();
 }
 
 }  // namespace
-}  // namespace torchkern
 
-TORCH_LIBRARY_IMPL(torchkern, CUDA, m) { m.impl("cholesky_qr", &torchkern::cholesky_qr_cuda); }
+cudaError_t block_cholesky_launch(const BlockCholeskyParams& p, cudaStream_t stream) {
+  switch (p.dtype) {
+    case DType::kFloat32: return launch<float>(p, stream);
+    case DType::kFloat64: return launch<double>(p, stream);
+    default: return cudaErrorInvalidValue;  // the host side takes float32 and float64 only
+  }
+}
+
+}  // namespace torchkern

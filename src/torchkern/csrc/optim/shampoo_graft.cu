@@ -27,27 +27,20 @@
 // Up to kMaxTensors tensors per launch, their pointers passed by value (no host-to-device table copy);
 // every block handles one chunk of one tensor and writes its partial sum of d^2, and a second kernel adds
 // each tensor's partials in order: deterministic.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <optional>
-#include <vector>
 
-#include "torchkern/checks.h"
-#include "torchkern/dispatch.h"
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/dispatch.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
 namespace {
 
-constexpr int kMaxTensors = 32;
+constexpr int kMaxTensors = kGraftMaxTensors;
 constexpr int kThreads = 256;
-constexpr int64_t kChunk = 8 * kThreads * 4;  // elements per block: 8192, so a 1024^2 weight spreads over 128 blocks
+constexpr int64_t kChunk = kGraftChunk;  // elements per block: 32 per thread
 
 template <typename T, typename C>
 struct GraftTable {
@@ -96,7 +89,7 @@ graft_kernel(const __grid_constant__ GraftTable<T, C> table, double beta1_d, dou
     return;
   }
   for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const C gi = static_cast<C>(g[i]);
+    const C gi = to_opmath(g[i]);
     C mi = gi;
     if (m != nullptr) {
       mi = m[i] + (C(1) - beta1) * (gi - m[i]);
@@ -128,98 +121,34 @@ __global__ void graft_norms_kernel(const __grid_constant__ GraftTable<T, C> tabl
   }
 }
 
-at::Tensor shampoo_graft_cuda(at::TensorList grads, at::TensorList exp_avgs, at::TensorList graft_sqs,
-                              at::TensorList out, double beta1, double sq_decay, double sq_weight,
-                              at::ArrayRef<double> eps, at::ArrayRef<double> scale,
-                              const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& steps) {
-  TORCHKERN_OP("shampoo_graft");
-  const size_t n = grads.size();
-  TORCHKERN_CHECK(n > 0, "grads must hold at least one tensor");
-  TORCHKERN_CHECK(exp_avgs.empty() || exp_avgs.size() == n, "exp_avgs must be empty or hold one tensor per grad (",
-                  n, "), got ", exp_avgs.size());
-  TORCHKERN_CHECK(graft_sqs.size() == n && out.size() == n && eps.size() == n && scale.size() == n,
-                  "graft_sqs, out, eps and scale must hold one entry per grad (", n, "), got ", graft_sqs.size(), ", ",
-                  out.size(), ", ", eps.size(), " and ", scale.size());
-  const at::Tensor& g0 = grads[0];
-  TORCHKERN_CHECK(is_supported_float(g0.scalar_type()), "grads[0] must be float32, float64, float16 or bfloat16, got ",
-                  g0.scalar_type());
-  TORCHKERN_CHECK(g0.is_cuda(), "grads[0] must be a CUDA tensor, got ", g0.device().str());
-  const at::ScalarType state_type = g0.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& g = grads[i];
-    TORCHKERN_CHECK(g.scalar_type() == g0.scalar_type() && g.device() == g0.device(), "grads[", i,
-                    "] must have the dtype and device of grads[0] (", g0.scalar_type(), ", ", g0.device().str(),
-                    "), got ", g.scalar_type(), ", ", g.device().str());
-    const auto check_state = [&](const at::Tensor& s, const char* name) {
-      TORCHKERN_CHECK(s.scalar_type() == state_type && s.device() == g0.device() && s.sizes() == g.sizes() &&
-                          s.is_contiguous(),
-                      name, "[", i, "] must be a contiguous ", state_type, " tensor of shape ", g.sizes(), " on ",
-                      g0.device().str(), ", got ", s.scalar_type(), " ", s.sizes(), " on ", s.device().str(),
-                      s.is_contiguous() ? "" : " (not contiguous)");
-    };
-    if (!exp_avgs.empty()) check_state(exp_avgs[i], "exp_avgs");
-    check_state(graft_sqs[i], "graft_sqs");
-    check_state(out[i], "out");
-  }
-  const float* found = nullptr;
-  if (found_inf.has_value()) {
-    const at::Tensor& f = *found_inf;
-    TORCHKERN_CHECK(f.scalar_type() == at::kFloat && f.numel() == 1 && f.device() == g0.device(),
-                    "found_inf must be a float32 tensor of one element on ", g0.device().str(), ", got ",
-                    f.scalar_type(), " ", f.sizes(), " on ", f.device().str());
-    found = f.const_data_ptr<float>();
-  }
-  float* step_counts = nullptr;
-  if (steps.has_value()) {
-    const at::Tensor& s = *steps;
-    TORCHKERN_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.numel() == static_cast<int64_t>(n) &&
-                        s.device() == g0.device() && s.is_contiguous(),
-                    "steps must be a contiguous float32 tensor of shape [", n, "] on ", g0.device().str(), ", got ",
-                    s.scalar_type(), " ", s.sizes(), " on ", s.device().str(),
-                    s.is_contiguous() ? "" : " (not contiguous)");
-    step_counts = s.mutable_data_ptr<float>();
-  }
-  const at::cuda::OptionalCUDAGuard guard(g0.device());
-  at::Tensor norms = at::empty({static_cast<int64_t>(n)}, g0.options().dtype(state_type));
-  const cudaStream_t stream = current_stream();
+}  // namespace
 
-  TORCHKERN_DISPATCH_FLOATING(g0.scalar_type(), "shampoo_graft", [&] {
-    using C = at::opmath_type<scalar_t>;
-    std::vector<at::Tensor> contiguous_grads;  // kept alive until the launches are queued
-    for (size_t start = 0; start < n; start += kMaxTensors) {
-      GraftTable<scalar_t, C> table{};
-      table.count = static_cast<int>(std::min<size_t>(kMaxTensors, n - start));
-      int chunks = 0;
-      for (int t = 0; t < table.count; ++t) {
-        const size_t i = start + t;
-        contiguous_grads.push_back(grads[i].contiguous());
-        table.g[t] = contiguous_grads.back().const_data_ptr<scalar_t>();
-        table.m[t] = exp_avgs.empty() ? nullptr : exp_avgs[i].mutable_data_ptr<C>();
-        table.v[t] = graft_sqs[i].mutable_data_ptr<C>();
-        table.d[t] = out[i].mutable_data_ptr<C>();
-        table.numel[t] = grads[i].numel();
-        table.eps[t] = eps[i];
-        table.scale[t] = scale[i];
-        table.first_chunk[t] = chunks;
-        const int64_t own = (table.numel[t] + kChunk - 1) / kChunk;
-        TORCHKERN_CHECK(chunks + own < (int64_t(1) << 30), "too many elements in one call");
-        chunks += static_cast<int>(own > 0 ? own : 1);  // an empty tensor still gets a block: its norm is 0
-      }
-      table.first_chunk[table.count] = chunks;
-      at::Tensor partial = at::empty({chunks}, norms.options());
-      float* counts = step_counts == nullptr ? nullptr : step_counts + start;
-      graft_kernel<scalar_t, C><<<chunks, kThreads, 0, stream>>>(table, beta1, sq_decay, sq_weight, found, counts,
-                                                                 partial.mutable_data_ptr<C>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      graft_norms_kernel<scalar_t, C><<<table.count, 32, 0, stream>>>(
-          table, partial.const_data_ptr<C>(), found, counts, norms.mutable_data_ptr<C>() + start);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+cudaError_t shampoo_graft_launch(const ShampooGraftParams& p, cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = opmath_t<T>;
+    GraftTable<T, C> table{};
+    table.count = p.count;
+    for (int t = 0; t < p.count; ++t) {
+      table.g[t] = static_cast<const T*>(p.g[t]);
+      table.m[t] = static_cast<C*>(p.m[t]);
+      table.v[t] = static_cast<C*>(p.v[t]);
+      table.d[t] = static_cast<C*>(p.d[t]);
+      table.numel[t] = p.numel[t];
+      table.eps[t] = p.eps[t];
+      table.scale[t] = p.scale[t];
+      table.first_chunk[t] = p.first_chunk[t];
     }
+    table.first_chunk[p.count] = p.first_chunk[p.count];
+    const int chunks = p.first_chunk[p.count];
+    C* partial = static_cast<C*>(p.partial);
+    graft_kernel<T, C><<<chunks, kThreads, 0, stream>>>(table, p.beta1, p.sq_decay, p.sq_weight, p.found_inf, p.steps,
+                                                        partial);
+    TORCHKERN_RETURN_IF_ERROR(cudaGetLastError());
+    graft_norms_kernel<T, C><<<p.count, 32, 0, stream>>>(table, partial, p.found_inf, p.steps,
+                                                         static_cast<C*>(p.norms));
+    return cudaGetLastError();
   });
-  return norms;
 }
 
-}  // namespace
 }  // namespace torchkern
-
-TORCH_LIBRARY_IMPL(torchkern, CUDA, m) { m.impl("shampoo_graft", &torchkern::shampoo_graft_cuda); }

@@ -11,23 +11,17 @@
 // per 16 FMAs) and splits the reduction over four thread groups of one block.
 //
 // The Gram form costs ~T^2 (d_in + d_out) per sample, the materialized one (W_i = g_i^T a_i, then
-// its squared sum) ~T d_in d_out; the host picks the Gram form when T (d_in + d_out) <= d_in d_out
+// its squared sum) ~T d_in d_out; ops.cpp picks the Gram form when T (d_in + d_out) <= d_in d_out
 // and otherwise computes the materialized form with cuBLAS (per_sample/twins.py use_gram: same rule).
 //
 // Results come back in the compute type (float32 for float16/bfloat16 inputs, whose squared norms
 // overflow easily in half precision). Every block writes its own partial sum: deterministic.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/bmm.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/sum.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "torchkern/checks.h"
-#include "torchkern/dispatch.h"
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/dispatch.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
@@ -39,22 +33,22 @@ constexpr int kRowThreads = 256;
 
 template <typename T, bool kBias>
 __global__ void __launch_bounds__(kRowThreads)
-rows_sq_norms_kernel(at::opmath_type<T>* __restrict__ out,  // [B]
+rows_sq_norms_kernel(opmath_t<T>* __restrict__ out,         // [B]
                      const T* __restrict__ a,               // [B, d_in]
                      const T* __restrict__ g,               // [B, d_out]
                      int64_t d_in, int64_t d_out) {
-  using C = at::opmath_type<T>;
+  using C = opmath_t<T>;
   __shared__ C scratch[kRowThreads / 32];
   const int64_t i = blockIdx.x;
   const T* ai = a + i * d_in;
   const T* gi = g + i * d_out;
   C sa = 0, sg = 0;
   for (int64_t k = threadIdx.x; k < d_in; k += kRowThreads) {
-    const C x = static_cast<C>(ai[k]);
+    const C x = to_opmath(ai[k]);
     sa += x * x;
   }
   for (int64_t k = threadIdx.x; k < d_out; k += kRowThreads) {
-    const C x = static_cast<C>(gi[k]);
+    const C x = to_opmath(gi[k]);
     sg += x * x;
   }
   sa = block_reduce<kRowThreads>(sa, scratch);
@@ -64,7 +58,7 @@ rows_sq_norms_kernel(at::opmath_type<T>* __restrict__ out,  // [B]
 
 // ------------------------------------------------------------------ sequence dim: Gram tiles
 
-constexpr int kTile = 32;                   // Gram tile: kTile x kTile entries per block
+constexpr int kTile = kGramTile;            // Gram tile: kTile x kTile entries per block
 constexpr int kChunk = 64;                  // reduction columns staged in shared memory per step
 constexpr int kGroups = 4;                  // thread groups splitting each chunk's columns
 constexpr int kGramThreads = 64 * kGroups;  // 64 threads x (4 x 4 entries) = one 32 x 32 tile per group
@@ -95,11 +89,11 @@ __device__ __forceinline__ void load_chunk(Quad<C> (&regs)[kQuadsPerThread], con
         struct alignas(4 * sizeof(T)) Raw { T e[4]; };
         const Raw raw = *reinterpret_cast<const Raw*>(src);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) regs[j].e[e] = static_cast<C>(raw.e[e]);
+        for (int e = 0; e < 4; ++e) regs[j].e[e] = to_opmath(raw.e[e]);
       } else {
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          if (col + e < K) regs[j].e[e] = static_cast<C>(src[e]);
+          if (col + e < K) regs[j].e[e] = to_opmath(src[e]);
       }
     }
   }
@@ -176,11 +170,11 @@ __device__ void gram_tile(C* __restrict__ red, C* __restrict__ sp, C* __restrict
 // w = 2 for an off-diagonal pair (the Gram matrices are symmetric), 1 on the diagonal.
 template <typename T, bool kBias>
 __global__ void __launch_bounds__(kGramThreads)
-gram_sq_norms_kernel(at::opmath_type<T>* __restrict__ out,  // [B, pairs]
+gram_sq_norms_kernel(opmath_t<T>* __restrict__ out,         // [B, pairs]
                      const T* __restrict__ a,               // [B, T, d_in]
                      const T* __restrict__ g,               // [B, T, d_out]
                      int64_t T_len, int64_t d_in, int64_t d_out, int tiles, bool vec_a, bool vec_g) {
-  using C = at::opmath_type<T>;
+  using C = opmath_t<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   C* sp = reinterpret_cast<C*>(smem_raw);  // [kTile][kPitch]
   C* sq = sp + kTile * kPitch;             // [kTile][kPitch]
@@ -203,74 +197,36 @@ gram_sq_norms_kernel(at::opmath_type<T>* __restrict__ out,  // [B, pairs]
   if (threadIdx.x == 0) out[i * gridDim.y + blockIdx.y] = p == q ? s : C(2) * s;
 }
 
-// ------------------------------------------------------------------ host
-
-// The rule per_sample/twins.py use_gram applies too: Gram form when it does fewer FLOPs than materializing.
-bool use_gram(int64_t T_len, int64_t d_in, int64_t d_out) { return T_len * (d_in + d_out) <= d_in * d_out; }
-
 bool quad_aligned(const void* ptr, int64_t K, int64_t elem) {
   return K % 4 == 0 && reinterpret_cast<std::uintptr_t>(ptr) % (4 * elem) == 0;
 }
 
-at::Tensor linear_grad_sq_norms_cuda(const at::Tensor& a, const at::Tensor& g, bool bias) {
-  TORCHKERN_OP("linear_grad_sq_norms");
-  TORCHKERN_CHECK_FLOAT(a);
-  TORCHKERN_CHECK_FLOAT(g);
-  TORCHKERN_CHECK_SAME_DTYPE(a, g);
-  TORCHKERN_CHECK_SAME_DEVICE(a, g);
-  TORCHKERN_CHECK(a.dim() == 2 || a.dim() == 3, "a must have shape [B, d_in] or [B, T, d_in], got ", a.sizes());
-  TORCHKERN_CHECK(g.dim() == a.dim() && g.size(0) == a.size(0) && (a.dim() == 2 || g.size(1) == a.size(1)),
-                  "g must have shape ", a.dim() == 2 ? "[B, d_out]" : "[B, T, d_out]", " with B",
-                  a.dim() == 2 ? "" : ", T", " like a ", a.sizes(), ", got ", g.sizes());
-  TORCHKERN_CHECK_CUDA(a);
-  const at::cuda::OptionalCUDAGuard guard(a.device());
-  const at::ScalarType out_type = a.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t batch = a.size(0), d_in = a.size(-1), d_out = g.size(-1);
-  const int64_t T_len = a.dim() == 3 ? a.size(1) : 1;
-  at::Tensor out = at::empty({batch}, a.options().dtype(out_type));
-  if (batch == 0) return out;
-  if (T_len == 0 || (d_in == 0 && (d_out == 0 || !bias))) return out.zero_();
-  const at::Tensor ac = a.contiguous(), gc = g.contiguous();
+}  // namespace
 
-  if (a.dim() == 3 && !use_gram(T_len, d_in, d_out)) {
-    // Long sequences: W_i = g_i^T a_i is cheaper than two T x T Gram matrices (cuBLAS, compute type).
-    const at::Tensor gf = gc.to(out_type), af = ac.to(out_type);
-    at::Tensor sq = at::bmm(gf.transpose(1, 2), af).square_().sum({1, 2});
-    if (bias) sq.add_(gf.sum(1).square_().sum(1));
-    return sq;
-  }
-
-  TORCHKERN_DISPATCH_FLOATING(a.scalar_type(), "linear_grad_sq_norms", [&] {
-    using C = at::opmath_type<scalar_t>;
-    C* o = out.mutable_data_ptr<C>();
-    const scalar_t* pa = ac.const_data_ptr<scalar_t>();
-    const scalar_t* pg = gc.const_data_ptr<scalar_t>();
-    const cudaStream_t stream = current_stream();
-    TORCHKERN_BOOL_SWITCH(bias, kBias, [&] {
-      if (a.dim() == 2) {
-        rows_sq_norms_kernel<scalar_t, kBias><<<batch, kRowThreads, 0, stream>>>(o, pa, pg, d_in, d_out);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        return;
+cudaError_t linear_grad_sq_norms_launch(const LinearGradSqNormsParams& p, cudaStream_t stream) {
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using C = opmath_t<T>;
+    C* o = static_cast<C*>(p.out);
+    const T* pa = static_cast<const T*>(p.a);
+    const T* pg = static_cast<const T*>(p.g);
+    return TORCHKERN_BOOL_SWITCH(p.bias, kBias, [&] {
+      if (!p.sequence) {
+        rows_sq_norms_kernel<T, kBias><<<p.batch, kRowThreads, 0, stream>>>(o, pa, pg, p.d_in, p.d_out);
+        return cudaGetLastError();
       }
-      const int tiles = static_cast<int>((T_len + kTile - 1) / kTile);
-      const int pairs = tiles * (tiles + 1) / 2;
-      TORCHKERN_CHECK(pairs <= 65535, "sequence length ", T_len, " is too long for the Gram kernel");
+      const int tiles = static_cast<int>((p.T_len + kTile - 1) / kTile);
+      const auto pairs = static_cast<unsigned>(gram_pairs(p.T_len));  // ops.cpp checked it against kMaxGramPairs
       const size_t smem = sizeof(C) * (2 * kTile * kPitch + 2 * kTile * (kTile + 1));
-      auto kernel = gram_sq_norms_kernel<scalar_t, kBias>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      at::Tensor partial = pairs == 1 ? out : at::empty({batch, pairs}, out.options());
-      const dim3 grid(static_cast<unsigned>(batch), static_cast<unsigned>(pairs));
-      kernel<<<grid, kGramThreads, smem, stream>>>(partial.mutable_data_ptr<C>(), pa, pg, T_len, d_in, d_out, tiles,
-                                                  quad_aligned(pa, d_in, sizeof(scalar_t)),
-                                                  quad_aligned(pg, d_out, sizeof(scalar_t)));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (pairs > 1) at::sum_out(out, partial, {1});
+      auto kernel = gram_sq_norms_kernel<T, kBias>;
+      TORCHKERN_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      const dim3 grid(static_cast<unsigned>(p.batch), pairs);
+      kernel<<<grid, kGramThreads, smem, stream>>>(o, pa, pg, p.T_len, p.d_in, p.d_out, tiles,
+                                                  quad_aligned(pa, p.d_in, sizeof(T)),
+                                                  quad_aligned(pg, p.d_out, sizeof(T)));
+      return cudaGetLastError();
     });
   });
-  return out;
 }
 
-}  // namespace
 }  // namespace torchkern
-
-TORCH_LIBRARY_IMPL(torchkern, CUDA, m) { m.impl("linear_grad_sq_norms", &torchkern::linear_grad_sq_norms_cuda); }
