@@ -1,37 +1,105 @@
-"""Helpers of the optimizers' multi-process tests: a function run on 2 (or 1) gloo processes, and tensors gathered
-from every rank."""
+"""Helpers of the optimizers' multi-process tests: functions run on 2 gloo processes, started once per test session
+(starting them is most of these tests' time), and tensors gathered from every rank."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import queue
 import tempfile
+import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# How long one function may run on the ranks before the test fails (a collective that a rank never joins fails
+# after the process group's 60 s timeout first).
+_TASK_SECONDS = 600
 
-def _worker(rank: int, world: int, store: str, fn, args: tuple) -> None:
+
+def _serve(rank: int, world: int, store: str, tasks, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    # a collective that one rank never joins fails after the timeout instead of hanging the suite
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        fn(rank, world, *args)
+        while (task := tasks.get()) is not None:
+            fn, args = task
+            try:
+                fn(rank, world, *args)
+                results.put((rank, None))
+            except BaseException:  # noqa: BLE001 (reported to the test, which fails)
+                results.put((rank, traceback.format_exc()))
     finally:
         dist.destroy_process_group()
 
 
+class _Ranks:
+    """``world`` processes of one gloo process group, each running the functions it is sent."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self._dir = tempfile.TemporaryDirectory()
+        self._tasks = [ctx.Queue() for _ in range(world)]
+        self._results = ctx.Queue()
+        store = os.path.join(self._dir.name, "store")
+        self._procs = [ctx.Process(target=_serve, args=(r, world, store, self._tasks[r], self._results), daemon=True)
+                       for r in range(world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, args: tuple) -> list[str]:
+        """The ranks' tracebacks of ``fn(rank, world, *args)`` (empty where all returned)."""
+        for q in self._tasks:
+            q.put((fn, args))
+        errors = []
+        for _ in range(self.world):
+            try:
+                _, error = self._results.get(timeout=_TASK_SECONDS)
+            except queue.Empty:
+                errors.append(f"no answer within {_TASK_SECONDS} s (exit codes {[p.exitcode for p in self._procs]})")
+                break
+            if error is not None:
+                errors.append(error)
+        return errors
+
+    def close(self, wait: bool = True) -> None:
+        for q, p in zip(self._tasks, self._procs):
+            if wait and p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=30 if wait else 0)
+            if p.is_alive():
+                p.terminate()
+        self._dir.cleanup()
+
+
+_RANKS: dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    for ranks in _RANKS.values():
+        ranks.close()
+    _RANKS.clear()
+
+
 def spawn(fn, world: int = 2, args: tuple = ()) -> None:
-    """``fn(rank, world, *args)`` in ``world`` spawned processes of one gloo process group (a module-level function of
-    a test module); an assertion in any of them fails the test."""
+    """``fn(rank, world, *args)`` on each of ``world`` processes of one gloo process group (a module-level function
+    of a test module); an exception on any rank fails the test, and the processes are started afresh for the next."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world, join=True)
+    ranks = _RANKS.get(world)
+    if ranks is None:
+        ranks = _RANKS[world] = _Ranks(world)
+    errors = ranks.run(fn, args)
+    if errors:
+        _RANKS.pop(world).close(wait=False)  # a rank may still wait in a collective
+        pytest.fail("\n".join(errors), pytrace=False)
 
 
 def gathered(t: torch.Tensor) -> list[torch.Tensor]:

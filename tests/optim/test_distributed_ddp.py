@@ -137,8 +137,8 @@ def test_one_rank_is_one_process(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         batches = _batches()
-        for name, make in OPTIMIZERS.items():
-            runs = []
+        for name in ("shampoo", "soap", "kfac"):
+            make, runs = OPTIMIZERS[name], []
             for kw in ({}, {"distributed": None}):
                 model = _model()
                 opt = make(model, **kw)
