@@ -58,11 +58,15 @@ EIGH_SMALL_MAX_N = 168
 
 # torch.linalg.eigh (cuSOLVER's syevd, one matrix after another) takes the cold starts of fewer than B matrices from
 # n = N on, as (N, B) steps in ascending N, each holding up to the next (at most EIGH_TORCH_STEPS of them), one table
-# per compute type: the shapes where it beats every torchkern solver. benchmarks/tune_eigh.py measures them and
-# prints these tables; until it has run on the GPU they keep the earlier rule: a single float32 matrix from n = 704,
-# where syevd beats the tridiagonal solver (1 x 1024^2: 11.5 against 18.2).
-EIGH_TORCH_F32 = ((704, 2),)
-EIGH_TORCH_F64 = ()
+# per compute type: where it beats the solver the other rules pick. benchmarks/tune_eigh.py times every solver over
+# batch x n and prints where torch.linalg.eigh beats them all; on an H200 (torch 2.11; ms, torch.linalg.eigh / the
+# other rules' solver): float32, one matrix from n = 704 (1 x 1024^2 10.5 / 17.3 tridiagonal, 1 x 512^2 16.1 / 7.4),
+# up to two from n = 2048 (2 x 2048^2 50.4 / 58.5, 2 x 4096^2 186 / 342; 4 x 2048^2 99.8 / 66.9); float64, up to two
+# above the batched solver's sizes (1 x 200^2 1.71 / 5.13 block method, 2 x 512^2 9.14 / 14.7; 4 x 512^2 18.3 /
+# 15.7; 1 x 128^2 1.60 / 1.65 batched, a tie), up to four from n = 2048 (4 x 2048^2 106 / 224 batched). Elsewhere
+# torchkern is faster, or level within a call's overhead (float64 n = 32: 0.27 / 0.28-0.30, cuSOLVER's batched Jacobi).
+EIGH_TORCH_F32 = ((704, 2), (2048, 3))
+EIGH_TORCH_F64 = ((129, 3), (2048, 5))
 EIGH_TORCH_STEPS = 8
 # Where the block method is slower than syevd's loop at any batch: cold starts from n = EIGH_TORCH_FROM_N (0: never)
 # go to torch.linalg.eigh when no other solver takes them, unless the batch has at least EIGH_BLOCK_MIN_BATCH
