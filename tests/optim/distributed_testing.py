@@ -1,5 +1,5 @@
-"""Helpers of the optimizers' multi-process tests: functions run on 2 gloo processes, started once per test session
-(starting them is most of these tests' time), and tensors gathered from every rank."""
+"""Helpers of the optimizers' multi-process tests: functions run on 2 processes of one process group, started once
+per test session (starting them is most of these tests' time), and tensors gathered from every rank."""
 
 from __future__ import annotations
 
@@ -20,10 +20,12 @@ import torch.multiprocessing as mp
 _TASK_SECONDS = 600
 
 
-def _serve(rank: int, world: int, store: str, tasks, results) -> None:
+def _serve(rank: int, world: int, backend: str, store: str, tasks, results) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     try:
         while (task := tasks.get()) is not None:
@@ -38,17 +40,17 @@ def _serve(rank: int, world: int, store: str, tasks, results) -> None:
 
 
 class _Ranks:
-    """``world`` processes of one gloo process group, each running the functions it is sent."""
+    """``world`` processes of one process group, each running the functions it is sent."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, backend: str):
         ctx = mp.get_context("spawn")
         self.world = world
         self._dir = tempfile.TemporaryDirectory()
         self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
         store = os.path.join(self._dir.name, "store")
-        self._procs = [ctx.Process(target=_serve, args=(r, world, store, self._tasks[r], self._results), daemon=True)
-                       for r in range(world)]
+        self._procs = [ctx.Process(target=_serve, args=(r, world, backend, store, self._tasks[r], self._results),
+                                   daemon=True) for r in range(world)]
         for p in self._procs:
             p.start()
 
@@ -78,7 +80,7 @@ class _Ranks:
         self._dir.cleanup()
 
 
-_RANKS: dict[int, _Ranks] = {}
+_RANKS: dict[tuple, _Ranks] = {}  # (world, backend) -> its processes
 
 
 @atexit.register
@@ -88,17 +90,20 @@ def _close_all() -> None:
     _RANKS.clear()
 
 
-def spawn(fn, world: int = 2, args: tuple = ()) -> None:
-    """``fn(rank, world, *args)`` on each of ``world`` processes of one gloo process group (a module-level function
-    of a test module); an exception on any rank fails the test, and the processes are started afresh for the next."""
+def spawn(fn, world: int = 2, args: tuple = (), backend: str = "gloo") -> None:
+    """``fn(rank, world, *args)`` on each of ``world`` processes of one process group (a module-level function of a
+    test module; ``backend`` "nccl": rank r on GPU r, skipped without ``world`` GPUs); an exception on any rank fails
+    the test, and the processes are started afresh for the next."""
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
-    ranks = _RANKS.get(world)
+    if backend == "nccl" and torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
+    ranks = _RANKS.get((world, backend))
     if ranks is None:
-        ranks = _RANKS[world] = _Ranks(world)
+        ranks = _RANKS[(world, backend)] = _Ranks(world, backend)
     errors = ranks.run(fn, args)
     if errors:
-        _RANKS.pop(world).close(wait=False)  # a rank may still wait in a collective
+        _RANKS.pop((world, backend)).close(wait=False)  # a rank may still wait in a collective
         pytest.fail("\n".join(errors), pytrace=False)
 
 

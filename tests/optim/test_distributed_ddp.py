@@ -1,7 +1,7 @@
-"""Shampoo, SOAP and K-FAC under DistributedDataParallel over 2 gloo processes (spawned), float64: after several steps
-on rank-local minibatches every rank's parameters equal a single-process run on the concatenated batch, each rank
-computes its share of the refreshes (by cost), a bfloat16 exchange keeps the ranks identical, and ranks that do not
-hold one model raise instead of mixing their results."""
+"""Shampoo, SOAP and K-FAC under DistributedDataParallel over 2 processes (gloo on the CPU; NCCL where 2 GPUs are
+visible), float64: after several steps on rank-local minibatches every rank's parameters equal a single-process run
+on the concatenated batch, each rank computes its share of the refreshes (by cost), a bfloat16 exchange keeps the
+ranks identical, and ranks that do not hold one model raise instead of mixing their results."""
 
 from __future__ import annotations
 
@@ -31,15 +31,28 @@ OPTIMIZERS = {
 }
 
 
+def _device() -> torch.device:
+    """The rank's GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", dist.get_rank())
+    return torch.device("cpu")
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                         nn.Linear(16, 3)).double().to(_device())
+
+
+def _ddp() -> DistributedDataParallel:
+    device = _device()
+    return DistributedDataParallel(_model(), device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
-             torch.randn(BATCH, 3, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
+    return [(torch.randn(BATCH, 6, generator=g, dtype=torch.float64).to(_device()),
+             torch.randn(BATCH, 3, generator=g, dtype=torch.float64).to(_device())) for _ in range(STEPS)]
 
 
 def _train(model: nn.Module, opt, batches, rows: slice) -> None:
@@ -63,7 +76,7 @@ def _parity(rank: int, world: int) -> None:
     batches = _batches()
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     for name, make in OPTIMIZERS.items():
-        model = DistributedDataParallel(_model())
+        model = _ddp()
         opt = make(model if name == "kfac" else model.module)
         _train(model, opt, batches, rows)
         params = _flat(model.module)
@@ -77,7 +90,8 @@ def _parity(rank: int, world: int) -> None:
         # each rank computed about its share of the refreshes: within one unit of an even split by cost
         d = opt._distribution
         assert d.world == world and d.refreshed > 0 and d.received > 0, (name, d.refreshed, d.received)
-        costs = gathered(torch.tensor([d.refreshed_cost, d.refreshed + d.received], dtype=torch.float64))
+        costs = gathered(torch.tensor([d.refreshed_cost, d.refreshed + d.received], dtype=torch.float64,
+                                      device=_device()))
         total, largest = sum(c[0].item() for c in costs), max(cost for _, cost in d.owners().values())
         assert abs(d.refreshed_cost - total / world) <= largest, (name, d.refreshed_cost, total)
         assert len({c[1].item() for c in costs}) == 1  # every rank saw every unit
@@ -88,7 +102,7 @@ def _bfloat16_exchange(rank: int, world: int) -> None:
     batches = _batches()
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     for name in ("shampoo", "soap", "kfac"):
-        model = DistributedDataParallel(_model())
+        model = _ddp()
         opt = OPTIMIZERS[name](model if name == "kfac" else model.module,
                                distributed=Distributed(communication_dtype=torch.bfloat16))
         _train(model, opt, batches, rows)
@@ -126,8 +140,9 @@ def _run(rank: int, world: int) -> None:
         dist.barrier()
 
 
-def test_ddp_two_ranks():
-    spawn(_run, world=2)
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.cuda)])
+def test_ddp_two_ranks(backend):
+    spawn(_run, world=2, backend=backend)
 
 
 def test_one_rank_is_one_process(tmp_path):
