@@ -1,5 +1,6 @@
 """Helpers of the optimizers' multi-process tests: functions run on 2 processes of one process group, started once
-per test session (starting them is most of these tests' time), and tensors gathered from every rank."""
+per test session (starting them is most of these tests' time), tensors gathered from every rank, and the tests'
+training loop."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 
 # How long one function may run on the ranks before the test fails (a collective that a rank never joins fails
 # after the process group's 60 s timeout first).
@@ -112,3 +114,17 @@ def gathered(t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return out
+
+
+def train(model: nn.Module, opt, batches: list, rows: slice = slice(None)) -> None:
+    """One optimizer step of an MSE regression per (x, y) of ``batches``, on ``rows`` of each (a rank's share)."""
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    """The parameters as one vector (a DistributedDataParallel model's module's)."""
+    module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return torch.cat([p.detach().flatten() for p in module.parameters()])

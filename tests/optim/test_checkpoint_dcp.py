@@ -9,14 +9,13 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed_testing import spawn
+from distributed_testing import flat, spawn, train
 from torchkern.optim import KFAC, SOAP, Shampoo
 
 pytestmark = pytest.mark.slow  # spawns processes
@@ -46,18 +45,6 @@ def _batches():
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(BATCH, 6, generator=g, dtype=torch.float64),
              torch.randn(BATCH, 3, generator=g, dtype=torch.float64)) for _ in range(STEPS)]
-
-
-def _train(model, opt, batches, rows=slice(None)) -> None:
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        opt.step()
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    module = model.module if isinstance(model, DistributedDataParallel) else model
-    return torch.cat([p.detach().flatten() for p in module.parameters()])
 
 
 def _save(model, opt, path) -> None:
@@ -91,21 +78,21 @@ def _two_ranks(rank: int, world: int, root: str) -> None:
         # the single-process checkpoint continues on both ranks as the single-process run did
         model, opt = _ddp(name)
         _load(model, opt, f"{root}/{name}-one")
-        _train(model, opt, batches[SAVED_AT:], rows)
+        train(model, opt, batches[SAVED_AT:], rows)
         if name not in NOT_CONTINUOUS:
-            _assert_close(_flat(model), torch.load(f"{root}/{name}-one.final"), 1e-12, (name, "1 -> 2"))
+            _assert_close(flat(model), torch.load(f"{root}/{name}-one.final"), 1e-12, (name, "1 -> 2"))
         # a 2-rank run saved midway, continued here and, after this, on one rank
         model, opt = _ddp(name)
-        _train(model, opt, batches[:SAVED_AT], rows)
+        train(model, opt, batches[:SAVED_AT], rows)
         _save(model, opt, f"{root}/{name}-two")
-        _train(model, opt, batches[SAVED_AT:], rows)
-        final = _flat(model)
+        train(model, opt, batches[SAVED_AT:], rows)
+        final = flat(model)
         if rank == 0:
             torch.save(final, f"{root}/{name}-two.final")
         model, opt = _ddp(name)
         _load(model, opt, f"{root}/{name}-two")
-        _train(model, opt, batches[SAVED_AT:], rows)
-        assert torch.equal(_flat(model), final), (name, "2 -> 2")
+        train(model, opt, batches[SAVED_AT:], rows)
+        assert torch.equal(flat(model), final), (name, "2 -> 2")
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP saving and loading in this one process
@@ -114,18 +101,18 @@ def test_dcp_across_world_sizes(tmp_path):
     for name, make in OPTIMIZERS.items():
         model = _model()
         opt = make(model)
-        _train(model, opt, batches[:SAVED_AT])
+        train(model, opt, batches[:SAVED_AT])
         _save(model, opt, tmp_path / f"{name}-one")
-        _train(model, opt, batches[SAVED_AT:])
-        torch.save(_flat(model), tmp_path / f"{name}-one.final")
+        train(model, opt, batches[SAVED_AT:])
+        torch.save(flat(model), tmp_path / f"{name}-one.final")
     spawn(_two_ranks, 2, (str(tmp_path),))
     for name, make in OPTIMIZERS.items():
         model = _model()
         opt = make(model)
         _load(model, opt, tmp_path / f"{name}-two")
-        _train(model, opt, batches[SAVED_AT:])
+        train(model, opt, batches[SAVED_AT:])
         if name not in NOT_CONTINUOUS:
-            _assert_close(_flat(model), torch.load(tmp_path / f"{name}-two.final"), 1e-12, (name, "2 -> 1"))
+            _assert_close(flat(model), torch.load(tmp_path / f"{name}-two.final"), 1e-12, (name, "2 -> 1"))
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -136,7 +123,7 @@ def test_entries_made_later_are_in_the_state_dict(name):
     opt = OPTIMIZERS[name](model)
     get_optimizer_state_dict(model, opt)  # the zero-gradient step DCP takes (none for K-FAC, whose state exists)
     fresh = opt.state_dict()
-    _train(model, opt, _batches()[:SAVED_AT])
+    train(model, opt, _batches()[:SAVED_AT])
     trained = opt.state_dict()
     for pid, entry in trained["state"].items():
         assert set(fresh["state"][pid]) == set(entry), (pid, set(fresh["state"][pid]) ^ set(entry))

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed_testing import gathered, spawn
+from distributed_testing import flat, gathered, spawn, train
 from torchkern.optim import KFAC, SOAP, Shampoo
 from torchkern.optim.distributed import Distributed
 
@@ -55,17 +55,6 @@ def _batches():
              torch.randn(BATCH, 3, generator=g, dtype=torch.float64).to(_device())) for _ in range(STEPS)]
 
 
-def _train(model: nn.Module, opt, batches, rows: slice) -> None:
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        opt.step()
-
-
-def _flat(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
 # Rounding-level changes of the gradients (DDP's average against one backward of the whole batch) move these two
 # further than 1e-10 in a single process already (Shampoo's "qr" roots 6e-3, SOAP's "eigh" bases 5e-9 here): they
 # are checked for identical ranks and the split, not for parity.
@@ -78,12 +67,12 @@ def _parity(rank: int, world: int) -> None:
     for name, make in OPTIMIZERS.items():
         model = _ddp()
         opt = make(model if name == "kfac" else model.module)
-        _train(model, opt, batches, rows)
-        params = _flat(model.module)
+        train(model, opt, batches, rows)
+        params = flat(model.module)
         if name not in NOT_CONTINUOUS:
             single = _model()
-            _train(single, make(single, distributed=None), batches, slice(None))
-            expected = _flat(single)
+            train(single, make(single, distributed=None), batches, slice(None))
+            expected = flat(single)
             err = (params - expected).abs().max().item()
             assert err <= 1e-10 * expected.abs().max().item(), (name, rank, err)
         assert all((p - params).abs().max().item() <= 1e-12 for p in gathered(params)), name
@@ -105,8 +94,8 @@ def _bfloat16_exchange(rank: int, world: int) -> None:
         model = _ddp()
         opt = OPTIMIZERS[name](model if name == "kfac" else model.module,
                                distributed=Distributed(communication_dtype=torch.bfloat16))
-        _train(model, opt, batches, rows)
-        params = _flat(model.module)
+        train(model, opt, batches, rows)
+        params = flat(model.module)
         assert torch.isfinite(params).all(), name
         assert all(torch.equal(p, params) for p in gathered(params)), name
 
@@ -125,10 +114,10 @@ def _not_replicas(rank: int, world: int) -> None:
     # distributed=None: each rank on its own, as a single process would
     model = _model()
     opt = OPTIMIZERS["soap"](model, distributed=None)
-    _train(model, opt, _batches(), rows)
+    train(model, opt, _batches(), rows)
     single = _model()
-    _train(single, OPTIMIZERS["soap"](single, distributed=None), _batches(), rows)
-    assert torch.equal(_flat(model), _flat(single))
+    train(single, OPTIMIZERS["soap"](single, distributed=None), _batches(), rows)
+    assert torch.equal(flat(model), flat(single))
 
 
 CASES = {"parity": _parity, "bfloat16_exchange": _bfloat16_exchange, "not_replicas": _not_replicas}
@@ -157,8 +146,8 @@ def test_one_rank_is_one_process(tmp_path):
             for kw in ({}, {"distributed": None}):
                 model = _model()
                 opt = make(model, **kw)
-                _train(model, opt, batches, slice(None))
-                runs.append(_flat(model))
+                train(model, opt, batches, slice(None))
+                runs.append(flat(model))
                 assert opt._distribution.group() is None
             assert torch.equal(*runs), name
     finally:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from distributed_testing import spawn
+from distributed_testing import spawn, train
 from torchkern.optim import KFAC, SOAP, Shampoo
 from torchkern.optim.distributed import Distributed
 
@@ -62,13 +62,6 @@ def _batches():
              torch.randn(BATCH, 2 * WIDTHS[-1], generator=g, dtype=torch.float64)) for _ in range(STEPS)]
 
 
-def _train(model, opt, batches, rows=slice(None)) -> None:
-    for x, y in batches:
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        opt.step()
-
-
 def _train_single(model, opt, batches, world: int) -> None:
     """The single-process run on the whole batch, its gradient summed from the ranks' halves as the ranks' average
     does: SOAP moves rounding-level changes of the gradient up to 1e-7 in these 6 steps (computed from the whole
@@ -103,7 +96,7 @@ def _parity(rank: int, world: int) -> None:
                           batches, world)
             model = _sharded()
             opt = make(model.parameters(), distributed=Distributed(gather_dtensors=gather))
-            _train(model, opt, batches, _rows(rank, world))
+            train(model, opt, batches, _rows(rank, world))
             _close(_full(model), _full(single), (name, gather, rank))
             # a shard's state is the rank's own; gathered, every rank holds the whole and the refreshes are split
             w = next(model.parameters())
@@ -116,7 +109,7 @@ def _skip_on_every_rank(rank: int, world: int) -> None:
     for name, make in OPTIMIZERS.items():
         model = _sharded()
         opt = make(model.parameters())
-        _train(model, opt, [(x, y)], _rows(rank, world))
+        train(model, opt, [(x, y)], _rows(rank, world))
         before = _full(model)
         opt.zero_grad()
         nn.functional.mse_loss(model(x[_rows(rank, world)]), y[_rows(rank, world)]).backward()
@@ -135,18 +128,18 @@ def _checkpoint(rank: int, world: int, root: str) -> None:
             kw = {"distributed": Distributed(gather_dtensors=gather)}
             model = _sharded()
             opt = make(model.parameters(), **kw)
-            _train(model, opt, batches[:SAVED_AT], _rows(rank, world))
+            train(model, opt, batches[:SAVED_AT], _rows(rank, world))
             path = f"{root}/{name}-{gather}"
             dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
                      checkpoint_id=path)
-            _train(model, opt, batches[SAVED_AT:], _rows(rank, world))
+            train(model, opt, batches[SAVED_AT:], _rows(rank, world))
             fresh = _sharded()
             fresh_opt = make(fresh.parameters(), **kw)
             state = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fresh_opt)}
             dcp.load(state, checkpoint_id=path)
             set_model_state_dict(fresh, state["model"])
             set_optimizer_state_dict(fresh, fresh_opt, state["optim"])
-            _train(fresh, fresh_opt, batches[SAVED_AT:], _rows(rank, world))
+            train(fresh, fresh_opt, batches[SAVED_AT:], _rows(rank, world))
             assert torch.equal(_full(fresh), _full(model)), (name, gather)
 
 
