@@ -1,20 +1,12 @@
-// eigh's in-block Jacobi solver: n small enough for one thread block's shared memory (jacobi.cuh: A in the compute
-// type and V in double) runs the whole cyclic Jacobi on one block per matrix. The kernel flags non-finite matrices,
-// scales and symmetrizes itself, so a cold start is one launch; a warm start rotates the matrix into Q0's basis first
-// and the eigenvectors back after.
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/matmul.h>
-#include <c10/cuda/CUDAException.h>
+// The in-block Jacobi solver's warm-start rotations (launchers.h: warm_rotate_launch) and its reach (in_block_fits);
+// the whole-matrix kernel is jacobi.cuh's (eigh_small_f32.cu, eigh_small_f64.cu), the host side eigh_in_block.cpp.
+#include <type_traits>
 
-#include <tuple>
-
-#include "eigh_prep.h"
-#include "eigh_solvers.h"
 #include "jacobi.cuh"
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/launch.cuh"
 
-#if !defined(TORCHKERN_EIGH_MAX_SWEEPS) || !defined(TORCHKERN_EIGH_SMALL_MAX_N)
+#if !defined(TORCHKERN_EIGH_SMALL_MAX_N)
 #error "build through torchkern's loader: it defines the TORCHKERN_EIGH_* constants (linalg/constants.py)"
 #endif
 
@@ -40,12 +32,6 @@ __host__ __device__ inline int rotate_ld(int64_t n) {
 
 // Shared memory of warm_rotate_kernel: two n x n float64 operands (kIn: T = X^T Q then overwrites the first).
 int64_t rotate_smem(int64_t n) { return 2 * static_cast<int64_t>(rotate_ld(n)) * rotate_ld(n) * sizeof(double); }
-
-// Whether warm_rotate_kernel takes n on this device (its shared memory, a tile per thread).
-bool warm_rotate_fits(int64_t n) {
-  const int64_t tiles = rotate_ld(n) / kRotTile;
-  return tiles * tiles <= kRotThreads && rotate_smem(n) <= static_cast<int64_t>(smem_optin_bytes());
-}
 
 // acc(i0 + a, j0 + c) = sum_k L(i0 + a, k) R(k, j0 + c), with Lt = L^T and R row-major (leading dimension ld).
 __device__ __forceinline__ void rotate_tile(const double* __restrict__ Lt, const double* __restrict__ R, int ld,
@@ -112,79 +98,31 @@ __global__ void __launch_bounds__(kRotThreads) warm_rotate_kernel(const float* _
   }
 }
 
-// Y [B, n, n] float32 = Q^T X^T Q (kIn) or Q X, per matrix (warm_rotate_kernel); X, Q float32, contiguous.
-template <bool kIn>
-at::Tensor warm_rotate(const at::Tensor& X, const at::Tensor& Q) {
-  const int n = static_cast<int>(X.size(1)), tiles = rotate_ld(n) / kRotTile;
-  at::Tensor Y = at::empty_like(X);
-  static int opted_in[kCachedDevices] = {};
-  opt_in_smem(opted_in, warm_rotate_kernel<kIn>, smem_optin_bytes());
-  warm_rotate_kernel<kIn><<<static_cast<unsigned>(X.size(0)), (tiles * tiles + 31) / 32 * 32, rotate_smem(n),
-                            current_stream()>>>(X.const_data_ptr<float>(), Q.const_data_ptr<float>(),
-                                                Y.mutable_data_ptr<float>(), n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return Y;
-}
-
-// (w (B, n), V (B, n, n)) of X (B, n, n) in its dtype, float32 or float64: the whole cyclic Jacobi per matrix.
-Result solve(const at::Tensor& X, double tol) {
-  const int64_t B = X.size(0), n = X.size(1);
-  at::Tensor w = at::empty({B, n}, X.options()), V = at::empty({B, n, n}, X.options());
-  const at::Tensor Xc = X.contiguous();
-  const auto run = [&](auto zero) {
-    using TA = decltype(zero);
-    jacobi::Problem<TA> pr{};
-    pr.A = Xc.const_data_ptr<TA>();
-    pr.batch_stride = n * n;
-    pr.split = jacobi::split_for(B, static_cast<int>(n));
-    pr.ld = static_cast<int>(n);
-    pr.n = static_cast<int>(n);
-    pr.max_sweeps = TORCHKERN_EIGH_MAX_SWEEPS;
-    pr.tol = tol;
-    pr.w = w.mutable_data_ptr<TA>();
-    pr.V = V.mutable_data_ptr<TA>();
-    jacobi::launch_whole<TA>(pr, B, current_stream());
-  };
-  if (X.scalar_type() == at::kDouble) run(0.0);
-  else run(0.0f);
-  return {w, V};
-}
-
 }  // namespace
 
 bool in_block_fits(int64_t n, bool f64) {
   return n <= TORCHKERN_EIGH_SMALL_MAX_N && (f64 ? jacobi::fits<double>(n) : jacobi::fits<float>(n));
 }
 
-Result solve_in_block(const at::Tensor& X, const at::Tensor& Q, double tol) {
-  const auto dtype = X.scalar_type();
-  const at::ScalarType cdt = dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t B = X.size(0), n = X.size(1);
-  if (!Q.defined()) {
-    const auto [w, V] = solve(X.to(cdt), tol);
-    return {w.to(dtype), V.to(dtype)};
-  }
-  if (cdt == at::kFloat && warm_rotate_fits(n)) {
-    // Q0^T X Q0 in float64 sums can neither overflow nor underflow, and the kernel scales, symmetrizes ((Q0^T X Q0 +
-    // Q0^T X^T Q0) / 2 = Q0^T X_sym Q0) and flags non-finite entries (a NaN or Inf in X or Q0 makes the product's
-    // matrix non-finite), so the rotations are all there is around it
-    const at::Tensor Qf = Q.to(at::kFloat).contiguous();
-    const auto [w, V] = solve(warm_rotate<true>(X.to(at::kFloat).contiguous(), Qf), tol);
-    return {w.to(dtype), warm_rotate<false>(V, Qf).to(dtype)};
-  }
-  // Beyond warm_rotate_kernel's shared memory, and float64: the scaled, symmetrized matrix (flagged where X or Q0 has
-  // a non-finite entry), rotated by float64 products (float32 matmuls would follow torch's TF32 flag, 1e-3 accuracy
-  // when a training script turns it on), and the eigenvectors rotated back
-  at::Tensor S = at::empty({B, n, n}, X.options().dtype(cdt));
-  at::Tensor exponent = at::empty({B}, X.options().dtype(at::kInt)), flagged = at::empty_like(exponent);
-  prep_direct(X, Q, S, exponent, flagged);
-  const at::Tensor Q64 = Q.to(at::kDouble);
-  const at::Tensor R = at::matmul(Q64.transpose(1, 2), at::matmul(S.to(at::kDouble), Q64)).to(cdt);
-  const auto [w_rot, V_rot] = solve(R, tol);
-  const at::Tensor V64 = at::matmul(Q64, V_rot.to(at::kDouble));
-  at::Tensor w = at::empty({B, n}, X.options()), V = at::empty({B, n, n}, X.options());
-  finish(V64, /*rows=*/false, w_rot.to(at::kDouble), at::Tensor(), exponent, flagged, at::Tensor(), w, V);
-  return {w, V};
+// Whether warm_rotate_kernel takes n on this device (its shared memory, a tile per thread).
+bool warm_rotate_fits(int64_t n) {
+  const int64_t tiles = rotate_ld(n) / kRotTile;
+  return tiles * tiles <= kRotThreads && rotate_smem(n) <= static_cast<int64_t>(smem_optin_bytes());
+}
+
+cudaError_t warm_rotate_launch(const WarmRotateParams& p, cudaStream_t stream) {
+  const int tiles = rotate_ld(p.n) / kRotTile;
+  const unsigned threads = (tiles * tiles + 31) / 32 * 32;
+  const auto launch = [&](auto in) {
+    constexpr bool kIn = decltype(in)::value;
+    static int opted_in[kCachedDevices] = {};
+    opt_in_smem(opted_in, warm_rotate_kernel<kIn>, smem_optin_bytes());
+    warm_rotate_kernel<kIn><<<static_cast<unsigned>(p.batch), threads, rotate_smem(p.n), stream>>>(p.X, p.Q, p.Y,
+                                                                                                   p.n);
+  };
+  if (p.in) launch(std::true_type{});
+  else launch(std::false_type{});
+  return cudaGetLastError();
 }
 
 }  // namespace eigh

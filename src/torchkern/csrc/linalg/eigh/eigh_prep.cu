@@ -1,28 +1,30 @@
-// The solvers' way in and out (eigh_prep.h): per (matrix, kPrepRows rows) the largest |x| and whether X or Q0 has a
-// non-finite entry (prep_stats_kernel); per 32 x 32 tile of the padded matrix the scaled, symmetrized matrix, the
-// block method's basis and the tile's sum of squares (prep_write_kernel); the block method's thresholds
-// (prep_norms_kernel); and the gather of the results (finish_kernel).
-#include "eigh_prep.h"
-
-#include <ATen/ops/empty.h>
-
+// The solvers' way in and out (launchers.h: prep_launch, finish_launch): per (matrix, kPrepRows rows) the largest |x|
+// and whether X or Q0 has a non-finite entry (prep_stats_kernel); per 32 x 32 tile of the padded matrix the scaled,
+// symmetrized matrix, the block method's basis and the tile's sum of squares (prep_write_kernel); the block method's
+// thresholds (prep_norms_kernel); and the gather of the results (finish_kernel).
 #include <cmath>
 
-#include "torchkern/dispatch.h"
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/dispatch.cuh"
+#include "torchkern/launch.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
 namespace eigh {
 namespace {
 
-constexpr int kPrepRows = 16;
 constexpr int kPrepThreads = 256;
-constexpr int kTile = 32;  // the write and finish passes: 32 x 8 threads per 32 x 32 tile
+constexpr int kTile = kPrepTile;  // the write and finish passes: 32 x 8 threads per 32 x 32 tile
 
 template <typename T>
 __device__ inline double as_double(T x) {
-  return static_cast<double>(static_cast<at::opmath_type<T>>(x));
+  return static_cast<double>(to_opmath(x));
+}
+
+// x rounded to T as torch's casts round (to the compute type, then to the storage type, each to nearest even).
+template <typename T>
+__device__ inline T to_storage(double x) {
+  return from_opmath<T>(static_cast<opmath_t<T>>(x));
 }
 
 template <typename T>
@@ -159,93 +161,62 @@ __global__ void __launch_bounds__(kTile * 8)
     tile[r][lane] = x;
   }
   __syncthreads();
-  const T nan = static_cast<T>(NAN);
+  const T nan = to_storage<T>(NAN);
   for (int r = row; r < kTile; r += 8) {
     const int i = ti * kTile + r, j = tj * kTile + lane;
-    if (i < n && j < n) V[b * int64_t(n) * n + int64_t(i) * n + j] = bad ? nan : static_cast<T>(tile[lane][r]);
+    if (i < n && j < n) V[b * int64_t(n) * n + int64_t(i) * n + j] = bad ? nan : to_storage<T>(tile[lane][r]);
   }
   if (ti == 0 && row == 0) {
     const int j = tj * kTile + lane;
-    if (j < n) w[b * n + j] = bad ? nan : static_cast<T>(ldexp(static_cast<double>(values[b * n + j]), exponent[b]));
+    if (j < n) w[b * n + j] = bad ? nan : to_storage<T>(ldexp(static_cast<double>(values[b * n + j]), exponent[b]));
   }
-}
-
-// The stats pass, then `write(part_max, part_bad, chunks)` for the write pass.
-template <typename scalar_t, typename Write>
-void prep(const at::Tensor& X, const at::Tensor& Q, const Write& write) {
-  const int64_t B = X.size(0), n = X.size(1);
-  const int chunks = static_cast<int>((n + kPrepRows - 1) / kPrepRows);
-  at::Tensor part_max = at::empty({B * chunks}, X.options().dtype(at::kDouble));
-  at::Tensor part_bad = at::empty({B * chunks}, X.options().dtype(at::kInt));
-  const scalar_t* q = Q.defined() ? Q.const_data_ptr<scalar_t>() : nullptr;
-  prep_stats_kernel<scalar_t><<<static_cast<unsigned>(B * chunks), kPrepThreads, 0, current_stream()>>>(
-      X.const_data_ptr<scalar_t>(), q, part_max.mutable_data_ptr<double>(), part_bad.mutable_data_ptr<int>(),
-      static_cast<int>(n), chunks);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  write(q, part_max.const_data_ptr<double>(), part_bad.const_data_ptr<int>(), chunks);
 }
 
 }  // namespace
 
-void prep_direct(const at::Tensor& X, const at::Tensor& Q, at::Tensor& S, at::Tensor& exponent, at::Tensor& flagged) {
-  const int64_t B = X.size(0), n = X.size(1), N = S.size(1);
-  const int64_t tiles = (N + kTile - 1) / kTile;
-  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_prep_direct", [&] {
-    prep<scalar_t>(X, Q, [&](const scalar_t*, const double* part_max, const int* part_bad, int chunks) {
-      const auto write = [&](auto zero) {
-        using U = decltype(zero);
-        prep_write_kernel<scalar_t, U><<<static_cast<unsigned>(B * tiles * tiles), dim3(kTile, 8), 0,
-                                         current_stream()>>>(
-            X.const_data_ptr<scalar_t>(), nullptr, part_max, part_bad, S.mutable_data_ptr<U>(), nullptr,
-            exponent.mutable_data_ptr<int>(), flagged.mutable_data_ptr<int>(), nullptr, static_cast<int>(n),
-            static_cast<int>(N), chunks);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
-      if (S.scalar_type() == at::kDouble) write(0.0);
-      else write(0.0f);
-    });
+cudaError_t prep_launch(const PrepParams& p, cudaStream_t stream) {
+  const int chunks = (p.n + kPrepRows - 1) / kPrepRows;
+  const int64_t tiles = (p.N + kTile - 1) / kTile;
+  const unsigned write_blocks = static_cast<unsigned>(p.batch * tiles * tiles);
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* X = static_cast<const T*>(p.X);
+    const T* Q = static_cast<const T*>(p.Q);
+    prep_stats_kernel<T><<<static_cast<unsigned>(p.batch * chunks), kPrepThreads, 0, stream>>>(
+        X, Q, p.part_max, p.part_bad, p.n, chunks);
+    if (p.W != nullptr) {  // the block method's: float64, with the basis and the sums of squares
+      prep_write_kernel<T, double><<<write_blocks, dim3(kTile, 8), 0, stream>>>(
+          X, Q, p.part_max, p.part_bad, static_cast<double*>(p.S), p.W, p.exponent, p.flagged, p.part_sq, p.n, p.N,
+          chunks);
+      prep_norms_kernel<<<static_cast<unsigned>((p.batch + 127) / 128), 128, 0, stream>>>(
+          p.part_sq, p.thr, p.stop2, p.batch, static_cast<int>(tiles * tiles), p.tol, p.N);
+    } else if (p.s_f64) {
+      prep_write_kernel<T, double><<<write_blocks, dim3(kTile, 8), 0, stream>>>(
+          X, nullptr, p.part_max, p.part_bad, static_cast<double*>(p.S), nullptr, p.exponent, p.flagged, nullptr, p.n,
+          p.N, chunks);
+    } else {
+      prep_write_kernel<T, float><<<write_blocks, dim3(kTile, 8), 0, stream>>>(
+          X, nullptr, p.part_max, p.part_bad, static_cast<float*>(p.S), nullptr, p.exponent, p.flagged, nullptr, p.n,
+          p.N, chunks);
+    }
+    return cudaGetLastError();
   });
 }
 
-void prep_block(const at::Tensor& X, const at::Tensor& Q, at::Tensor& A, at::Tensor& W, at::Tensor& exponent,
-                at::Tensor& flagged, at::Tensor& thr, at::Tensor& stop2, double tol) {
-  const int64_t B = X.size(0), n = X.size(1), N = A.size(1);
-  const int tiles = static_cast<int>(N / kTile);  // N: a multiple of the block pairs' 64 rows
-  at::Tensor part_sq = at::empty({B * tiles * tiles}, X.options().dtype(at::kDouble));
-  TORCHKERN_DISPATCH_FLOATING(X.scalar_type(), "eigh_prep_block", [&] {
-    prep<scalar_t>(X, Q, [&](const scalar_t* q, const double* part_max, const int* part_bad, int chunks) {
-      prep_write_kernel<scalar_t, double><<<static_cast<unsigned>(B * tiles * tiles), dim3(kTile, 8), 0,
-                                            current_stream()>>>(
-          X.const_data_ptr<scalar_t>(), q, part_max, part_bad, A.mutable_data_ptr<double>(),
-          W.mutable_data_ptr<double>(), exponent.mutable_data_ptr<int>(), flagged.mutable_data_ptr<int>(),
-          part_sq.mutable_data_ptr<double>(), static_cast<int>(n), static_cast<int>(N), chunks);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-  });
-  prep_norms_kernel<<<static_cast<unsigned>((B + 127) / 128), 128, 0, current_stream()>>>(
-      part_sq.const_data_ptr<double>(), thr.mutable_data_ptr<double>(), stop2.mutable_data_ptr<double>(), B,
-      tiles * tiles, tol, static_cast<int>(N));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void finish(const at::Tensor& vectors, bool rows, const at::Tensor& values, const at::Tensor& order,
-            const at::Tensor& exponent, const at::Tensor& flagged, const at::Tensor& failed, at::Tensor& w,
-            at::Tensor& V) {
-  const int64_t B = w.size(0), n = w.size(1), N = vectors.size(1);
-  const int tiles = static_cast<int>((n + kTile - 1) / kTile);
-  const int64_t* ord = order.defined() ? order.const_data_ptr<int64_t>() : nullptr;
-  const int* fail = failed.defined() ? failed.const_data_ptr<int>() : nullptr;
-  TORCHKERN_DISPATCH_FLOATING(w.scalar_type(), "eigh_finish", [&] {
+cudaError_t finish_launch(const FinishParams& p, cudaStream_t stream) {
+  const int tiles = (p.n + kTile - 1) / kTile;
+  const unsigned blocks = static_cast<unsigned>(p.batch * tiles * tiles);
+  return dispatch_dtype(p.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
     const auto gather = [&](auto zero) {
       using S = decltype(zero);
-      finish_kernel<scalar_t, S><<<static_cast<unsigned>(B * tiles * tiles), dim3(kTile, 8), 0, current_stream()>>>(
-          vectors.const_data_ptr<S>(), rows, values.const_data_ptr<S>(), ord, exponent.const_data_ptr<int>(),
-          flagged.const_data_ptr<int>(), fail, w.mutable_data_ptr<scalar_t>(), V.mutable_data_ptr<scalar_t>(),
-          static_cast<int>(n), static_cast<int>(N));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      finish_kernel<T, S><<<blocks, dim3(kTile, 8), 0, stream>>>(
+          static_cast<const S*>(p.vectors), p.rows, static_cast<const S*>(p.values), p.order, p.exponent, p.flagged,
+          p.failed, static_cast<T*>(p.w), static_cast<T*>(p.V), p.n, p.N);
     };
-    if (vectors.scalar_type() == at::kDouble) gather(0.0);
+    if (p.f64) gather(0.0);
     else gather(0.0f);
+    return cudaGetLastError();
   });
 }
 

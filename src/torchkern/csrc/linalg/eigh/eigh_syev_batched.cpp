@@ -110,7 +110,7 @@ Handle handle_for_current_device() {
 
 // cuSOLVER's decomposition of X [B, n, n], symmetric, float32 or float64, on the current stream: (w [B, n], the
 // eigenvalues as the routine leaves them, V [B, n, n] with the eigenvectors as its rows, info [B] int, nonzero for a
-// matrix that did not converge). A contiguous X is overwritten (pass a temporary).
+// matrix that did not converge). X, contiguous, is overwritten.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> syev_batched(at::Tensor X) {
   TORCHKERN_OP("eigh");
   const Api& a = api();
@@ -146,16 +146,10 @@ bool syev_batched_available() { return api().solve != nullptr; }
 // of CUDA 13.0), so the eigenvalues are sorted after it; a matrix it reports as not converged comes back NaN (never
 // the case for the scaled, symmetrized matrices passed here; the public eigh names it if it ever happens).
 Result solve_syev_batched(const at::Tensor& X, const at::Tensor& Q) {
-  const int64_t B = X.size(0), n = X.size(1);
-  const auto iopt = X.options().dtype(at::kInt);
-  at::Tensor exponent = at::empty({B}, iopt), flagged = at::empty({B}, iopt);
-  at::Tensor S = at::empty({B, n, n}, X.options().dtype(X.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
-  prep_direct(X, Q, S, exponent, flagged);
-  const auto [w_raw, V_rows, info] = syev_batched(std::move(S));
+  const Scaled scaled = prep_direct(X, Q, X.scalar_type() == at::kDouble ? at::kDouble : at::kFloat, X.size(1));
+  const auto [w_raw, V_rows, info] = syev_batched(scaled.S);
   const auto [sorted, order] = at::sort(w_raw, /*dim=*/1);
-  at::Tensor w = at::empty({B, n}, X.options()), V = at::empty({B, n, n}, X.options());
-  finish(V_rows, /*rows=*/true, sorted, order, exponent, flagged, info, w, V);
-  return {w, V};
+  return finish(X, scaled, V_rows, /*rows=*/true, sorted, order, info);
 }
 
 }  // namespace eigh

@@ -45,14 +45,13 @@
 // 64 x 64 subproblems have their own kernel: jacobi_tiles.cuh.)
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-#include "torchkern/launch.h"
+#include "torchkern/launch.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
@@ -343,36 +342,32 @@ inline int split_for(int64_t B, int n) {
 // Launches G problems of size pr.n (which must fit), pr.split blocks each, on THREADS-thread blocks, with the
 // kernel's shared memory opted in once per device (to the most the device allows).
 template <typename TA, int THREADS>
-void run(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
+cudaError_t run(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
   const auto kernel = jacobi_kernel<TA, THREADS>;
   static int opted_in[kCachedDevices] = {};
-  per_device(opted_in, [&](int) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem_optin_bytes() - kStaticSmem)));
-    return 0;
-  });
+  opt_in_smem(opted_in, kernel, smem_optin_bytes() - kStaticSmem);
   kernel<<<static_cast<unsigned>(G * pr.split), THREADS, smem_bytes<TA>(pr.n, pr.split), stream>>>(pr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return cudaGetLastError();
 }
 
 // The whole-matrix launch with threads_for(n) threads; the instantiations live in eigh_small_{f32,f64}.cu
 // (one compile each).
 template <typename TA>
-void launch_whole(const Problem<TA>& pr, int64_t G, cudaStream_t stream);
+cudaError_t launch_whole(const Problem<TA>& pr, int64_t G, cudaStream_t stream);
 
 template <typename TA>
-void launch_whole_impl(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
+cudaError_t launch_whole_impl(const Problem<TA>& pr, int64_t G, cudaStream_t stream) {
   switch (threads_for(pr.n)) {
-    case 128: run<TA, 128>(pr, G, stream); break;
-    case 512: run<TA, 512>(pr, G, stream); break;
-    default: run<TA, 1024>(pr, G, stream); break;
+    case 128: return run<TA, 128>(pr, G, stream);
+    case 512: return run<TA, 512>(pr, G, stream);
+    default: return run<TA, 1024>(pr, G, stream);
   }
 }
 
 template <>
-void launch_whole<float>(const Problem<float>& pr, int64_t G, cudaStream_t stream);
+cudaError_t launch_whole<float>(const Problem<float>& pr, int64_t G, cudaStream_t stream);
 template <>
-void launch_whole<double>(const Problem<double>& pr, int64_t G, cudaStream_t stream);
+cudaError_t launch_whole<double>(const Problem<double>& pr, int64_t G, cudaStream_t stream);
 
 }  // namespace jacobi
 }  // namespace torchkern

@@ -1,8 +1,8 @@
-// The block method's subproblems (eigh_block_method.cu): per block-row pair, its 64 x 64 diagonal tile of the float64 matrix
-// gets TORCHKERN_EIGH_INNER_SWEEPS cyclic Jacobi sweeps, and the product of their rotations is returned as U (the
-// tile's eigenvector estimate, columns in the tile's index order, unsorted: close to the identity once the matrix
-// is nearly diagonal, so that the block rows keep their meaning). One thread block per tile, A and the rotation
-// accumulator V in shared memory.
+// The block method's subproblems (eigh_block_method.cu): per block-row pair, its 64 x 64 diagonal tile of the
+// float64 matrix gets TORCHKERN_EIGH_INNER_SWEEPS cyclic Jacobi sweeps, and the product of their rotations is
+// returned as U (the tile's eigenvector estimate, columns in the tile's index order, unsorted: close to the identity
+// once the matrix is nearly diagonal, so that the block rows keep their meaning). One thread block per tile, A and the
+// rotation accumulator V in shared memory.
 //
 // Ordering. Round mu (1 .. 63) pairs index x with x ^ mu: its 32 pairs are disjoint and the 63 rounds meet every
 // pair once (mu = x ^ y). The rounds go in 21 triples {a, b, a ^ b}: with 0, each is a 2-dimensional subspace S
@@ -30,12 +30,12 @@
 // columns alone. A matrix that has converged (active == 0) gets U = I at once.
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/launch.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
@@ -156,18 +156,7 @@ constexpr bool make_plan_is_complete() {
 static_assert(make_plan_is_complete(), "the tile sweep's plan must cover every pair once with conflict-free groups");
 __constant__ Plan kPlan = make_plan();
 
-// The block method's buffers of one call (eigh_block_method.cu), in device memory: its kernels read them from there, so that a
-// CUDA graph of its sweeps serves every call of one shape (each call writes its own first).
-struct BlockBuffers {
-  double* a[2];          // [B, N, N] the matrix: a round reads a[from] and writes a[1 - from]
-  double* w[2];          // [B, N, N] the basis W = V^T, likewise
-  double* U;             // [G, kM, kM] the tiles' rotations
-  const double* thr;     // [B] rotation threshold (unscaled: relative to the whole matrix)
-  const double* stop2;   // [B] (tol ||A||_F)^2
-  int* active;           // [B]: 0 for a matrix that has converged
-  double* off_partial;   // [B, N / 16] the off-diagonal sums of squares after a sweep
-  int* loop;             // [2] sweeps run, matrices going on
-};
+using BlockBuffers = eigh::BlockBuffers;  // (launchers.h: the host fills them)
 
 struct Tiles {
   const BlockBuffers* buf;
@@ -397,11 +386,10 @@ inline void opt_in() {
   opt_in_smem(opted_in, tile_kernel, kSmem);
 }
 
-// Launches G tiles.
+// Launches G tiles (the caller checks the launch's error).
 inline void launch(const Tiles& pr, int64_t G, cudaStream_t stream) {
   opt_in();
   tile_kernel<<<static_cast<unsigned>(G), kThreads, kSmem, stream>>>(pr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace tiles

@@ -17,45 +17,33 @@
 // update compute ||M - I||_inf, apply the stopping rule, advance the scaling (next step's a, b)
 // and count the matrices still active (spreading the rows over blocks matters: one block per
 // matrix left a batch of 16 matrices latency-bound on 16 SMs).
-// Host syncs, one per iteration: for n < 512 the count of iteration k is copied to pinned memory
-// and read after iteration k + 1 has been queued, so the GPU never waits for the host (the price:
-// one extra, frozen, no-op iteration at the end); for n >= 512 an iteration costs milliseconds,
-// so the host waits for each iteration's own count instead (microseconds of idle GPU per
-// iteration rather than a wasted iteration). Not CUDA-graph capturable for that reason.
+// The host side (matrix_inverse_root_newton.cpp) runs the products and the loop that reads back, once an
+// iteration, the count of matrices still going.
 // For n >= 64 both paths start from a Lanczos estimate of each matrix's smallest eigenvalue (the
-// first scaling in linalg/twins.py; small_matrix::smallest_ritz_value in the small kernel,
-// lanczos_large here), which saves 1 to 4 of about 10 steps on matrices with a condition number up
+// first scaling in linalg/twins.py; small_matrix::smallest_ritz_value in the small kernel, the
+// Lanczos stages here), which saves 1 to 4 of about 10 steps on matrices with a condition number up
 // to 1e4.
 // The products run in the compute dtype through at::bmm, so they follow torch's TF32 setting
 // (off by default): leave TF32 off for float32 roots at 1e-4 accuracy.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/add.h>
-#include <ATen/ops/bmm.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/ones.h>
-#include <ATen/ops/zeros.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
+#include <cuda_runtime.h>
 
 #include <cmath>
-#include <limits>
-#include <tuple>
-#include <utility>
+#include <cstdint>
 
-#include "torchkern/checks.h"
-#include "torchkern/dispatch.h"
-#include "torchkern/launch.h"
+#include "launchers.h"
 #include "small_matrix.cuh"
+#include "torchkern/launch.cuh"
+#include "torchkern/reduce.cuh"
 
 namespace torchkern {
+namespace newton {
 namespace {
+
 
 constexpr int kRowThreads = 256;  // init / check kernels: one block per matrix, one warp per row
 
 constexpr int kRowsPerBlock = kRowThreads / 32;
-constexpr int kSyncCheckFromN = 512;  // from this n on the convergence check waits for its own iteration
+static_assert(kRowsPerBlock == kRowsPerChunk, "launchers.h's chunks are the row kernel's");
 
 // Row reductions spread over (matrix, chunk of 8 rows) blocks, so that a batch of a few large
 // matrices still fills the GPU. kInit: the chunk's Frobenius norm (squares summed in double) and max
@@ -67,13 +55,13 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
                    C* __restrict__ partial,    // [B, chunks]
                    C* __restrict__ row_max,    // [B, chunks] (kInit)
                    int* __restrict__ bad,      // [B, chunks] (kInit)
-                   const int* __restrict__ active,  // [B] (!kInit)
+                   const int* __restrict__ active,  // [B] (!kInit; nullptr: all)
                    int n, int chunks, C eps) {
   __shared__ C scratch[kRowsPerBlock], scratch_max[kRowsPerBlock];
   __shared__ double scratch_sq[kRowsPerBlock];
   const int64_t idx = blockIdx.x, b = idx / chunks;
   if constexpr (!kInit) {
-    if (!active[b]) return;
+    if (active != nullptr && !active[b]) return;  // (nullptr: every matrix)
   }
   const int r = static_cast<int>(idx - b * chunks) * kRowsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
   C s = C(0), t = C(0);  // kInit: t = sum of |A|; else s = sum of |M - I|
@@ -130,7 +118,7 @@ newton_rows_kernel(const T* __restrict__ src,  // [B, n, n]
 }
 
 // The Lanczos estimate on this path (n >= kLanczosMinN; the small kernel makes its own): per step
-// one batched product W = M^T V (cuBLAS; M = A / u as filled below) and one kernel with a block per
+// one batched product W = M^T V (the host's, cuBLAS; M = A / u as filled below) and one kernel with a block per
 // matrix for the vector work (alpha, the new vector, beta, the early stop: small_matrix's
 // smallest_ritz_value step for step, state in global memory); then a block per matrix turns T into
 // the estimate. A matrix that stopped early skips the remaining steps' vector work.
@@ -214,30 +202,6 @@ lanczos_ritz_kernel(const C* __restrict__ tri, const C* __restrict__ scale, cons
   if (threadIdx.x == 0) ritz[b] = theta;
 }
 
-// ritz (B) for M (B, n, n), compute type, contiguous.
-template <typename C>
-void lanczos_large(const at::Tensor& M, at::Tensor& ritz, int64_t batch, int n, cudaStream_t stream) {
-  const auto opt = M.options();
-  at::Tensor V = at::empty({batch, n, 1}, opt), V_prev = at::empty({batch, n}, opt), W = at::empty({batch, n, 1}, opt);
-  at::Tensor tri = at::empty({batch, 2, kLanczosSteps}, opt), scale = at::empty({batch}, opt);
-  at::Tensor taken = at::empty({batch}, opt.dtype(at::kInt));
-  const unsigned grid = static_cast<unsigned>(batch);
-  lanczos_start_kernel<C><<<grid, kLanczosThreads, 0, stream>>>(V.mutable_data_ptr<C>(), V_prev.mutable_data_ptr<C>(),
-                                                                taken.mutable_data_ptr<int>(), n);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const at::Tensor Mt = M.transpose(1, 2);  // A v as A^T v, as the twin and the small kernel compute it
-  for (int j = 0; j < std::min(kLanczosSteps, n); ++j) {
-    at::bmm_out(W, Mt, V);
-    lanczos_step_kernel<C><<<grid, kLanczosThreads, 0, stream>>>(
-        W.mutable_data_ptr<C>(), V.mutable_data_ptr<C>(), V_prev.mutable_data_ptr<C>(), tri.mutable_data_ptr<C>(),
-        scale.mutable_data_ptr<C>(), taken.mutable_data_ptr<int>(), n, j);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  lanczos_ritz_kernel<C><<<grid, 32, 0, stream>>>(tri.const_data_ptr<C>(), scale.const_data_ptr<C>(),
-                                                 taken.const_data_ptr<int>(), ritz.mutable_data_ptr<C>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 // One thread per matrix: u = min(||A||_F, ||A||_inf) from the partial sums, z = 1 / u and
 // xz = u^(-1/p).
 template <typename C>
@@ -262,15 +226,15 @@ __global__ void newton_scale_kernel(const C* __restrict__ partial, const C* __re
 }
 
 // M = z A, X = xz I (NaN for a non-finite matrix), elementwise over the batch.
-template <typename T, typename C>
-__global__ void newton_fill_kernel(const T* __restrict__ G, C* __restrict__ X, C* __restrict__ M,
+template <typename C>
+__global__ void newton_fill_kernel(const C* __restrict__ G, C* __restrict__ X, C* __restrict__ M,
                                    const C* __restrict__ z, const C* __restrict__ xz, const int* __restrict__ is_bad,
                                    int64_t total, int n, C eps) {
   const int64_t nn = int64_t(n) * n;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t b = i / nn, j = i - b * nn;
     const bool diag = (j / n) == (j % n);
-    M[i] = z[b] * (static_cast<C>(G[i]) + (diag ? eps : C(0)));
+    M[i] = z[b] * (G[i] + (diag ? eps : C(0)));
     X[i] = is_bad[b] ? C(NAN) : (diag ? xz[b] : C(0));
   }
 }
@@ -341,177 +305,71 @@ __global__ void newton_step_kernel(const C* __restrict__ M, C* __restrict__ P, c
   }
 }
 
-template <typename T, typename C>
-void newton_large(const at::Tensor& G, at::Tensor& root, at::Tensor& err, at::Tensor& iters, int64_t batch, int n,
-                  int p, double eps, int max_iters, double tol, bool wait) {
-  const cudaStream_t stream = current_stream();
-  const auto copt = G.options().dtype(c10::CppTypeToScalarType<C>::value);
-  at::Tensor X = at::empty({batch, n, n}, copt), M = at::empty_like(X), P = at::empty_like(X);
-  at::Tensor Xn = at::empty_like(X), Mn = at::empty_like(X), S1, S2;
-  if (p > 1) S1 = at::empty_like(X);
-  if (p > 3) S2 = at::empty_like(X);
-  at::Tensor prev = at::empty({batch}, copt);
-  at::Tensor active = at::empty({batch}, G.options().dtype(at::kInt));
-  at::Tensor counts = at::zeros({max_iters + 1}, G.options().dtype(at::kInt));
-  int* counts_d = counts.mutable_data_ptr<int>();
-  C* err_p = err.mutable_data_ptr<C>();
-  C* prev_p = prev.mutable_data_ptr<C>();
-  int* iters_p = iters.mutable_data_ptr<int>();
-  int* active_p = active.mutable_data_ptr<int>();
-
-  const int chunks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t total = batch * int64_t(n) * n;
-  const unsigned ew_grid = grid_for(total, 256, 4), per_matrix_grid = static_cast<unsigned>((batch + 127) / 128);
-  at::Tensor partial = at::empty({batch, chunks}, copt), row_max = at::empty({batch, chunks}, copt);
-  at::Tensor bad = at::empty({batch, chunks}, G.options().dtype(at::kInt));
-  at::Tensor z = at::empty({batch}, copt), xz = at::empty({batch}, copt);
-  at::Tensor is_bad = at::empty({batch}, G.options().dtype(at::kInt));
-  at::Tensor coef = at::empty({2, batch}, copt), next_low = at::empty({batch}, G.options().dtype(at::kDouble));
-  const ScalingState<C> scaling{coef.mutable_data_ptr<C>(), coef.mutable_data_ptr<C>() + batch,
-                                next_low.mutable_data_ptr<double>()};
-  C* partial_p = partial.mutable_data_ptr<C>();
-  newton_rows_kernel<T, C, true><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
-      G.const_data_ptr<T>(), partial_p, row_max.mutable_data_ptr<C>(), bad.mutable_data_ptr<int>(), nullptr, n,
-      chunks, static_cast<C>(eps));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  newton_scale_kernel<C><<<per_matrix_grid, 128, 0, stream>>>(partial_p, row_max.const_data_ptr<C>(),
-                                                              bad.const_data_ptr<int>(), z.mutable_data_ptr<C>(),
-                                                              xz.mutable_data_ptr<C>(), is_bad.mutable_data_ptr<int>(),
-                                                              batch, chunks, p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  newton_fill_kernel<T, C><<<ew_grid, 256, 0, stream>>>(G.const_data_ptr<T>(), X.mutable_data_ptr<C>(),
-                                                         M.mutable_data_ptr<C>(), z.const_data_ptr<C>(),
-                                                         xz.const_data_ptr<C>(), is_bad.const_data_ptr<int>(), total,
-                                                         n, static_cast<C>(eps));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // every matrix counts as active for this one residual pass
-  at::Tensor all = at::ones({batch}, G.options().dtype(at::kInt));
-  newton_rows_kernel<C, C, false><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
-      M.const_data_ptr<C>(), partial_p, nullptr, nullptr, all.const_data_ptr<int>(), n, chunks, C(0));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  at::Tensor ritz;  // the Lanczos estimates, of M (none when no step runs, or n is below their range)
-  if (max_iters > 0 && n >= kLanczosMinN) {
-    ritz = at::empty({batch}, copt);
-    lanczos_large<C>(M, ritz, batch, n, stream);
-  }
-  newton_update_kernel<C, true><<<per_matrix_grid, 128, 0, stream>>>(
-      partial_p, is_bad.const_data_ptr<int>(), err_p, prev_p, iters_p, active_p, counts_d, scaling,
-      z.const_data_ptr<C>(), ritz.defined() ? ritz.const_data_ptr<C>() : nullptr, eps, p, batch, chunks,
-      static_cast<C>(tol));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  // One iteration: P = a I + b M, X <- X P, M <- P^p M, then each matrix's residual and stopping rule (a
-  // matrix that has stopped gets P = I, so its X and M stay bitwise as they are).
-  const auto iterate = [&](int it) {
-    newton_step_kernel<C><<<ew_grid, 256, 0, stream>>>(M.const_data_ptr<C>(), P.mutable_data_ptr<C>(), active_p,
-                                                          scaling.a, scaling.b, total, n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    at::bmm_out(Xn, X, P);
-    std::swap(X, Xn);
-    at::Tensor base = P;
-    for (int q = p;;) {
-      if (q & 1) {
-        at::bmm_out(Mn, base, M);
-        std::swap(M, Mn);
-      }
-      q >>= 1;
-      if (!q) break;
-      at::Tensor& next = (base.is_same(S1)) ? S2 : S1;
-      at::bmm_out(next, base, base);
-      base = next;
-    }
-    newton_rows_kernel<C, C, false><<<static_cast<unsigned>(batch * chunks), kRowThreads, 0, stream>>>(
-        M.const_data_ptr<C>(), partial_p, nullptr, nullptr, active_p, n, chunks, C(0));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    newton_update_kernel<C, false><<<per_matrix_grid, 128, 0, stream>>>(
-        partial_p, nullptr, err_p, prev_p, iters_p, active_p, counts_d + it + 1, scaling, nullptr, nullptr, eps, p, batch,
-        chunks, static_cast<C>(tol));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  if (!wait) {  // every iteration queued, no host round trip: the same result, later ones possibly for nothing
-    for (int it = 0; it < max_iters; ++it) iterate(it);
-    root.copy_(X.view(root.sizes()));
-    return;
-  }
-  at::Tensor host = at::empty({max_iters + 1}, at::TensorOptions().dtype(at::kInt).pinned_memory(true));
-  int* host_p = host.mutable_data_ptr<int>();
-  struct Events {  // two timing-free events, destroyed on every way out
-    cudaEvent_t e[2] = {nullptr, nullptr};
-    ~Events() {
-      for (cudaEvent_t x : e)
-        if (x) cudaEventDestroy(x);
-    }
-  } ev;
-  for (cudaEvent_t& x : ev.e) C10_CUDA_CHECK(cudaEventCreateWithFlags(&x, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaMemcpyAsync(host_p, counts_d, sizeof(int), cudaMemcpyDeviceToHost, stream));
-  C10_CUDA_CHECK(cudaEventRecord(ev.e[0], stream));
-
-  const bool speculative = n < kSyncCheckFromN;
-  if (!speculative) C10_CUDA_CHECK(cudaEventSynchronize(ev.e[0]));
-  for (int it = 0; it < max_iters && (speculative || host_p[0] != 0); ++it) {
-    // queue iteration it (a no-op for matrices that are done) ...
-    iterate(it);
-    C10_CUDA_CHECK(cudaMemcpyAsync(host_p + it + 1, counts_d + it + 1, sizeof(int), cudaMemcpyDeviceToHost, stream));
-    C10_CUDA_CHECK(cudaEventRecord(ev.e[(it + 1) % 2], stream));
-    // ... then, speculatively, read the count of the iteration before it (if none was active,
-    // iteration it was a no-op); or, for large n, where one iteration costs milliseconds and a
-    // wasted one more than the host round trip, wait for this iteration's own count.
-    const int look = speculative ? it : it + 1;
-    C10_CUDA_CHECK(cudaEventSynchronize(ev.e[look % 2]));
-    if (host_p[look] == 0) break;
-  }
-  root.copy_(X.view(root.sizes()));
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> matrix_inverse_root_newton_cuda(const at::Tensor& G, int64_t p,
-                                                                               double eps, int64_t max_iters,
-                                                                               double tol, bool wait) {
-  TORCHKERN_OP("matrix_inverse_root");
-  TORCHKERN_CHECK_FLOAT(G);
-  TORCHKERN_CHECK(G.dim() >= 2 && G.size(-1) == G.size(-2), "G must have shape [..., n, n] (square matrices), got ",
-                  G.sizes());
-  TORCHKERN_CHECK(p >= 1, "p must be a positive integer, got ", p);
-  TORCHKERN_CHECK(max_iters >= 0, "max_iters must be >= 0, got ", max_iters);
-  TORCHKERN_CHECK(tol >= 0, "tol must be >= 0, got ", tol);
-  // G + eps I must be finite in the compute type (float32 for the half types)
-  const bool f64 = G.scalar_type() == at::kDouble;
-  const double top = f64 ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
-  TORCHKERN_CHECK(eps >= 0 && eps <= top, "eps must be a finite number in [0, ", top, "] (the range of ",
-                  f64 ? "float64" : "float32", ", the compute dtype), got ", eps);
-  TORCHKERN_CHECK_CUDA(G);
-  TORCHKERN_CHECK(G.size(-1) < (1 << 20) && max_iters < (1 << 30), "n and max_iters are too large");
-  const at::cuda::OptionalCUDAGuard guard(G.device());
-  const auto batch_shape = G.sizes().slice(0, G.dim() - 2);
-  const at::ScalarType cdt = f64 ? at::kDouble : at::kFloat;
-  at::Tensor root = at::empty(G.sizes(), G.options());
-  at::Tensor err = at::empty(batch_shape, G.options().dtype(cdt));
-  at::Tensor iters = at::empty(batch_shape, G.options().dtype(at::kInt));
-  if (G.numel() == 0) {
-    err.zero_();
-    iters.zero_();
-    return {root, err, iters};
-  }
-  const int n = static_cast<int>(G.size(-1));
-  const int64_t batch = G.numel() / (int64_t(n) * n);
-  const at::Tensor Gc = G.contiguous();
-  TORCHKERN_DISPATCH_FLOATING(G.scalar_type(), "matrix_inverse_root_newton", [&] {
-    using C = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    const bool small = newton_small_launch<scalar_t>(Gc.const_data_ptr<scalar_t>(), root.mutable_data_ptr<scalar_t>(),
-                                                     err.mutable_data_ptr(), iters.mutable_data_ptr<int>(), batch, n,
-                                                     static_cast<int>(p), eps, static_cast<int>(max_iters), tol,
-                                                     current_stream());
-    if (!small) {  // the symmetric part, as the small kernels and the twin take it
-      const at::Tensor Gs = Gc.to(c10::CppTypeToScalarType<C>::value).view({batch, n, n});
-      const at::Tensor sym = at::add(at::mul(Gs, 0.5), at::mul(Gs.transpose(1, 2), 0.5));
-      newton_large<C, C>(sym, root, err, iters, batch, n, static_cast<int>(p), eps, static_cast<int>(max_iters), tol,
-                         wait);
-    }
-  });
-  return {root, err, iters};
-}
-
 }  // namespace
-}  // namespace torchkern
 
-TORCH_LIBRARY_IMPL(torchkern, CUDA, m) {
-  m.impl("matrix_inverse_root_newton", &torchkern::matrix_inverse_root_newton_cuda);
+cudaError_t large_launch(Stage stage, const LargeParams& p, int it, cudaStream_t stream) {
+  const auto run = [&](auto zero) {
+    using C = decltype(zero);
+    const int64_t batch = p.batch, total = batch * int64_t(p.n) * p.n;
+    const int n = p.n, chunks = (n + kRowsPerBlock - 1) / kRowsPerBlock;
+    const unsigned rows_grid = static_cast<unsigned>(batch * chunks), ew_grid = grid_for(total, 256, 4);
+    const unsigned per_matrix_grid = static_cast<unsigned>((batch + 127) / 128);
+    const unsigned lanczos_grid = static_cast<unsigned>(batch);
+    C* partial = static_cast<C*>(p.partial);
+    const ScalingState<C> scaling{static_cast<C*>(p.coef_a), static_cast<C*>(p.coef_b), p.next_low};
+    switch (stage) {
+      case Stage::kStart:
+        newton_rows_kernel<C, C, true><<<rows_grid, kRowThreads, 0, stream>>>(
+            static_cast<const C*>(p.A), partial, static_cast<C*>(p.row_max), p.bad, nullptr, n, chunks,
+            static_cast<C>(p.eps));
+        newton_scale_kernel<C><<<per_matrix_grid, 128, 0, stream>>>(partial, static_cast<const C*>(p.row_max), p.bad,
+                                                                    static_cast<C*>(p.z), static_cast<C*>(p.xz),
+                                                                    p.is_bad, batch, chunks, p.p);
+        newton_fill_kernel<C><<<ew_grid, 256, 0, stream>>>(static_cast<const C*>(p.A), static_cast<C*>(p.X),
+                                                            static_cast<C*>(p.M), static_cast<const C*>(p.z),
+                                                            static_cast<const C*>(p.xz), p.is_bad, total, n,
+                                                            static_cast<C>(p.eps));
+        // every matrix counts as active for this one residual pass
+        newton_rows_kernel<C, C, false><<<rows_grid, kRowThreads, 0, stream>>>(
+            static_cast<const C*>(p.M), partial, nullptr, nullptr, nullptr, n, chunks, C(0));
+        break;
+      case Stage::kLanczosStart:
+        lanczos_start_kernel<C><<<lanczos_grid, kLanczosThreads, 0, stream>>>(static_cast<C*>(p.V),
+                                                                              static_cast<C*>(p.V_prev), p.taken, n);
+        break;
+      case Stage::kLanczosStep:
+        lanczos_step_kernel<C><<<lanczos_grid, kLanczosThreads, 0, stream>>>(
+            static_cast<C*>(p.W), static_cast<C*>(p.V), static_cast<C*>(p.V_prev), static_cast<C*>(p.tri),
+            static_cast<C*>(p.scale), p.taken, n, it);
+        break;
+      case Stage::kLanczosRitz:
+        lanczos_ritz_kernel<C><<<lanczos_grid, 32, 0, stream>>>(static_cast<const C*>(p.tri),
+                                                                static_cast<const C*>(p.scale), p.taken,
+                                                                static_cast<C*>(p.ritz));
+        break;
+      case Stage::kFirstUpdate:
+        newton_update_kernel<C, true><<<per_matrix_grid, 128, 0, stream>>>(
+            partial, p.is_bad, static_cast<C*>(p.err), static_cast<C*>(p.prev), p.iters, p.active, p.counts, scaling,
+            static_cast<const C*>(p.z), static_cast<const C*>(p.ritz), p.eps, p.p, batch, chunks,
+            static_cast<C>(p.tol));
+        break;
+      case Stage::kStep:
+        newton_step_kernel<C><<<ew_grid, 256, 0, stream>>>(static_cast<const C*>(p.M), static_cast<C*>(p.P), p.active,
+                                                            scaling.a, scaling.b, total, n);
+        break;
+      case Stage::kCheck:
+        newton_rows_kernel<C, C, false><<<rows_grid, kRowThreads, 0, stream>>>(
+            static_cast<const C*>(p.M), partial, nullptr, nullptr, p.active, n, chunks, C(0));
+        newton_update_kernel<C, false><<<per_matrix_grid, 128, 0, stream>>>(
+            partial, nullptr, static_cast<C*>(p.err), static_cast<C*>(p.prev), p.iters, p.active, p.counts + it + 1,
+            scaling, nullptr, nullptr, p.eps, p.p, batch, chunks, static_cast<C>(p.tol));
+        break;
+    }
+  };
+  if (p.f64) run(0.0);
+  else run(0.0f);
+  return cudaGetLastError();
 }
+
+}  // namespace newton
+}  // namespace torchkern

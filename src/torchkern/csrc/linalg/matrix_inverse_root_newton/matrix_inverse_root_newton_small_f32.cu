@@ -1,13 +1,20 @@
-// Small-matrix Newton kernel instantiated for storage type float (compute float): one file per
-// instantiation so ninja compiles them in parallel. The kernel is in small_matrix.cuh.
+// The in-block Newton kernel (small_matrix.cuh) for float32, and the launcher (launchers.h: small_launch), which hands
+// the other dtypes to their own files: one file per instantiation so that ninja compiles them in parallel.
 #include "small_matrix.cuh"
 
 namespace torchkern {
+namespace newton {
 
-template <>
-bool newton_small_launch<float>(const float* G, float* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
-                            int max_iters, double tol, cudaStream_t stream) {
-  return small_matrix::newton_small_dispatch<float, float>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream);
+cudaError_t small_launch(const SmallParams& p, bool* launched, cudaStream_t stream) {
+  *launched = false;
+  switch (p.dtype) {
+    case DType::kFloat32: return small_matrix::newton_small_dispatch<float, float>(p, launched, stream);
+    case DType::kFloat64: return newton_small_f64(p, launched, stream);
+    case DType::kFloat16: return newton_small_f16(p, launched, stream);
+    case DType::kBFloat16: return newton_small_bf16(p, launched, stream);
+  }
+  return cudaErrorInvalidValue;
 }
 
+}  // namespace newton
 }  // namespace torchkern

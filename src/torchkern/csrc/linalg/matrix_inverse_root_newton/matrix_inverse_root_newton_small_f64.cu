@@ -1,13 +1,11 @@
-// Small-matrix Newton kernel instantiated for storage type double (compute double): one file per
-// instantiation so ninja compiles them in parallel. The kernel is in small_matrix.cuh.
+// The in-block Newton kernel (small_matrix.cuh) for float64: one file per instantiation so that ninja compiles them in
+// parallel.
 #include "small_matrix.cuh"
 
 namespace torchkern {
 
-template <>
-bool newton_small_launch<double>(const double* G, double* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
-                            int max_iters, double tol, cudaStream_t stream) {
-  return small_matrix::newton_small_dispatch<double, double>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream);
+cudaError_t newton_small_f64(const newton::SmallParams& p, bool* launched, cudaStream_t stream) {
+  return small_matrix::newton_small_dispatch<double, double>(p, launched, stream);
 }
 
 }  // namespace torchkern

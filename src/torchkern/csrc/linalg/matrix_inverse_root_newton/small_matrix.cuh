@@ -20,16 +20,15 @@
 // equal and both blocks take the same scalar decisions (err, scaling, stopping) in lockstep.
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <limits>
 
 #include "../cluster.cuh"
-#include "torchkern/launch.h"
+#include "launchers.h"
+#include "torchkern/dispatch.cuh"
+#include "torchkern/launch.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
@@ -690,7 +689,7 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   bool finite = true;
   for (int i = tid; i < n * n; i += THREADS) {
     const int r = i / n, c = i - r * n;
-    const C v = static_cast<C>(g[i]);
+    const C v = to_opmath(g[i]);
     finite &= isfinite(v);
     P[r * LD + c] = v;
   }
@@ -710,7 +709,7 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   T* o = out + b * n * n;
   const int rank = Cfg::CLUSTER == 1 ? 0 : cluster_rank();  // this block's share of the output
   if (nonfinite > C(0)) {  // both blocks of a pair return here, before any barrier
-    for (int i = tid + rank * THREADS; i < n * n; i += Cfg::CLUSTER * THREADS) o[i] = static_cast<T>(C(NAN));
+    for (int i = tid + rank * THREADS; i < n * n; i += Cfg::CLUSTER * THREADS) o[i] = from_opmath<T>(C(NAN));
     if (tid == 0 && rank == 0) err_out[b] = C(NAN), iters_out[b] = 0;
     return;
   }
@@ -765,7 +764,7 @@ newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
   }
   for (int i = tid + rank * THREADS; i < n * n; i += Cfg::CLUSTER * THREADS) {
     const int r = i / n, c = i - r * n;
-    o[i] = static_cast<T>(X[r * LD + c]);
+    o[i] = from_opmath<T>(X[r * LD + c]);
   }
   if (tid == 0 && rank == 0) err_out[b] = err, iters_out[b] = it;
 }
@@ -785,14 +784,15 @@ struct SmallLaunch : ClusterLaunch {
 };
 
 template <typename Cfg, typename T, typename C>
-bool newton_small_run(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
-                      int max_iters, double tol, cudaStream_t stream) {
+cudaError_t newton_small_run(const newton::SmallParams& p, bool* launched, cudaStream_t stream) {
   using Launch = SmallLaunch<Cfg, T, C>;
-  if (Launch::smem + sizeof(C) * 32 > smem_optin_bytes()) return false;
-  const Launch launch(batch, stream);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, Launch::kernel, G, out, static_cast<C*>(err), iters, n, p,
-                                    static_cast<C>(eps), max_iters, static_cast<C>(tol)));
-  return true;
+  *launched = Launch::smem + sizeof(C) * 32 <= smem_optin_bytes();
+  if (!*launched) return cudaSuccess;
+  const Launch launch(p.batch, stream);
+  TORCHKERN_RETURN_IF_ERROR(cudaLaunchKernelEx(&launch.config, Launch::kernel, static_cast<const T*>(p.G),
+                                               static_cast<T*>(p.out), static_cast<C*>(p.err), p.iters, p.n, p.p,
+                                               static_cast<C>(p.eps), p.max_iters, static_cast<C>(p.tol)));
+  return cudaGetLastError();
 }
 
 // Whether a batch of `batch` matrices should run as pairs: the device and the kernel's build are
@@ -802,13 +802,13 @@ template <typename Cfg, typename T, typename C>
 bool pairs_fit(int64_t batch) {
   using Launch = SmallLaunch<Cfg, T, C>;
   static int cache[kCachedDevices] = {};
-  const int pairs = per_device(cache, [](int device) {
+  const int pairs = per_device(cache, [](int device) {  // (a failed query leaves its error for the launcher)
     cudaFuncAttributes attributes;
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, Launch::kernel));
+    if (cudaFuncGetAttributes(&attributes, Launch::kernel) != cudaSuccess) return 0;
     if (device_attribute(cudaDevAttrComputeCapabilityMajor, device) < 9 || attributes.ptxVersion < 90) return 0;
     int count = 0;
     const Launch launch(2 * 1024, nullptr);  // the grid is not part of the answer
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&count, Launch::kernel, &launch.config));
+    if (cudaOccupancyMaxActiveClusters(&count, Launch::kernel, &launch.config) != cudaSuccess) return 0;
     return count;
   });
   return batch <= pairs;
@@ -822,40 +822,30 @@ using Cfg64 = Config<64, 4, 1>;
 using Cfg128 = Config<128, 8, 2>;
 using Cfg128Pair = Config<128, 8, 2, 2>;
 
-// The launcher for storage type T computing in C (float for float/half/bf16, double for double).
+// The launcher for storage type T computing in C (float for float/half/bf16, double for double): *launched false (and
+// nothing launched) where the large path takes the call.
 template <typename T, typename C>
-bool newton_small_dispatch(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
-                           int max_iters, double tol, cudaStream_t stream) {
+cudaError_t newton_small_dispatch(const newton::SmallParams& p, bool* launched, cudaStream_t stream) {
   const auto run = [&](auto config) {
     using Cfg = decltype(config);
-    return newton_small_run<Cfg, T, C>(G, out, err, iters, batch, n, p, eps, max_iters, tol, stream);
+    return newton_small_run<Cfg, T, C>(p, launched, stream);
   };
-  if (n <= 16) return run(Cfg16{});
-  if (n <= 32) return run(Cfg32{});
-  if (n <= 64) return run(Cfg64{});
+  *launched = false;
+  if (p.n <= 16) return run(Cfg16{});
+  if (p.n <= 32) return run(Cfg32{});
+  if (p.n <= 64) return run(Cfg64{});
   if constexpr (sizeof(C) == 4) {
-    if (n <= 128) return pairs_fit<Cfg128Pair, T, C>(batch) ? run(Cfg128Pair{}) : run(Cfg128{});
+    if (p.n <= 128) return pairs_fit<Cfg128Pair, T, C>(p.batch) ? run(Cfg128Pair{}) : run(Cfg128{});
   }
-  return false;  // float64 above 64 (3 x 128^2 doubles do not fit) and everything above 128: the large path
+  return cudaSuccess;  // float64 above 64 (3 x 128^2 doubles do not fit) and everything above 128: the large path
 }
 
 }  // namespace small_matrix
 
-// Explicit instantiations live in csrc/linalg/newton_small_{f32,half,f64}.cu (one compile each).
-template <typename T>
-bool newton_small_launch(const T* G, T* out, void* err, int* iters, int64_t batch, int n, int p, double eps,
-                         int max_iters, double tol, cudaStream_t stream);
-template <>
-bool newton_small_launch<float>(const float*, float*, void*, int*, int64_t, int, int, double, int, double,
-                                cudaStream_t);
-template <>
-bool newton_small_launch<double>(const double*, double*, void*, int*, int64_t, int, int, double, int,
-                                 double, cudaStream_t);
-template <>
-bool newton_small_launch<c10::Half>(const c10::Half*, c10::Half*, void*, int*, int64_t, int, int, double,
-                                    int, double, cudaStream_t);
-template <>
-bool newton_small_launch<c10::BFloat16>(const c10::BFloat16*, c10::BFloat16*, void*, int*, int64_t, int,
-                                        int, double, int, double, cudaStream_t);
+// The instantiations, one file each (matrix_inverse_root_newton_small_{f32,f64,f16,bf16}.cu, the first with the
+// launcher).
+cudaError_t newton_small_f64(const newton::SmallParams& p, bool* launched, cudaStream_t stream);
+cudaError_t newton_small_f16(const newton::SmallParams& p, bool* launched, cudaStream_t stream);
+cudaError_t newton_small_bf16(const newton::SmallParams& p, bool* launched, cudaStream_t stream);
 
 }  // namespace torchkern
