@@ -111,6 +111,12 @@ def _not_replicas(rank: int, world: int) -> None:
         nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
         with pytest.raises(RuntimeError, match="gradients differ across the 2 ranks"):
             opt.step()
+    # different models: their sizes differ, before any fingerprint is gathered
+    model = nn.Linear(6, 3 + rank).double().to(_device())
+    opt = OPTIMIZERS["shampoo"](model)
+    nn.functional.mse_loss(model(x[rows]), y[rows, :1].expand(-1, 3 + rank)).backward()
+    with pytest.raises(RuntimeError, match="hold different parameters"):
+        opt.step()
     # distributed=None: each rank on its own, as a single process would
     model = _model()
     opt = OPTIMIZERS["soap"](model, distributed=None)

@@ -186,17 +186,19 @@ class Distribution:
 
     def verify(self) -> None:
         """Raise RuntimeError unless every rank of the group holds the same parameters and gradients (fingerprints:
-        per parameter, the sums of the values and of their magnitudes; one all_gather, read on the host once)."""
+        per parameter, the sums of the values and of their magnitudes; all_gathers of their count, then of them,
+        read on the host once)."""
         self._verified = True
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if not params:
+            return
         rows = []
         for p in params:
             for t in (p, p.grad):
                 t = torch.zeros((), dtype=torch.float64, device=p.device) if t is None else t.detach().double()
                 rows.append(torch.stack([t.sum(), t.abs().sum()]))
-        if not rows:
-            return
         mine = torch.stack(rows)
+        self._check_units(len(params), float(sum(p.numel() for p in params)))  # equal sizes for the all_gather
         every = [torch.empty_like(mine) for _ in range(self.world)]
         torch.distributed.all_gather(every, mine, group=self._group)
         every = torch.stack(every).cpu()
@@ -275,15 +277,16 @@ class Distribution:
         return signature, units
 
     def _check_units(self, count: int, cost: float) -> None:
-        """RuntimeError unless every rank counts the same units (the same parameters and block sizes)."""
+        """RuntimeError unless every rank counts the same units and cost (parameters and their elements, or refresh
+        units and their cost)."""
         device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
         mine = torch.tensor([float(count), cost], dtype=torch.float64, device=device)
         every = [torch.empty_like(mine) for _ in range(self.world)]
         torch.distributed.all_gather(every, mine, group=self._group)
         if any(not torch.equal(e, mine) for e in every):
             raise RuntimeError(f"{self.optimizer._name}: the ranks of the process group hold different parameters "
-                               f"(their preconditioner blocks differ): pass distributed=None, or a process group whose "
-                               f"ranks replicate one model")
+                               f"(their number, sizes or blocks differ): pass distributed=None, or a process group "
+                               f"whose ranks replicate one model")
 
 
 class Refresh:
