@@ -30,6 +30,8 @@ def gaussian(d: int, device="cpu", dtype=torch.float64, seed: int = 0) -> tuple[
     return ebm.GaussianEnergy(mean, covariance=cov).to(device=device, dtype=dtype), cov
 
 
+# opcheck's utils for the ops that draw noise inside: two runs differ by design, so the ones comparing runs are left out
+RANDOM_OP_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
 PRECISIONS = list(ebm_constants.PRECISION_NAMES)
 # Widths [d, hidden...]: widths off the 32-multiple padding, 1 to 3 hidden layers, narrow and two-pass outputs.
 MLP_SHAPES = [(3, [20, 16]), (40, [64]), (33, [48, 40, 24])]

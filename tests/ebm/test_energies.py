@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ebm_testing import ANALYTIC, analytic, gaussian
+from ebm_testing import ANALYTIC, RANDOM_OP_UTILS, analytic, gaussian
 from testing import assert_close, devices, dtypes, noncontiguous, randn
 
 from torchkern import ebm
@@ -265,9 +265,8 @@ def test_opcheck(device):
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 def test_opcheck_random_ops(device):
-    # Drawing noise inside: two runs differ by design, so leave out the utils that compare two runs.
     x, grad = randn(6, 5, device=device), randn(6, 5, device=device)
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    utils = RANDOM_OP_UTILS
     torch.library.opcheck(torch.ops.torchkern.langevin_step, (x, grad, 1e-2), test_utils=utils)
     torch.library.opcheck(torch.ops.torchkern.langevin_step_, (x.clone(), grad, 1e-2), test_utils=utils)
     torch.library.opcheck(torch.ops.torchkern.langevin_chain, (x, 1, [1.0, 0.0, 0.0], 1e-2, 1.0, None, None, 3),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ebm_testing import PRECISIONS, layouts, mlp_energy, mlp_op_args
+from ebm_testing import PRECISIONS, RANDOM_OP_UTILS, layouts, mlp_energy, mlp_op_args
 from testing import devices, randn, requires_cuda
 
 from torchkern import ebm
@@ -103,7 +103,7 @@ def test_opcheck_mlp_and_hmc(device):
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 def test_opcheck_mlp_and_hmc_random(device):
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    utils = RANDOM_OP_UTILS
     energy, (ws, bs, act, slope) = mlp_op_args(device)
     x = randn(6, 5, device=device)
     def lay(hmc):

@@ -75,6 +75,23 @@ __device__ __forceinline__ C rosenbrock_grad(C x, C xp, C xn, bool has_prev, boo
   return g;
 }
 
+// Rosenbrock in the one-warp-per-row layout (lane l holds columns 4 (l + 32 k) + [0, 4) in v[k]): the neighbours
+// x_{j-1} (xp) and x_{j+1} (xn) of the lane's columns of chunk k, by shuffles; all 32 lanes take part. Past the
+// row's ends they are garbage that rosenbrock_energy and rosenbrock_grad ignore (has_prev, has_next).
+template <int kChunks, typename C>
+__device__ __forceinline__ void row_neighbours(const C (&v)[kChunks][4], int k, int lane, C (&xp)[4], C (&xn)[4]) {
+  constexpr unsigned kFull = 0xffffffffu;
+  const C next_same = __shfl_down_sync(kFull, v[k][0], 1);
+  const C next_wrap = __shfl_sync(kFull, v[k + 1 < kChunks ? k + 1 : k][0], 0);
+  const C prev_same = __shfl_up_sync(kFull, v[k][3], 1);
+  const C prev_wrap = __shfl_sync(kFull, v[k > 0 ? k - 1 : k][3], 31);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    xn[c] = c < 3 ? v[k][c + 1] : (lane < 31 ? next_same : next_wrap);
+    xp[c] = c > 0 ? v[k][c - 1] : (lane > 0 ? prev_same : prev_wrap);
+  }
+}
+
 // Ackley from the row sums s2 = sum x^2 and sc = sum cos(c x): dE/dx_j = radial x_j + wave sin(c x_j).
 template <typename C>
 struct AckleyTerms {

@@ -35,23 +35,18 @@ struct HmcArgs {
 template <int kKind, int kChunks, typename C>
 __device__ __forceinline__ C energy_grad(const C (&v)[kChunks][4], C (&g)[kChunks][4], int lane, int d,
                                          const EnergyParams<C>& p) {
-  constexpr unsigned kFull = 0xffffffffu;
   C e = C(0);
   if constexpr (kKind == kRosenbrock) {
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
-      const C next_same = __shfl_down_sync(kFull, v[k][0], 1);
-      const C next_wrap = __shfl_sync(kFull, v[k + 1 < kChunks ? k + 1 : k][0], 0);
-      const C prev_same = __shfl_up_sync(kFull, v[k][3], 1);
-      const C prev_wrap = __shfl_sync(kFull, v[k > 0 ? k - 1 : k][3], 31);
+      C xp[4], xn[4];
+      row_neighbours(v, k, lane, xp, xn);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = 4 * (lane + 32 * k) + c;
-        const C xn = c < 3 ? v[k][c + 1] : (lane < 31 ? next_same : next_wrap);
-        const C xp = c > 0 ? v[k][c - 1] : (lane > 0 ? prev_same : prev_wrap);
         const bool in = j < d;
-        g[k][c] = in ? rosenbrock_grad(v[k][c], xp, xn, j > 0, j + 1 < d, p) : C(0);
-        if (in) e += rosenbrock_energy(v[k][c], xn, j + 1 < d, p);
+        g[k][c] = in ? rosenbrock_grad(v[k][c], xp[c], xn[c], j > 0, j + 1 < d, p) : C(0);
+        if (in) e += rosenbrock_energy(v[k][c], xn[c], j + 1 < d, p);
       }
     }
     return warp_sum(e);

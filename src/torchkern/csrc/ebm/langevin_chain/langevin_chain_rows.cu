@@ -14,7 +14,6 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
                  T* __restrict__ traj,     // [B, kept, d]
                  ChainArgs<opmath_t<T>> a, PhiloxState philox) {
   using C = opmath_t<T>;
-  constexpr unsigned kFull = 0xffffffffu;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (r >= a.batch) return;  // whole warps leave together
@@ -39,16 +38,12 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
     if constexpr (kKind == kRosenbrock) {
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) {
-        const C next_same = __shfl_down_sync(kFull, v[k][0], 1);
-        const C next_wrap = __shfl_sync(kFull, v[k + 1 < kChunks ? k + 1 : k][0], 0);
-        const C prev_same = __shfl_up_sync(kFull, v[k][3], 1);
-        const C prev_wrap = __shfl_sync(kFull, v[k > 0 ? k - 1 : k][3], 31);
+        C xp[4], xn[4];
+        row_neighbours(v, k, lane, xp, xn);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int j = 4 * (lane + 32 * k) + c;
-          const C xn = c < 3 ? v[k][c + 1] : (lane < 31 ? next_same : next_wrap);
-          const C xp = c > 0 ? v[k][c - 1] : (lane > 0 ? prev_same : prev_wrap);
-          grad[k][c] = rosenbrock_grad(v[k][c], xp, xn, j > 0, j + 1 < d, a.p);
+          grad[k][c] = rosenbrock_grad(v[k][c], xp[c], xn[c], j > 0, j + 1 < d, a.p);
         }
       }
     } else {  // Ackley
