@@ -87,10 +87,13 @@ def eigenbasis(S: torch.Tensor, Q0: torch.Tensor | None = None) -> torch.Tensor:
     return (Q0 @ _complete(Q0.mT @ Q, live, S.dtype)).to(S.dtype)
 
 
-def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = None) -> torch.Tensor:
+def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = None,
+               complete: bool = False) -> torch.Tensor:
     """One step of power iteration from the bases ``Q0``: ``qr(S Q0 P)`` for a batch (k, n, n), ``P`` ordering the
-    columns by their Rayleigh quotients ``q_j^T S q_j``, largest first, and R's diagonal positive; the columns
-    beyond S's numerical rank are Q0's own, made orthogonal to the rest (:func:`_complete`).
+    columns by their Rayleigh quotients ``q_j^T S q_j``, largest first, and R's diagonal positive. ``complete``: the
+    columns beyond S's numerical rank, which are rounding, are Q0's own made orthogonal to the rest
+    (:func:`_complete`; SOAP's bases, whose null-space columns reach its update: Shampoo's roots and K-FAC's
+    preconditioner are the same for any basis of a null space).
 
     ``sizes`` (k,) int64, optional: matrix j is padded, its own statistics in the leading ``sizes[j]`` rows and
     columns, zeros around them, and Q0's padding the identity (SOAP's buckets). The padding's columns are ordered
@@ -102,8 +105,8 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     eigenbasis: that is well conditioned, and Cholesky QR in float64 factors it (``torch.ops.torchkern.cholesky_qr``:
     on CUDA a factorization blocked by 64 columns, each block's factor and its inverse in one launch, the rest in
     batched products). The first pass is shifted (:func:`_shifts`) so that rank-deficient statistics cannot break
-    it; the Rayleigh quotients of the resulting columns tell those S resolves from those beyond its rank, and the
-    resolved columns with, in the other slots, the axes go through the passes again (:func:`_complete`). The passes give X's own Q factor whatever the shift
+    it. With ``complete``, the Rayleigh quotients of the resulting columns tell those S resolves from those beyond
+    its rank, and the resolved columns with, in the other slots, the axes go through the passes again. The passes give X's own Q factor whatever the shift
     (the product of their triangular factors is X's R), so one shift, from the padded size, serves every matrix of a
     batch. A failed factorization makes its matrix NaN, so the caller's finiteness check keeps the old basis
     (docs/design.md, "SOAP")."""
@@ -123,10 +126,12 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     floor = size * torch.finfo(S.dtype).eps * norms.amax(dim=-1, keepdim=True)
     X = torch.where(norms > floor, X / norms, axes)
     Y = _orthonormalize(X, _shifts(n, S.dtype))
-    # beyond S's rank a column of the Q factor is rounding, orthogonal to the resolved ones: a direction of S's null
-    # space, with a Rayleigh quotient at its floor; its slot takes the axis of the column sorted into it (Q0's own)
-    live = (Y * (M @ Y)).sum(dim=-2) > null_floor(S).to(wide).unsqueeze(-1)
-    return (Q0.to(wide) @ _complete(Y, live, S.dtype, axes)).to(S.dtype)
+    if complete:
+        # beyond S's rank a column of the Q factor is rounding, orthogonal to the resolved ones: a direction of S's
+        # null space, with a Rayleigh quotient at its floor; its slot takes the axis of the column sorted into it
+        live = (Y * (M @ Y)).sum(dim=-2) > null_floor(S).to(wide).unsqueeze(-1)
+        Y = _complete(Y, live, S.dtype, axes)
+    return (Q0.to(wide) @ Y).to(S.dtype)
 
 
 def rayleigh_quotients(S: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:

@@ -377,10 +377,12 @@ class _Bucket(Storage):
         if method == "qr" and self.L.shape == self.R.shape:  # square padding: both sides in one call
             k = old["L"].shape[0]
             sizes = torch.cat([pick(self.rows), pick(self.cols)]) if self.pad_rows or self.pad_cols else None
-            Q = power_step(torch.cat([pick(self.L), pick(self.R)]), torch.cat([old["L"], old["R"]]), sizes)
+            Q = power_step(torch.cat([pick(self.L), pick(self.R)]), torch.cat([old["L"], old["R"]]), sizes,
+                           complete=True)
             new = {"L": Q[:k], "R": Q[k:]}
         elif method == "qr":
-            new = {side: power_step(pick(getattr(self, side)), old[side], pick(sizes) if padded else None)
+            new = {side: power_step(pick(getattr(self, side)), old[side], pick(sizes) if padded else None,
+                                    complete=True)
                    for side, sizes, padded in (("L", self.rows, self.pad_rows), ("R", self.cols, self.pad_cols))}
         else:  # one warm eigh per block size, unpadded (a padded one would mix the padding into the null space)
             new = {side: old[side].clone() for side in ("L", "R")}
