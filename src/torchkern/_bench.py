@@ -20,8 +20,6 @@ from typing import Callable
 
 import torch
 
-from ._models import TransformerBlock  # noqa: F401  (per_sample/bench.py imports it from here)
-
 # Optional peers (baselines from other libraries) that a case asked for and that are not installed:
 # module name -> how to install it. The runner says which rows are missing and why.
 MISSING_PEERS: dict[str, str] = {}

@@ -44,7 +44,8 @@ from torch import nn
 import torchkern
 from torchkern import per_sample
 
-from .._bench import Case, Prepared, TransformerBlock, peer_available, synchronize
+from .._bench import Case, Prepared, peer_available, synchronize
+from .._models import TransformerBlock
 
 B, D_IN, D_OUT, SEQ, CLASSES = 256, 1024, 1024, 32, 10
 
@@ -101,6 +102,8 @@ def peak_extra_bytes(fn, device: str) -> int | None:
 
 
 def _memory_note(impls: dict, device: str) -> str:
+    if torch.device(device).type != "cuda":  # peak_extra_bytes measures CUDA memory only
+        return ""
     parts = []
     for name, fn in impls.items():
         fn()  # warm (cuBLAS workspaces, compiled graphs) before measuring
@@ -277,23 +280,23 @@ def dp_problem(name: str, device: str, quick: bool, batch: int | None = None):
         return b if batch is None else batch
 
     if name == "mlp":
-        b, width = (16, 64) if quick else (256, 1024)
+        b, width = (6, 16) if quick else (256, 1024)
         return (mlp(width).to(device), torch.randn(rows(b), width, device=device),
                 torch.randint(0, 10, (rows(b),), device=device))
     if name == "transformer":
-        b, t, vocab, dim = (4, 16, 128, 32) if quick else (64, 128, 8192, 256)
+        b, t, vocab, dim = (3, 8, 64, 16) if quick else (64, 128, 8192, 256)
         model = Transformer(vocab, dim, seq=t).to(device)
         return (model, torch.randint(0, vocab, (rows(b), t), device=device),
                 torch.randint(0, 2, (rows(b),), device=device))
     if name == "textcnn":
-        b, t, vocab, dim = (8, 12, 64, 16) if quick else (128, 64, 5000, 128)
+        b, t, vocab, dim = (6, 8, 32, 8) if quick else (128, 64, 5000, 128)
         return (TextCNN(vocab, dim).to(device), torch.randint(0, vocab, (rows(b), t), device=device),
                 torch.randint(0, 2, (rows(b),), device=device))
     if name == "vit":
-        b, dim, hidden = (8, 16, 32) if quick else (128, 128, 256)
-        return (PatchNet(dim, hidden).to(device), torch.randn(rows(b), 3, 32, 32, device=device),
+        b, side, dim, hidden = (6, 16, 8, 16) if quick else (128, 32, 128, 256)
+        return (PatchNet(dim, hidden).to(device), torch.randn(rows(b), 3, side, side, device=device),
                 torch.randint(0, 10, (rows(b),), device=device))
-    b, side, channels = (8, 16, (8, 16, 16)) if quick else (128, 32, (32, 64, 128))
+    b, side, channels = (6, 8, (8, 8, 8)) if quick else (128, 32, (32, 64, 128))
     return (cnn(channels).to(device), torch.randn(rows(b), 3, side, side, device=device),
             torch.randint(0, 10, (rows(b),), device=device))
 
