@@ -1,4 +1,5 @@
-"""CUDA-graph capture shared by the ops that offer it (the Langevin sampler's autograd step, per-sample norms).
+"""CUDA-graph capture shared by the ops that offer it (the Langevin sampler's autograd step, per-sample norms), and
+their ``cuda_graph=`` argument.
 
 Replaying a graph costs one launch of host time however many kernels it holds: for launch-bound work
 (small batches, many small kernels, autograd's bookkeeping) that is the whole difference.
@@ -7,11 +8,27 @@ Replaying a graph costs one launch of host time however many kernels it holds: f
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Callable, TypeVar
 
 import torch
 
 T = TypeVar("T")
+
+
+def cuda_graph_flag(cuda_graph: object, use_cuda_graph: object, owner: str) -> bool:
+    """The ``cuda_graph=`` argument of a public entry point, or its former spelling ``use_cuda_graph=`` (deprecated:
+    a FutureWarning pointing at the entry point's caller); both at once, or a value that is not a bool, raise
+    ValueError. ``owner`` starts the messages ("torchkern.per_sample", "LangevinDynamics")."""
+    if use_cuda_graph is not None:
+        warnings.warn(f"{owner}: use_cuda_graph= is deprecated, pass cuda_graph= instead", FutureWarning,
+                      stacklevel=3)
+        if cuda_graph:
+            raise ValueError(f"{owner}: pass cuda_graph= only, not also use_cuda_graph=")
+        cuda_graph = use_cuda_graph
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"{owner}: cuda_graph must be True or False, got {cuda_graph!r}")
+    return cuda_graph
 
 
 def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[], object] | None = None,

@@ -57,6 +57,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._cuda_graph import cuda_graph_flag
 from . import engine, graphs
 from .accounting import PrivacyAccountant, noise_multiplier_for
 from .clipping import clip_and_accumulate
@@ -110,7 +111,7 @@ def per_sample_grad_norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tenso
     :func:`per_sample_gradients`, and for non-CUDA inputs with ``cuda_graph=True``. ``use_cuda_graph``: the
     former spelling of ``cuda_graph``, deprecated (a FutureWarning).
     """
-    cuda_graph = graphs.flag(cuda_graph, use_cuda_graph)
+    cuda_graph = cuda_graph_flag(cuda_graph, use_cuda_graph, "torchkern.per_sample")
     if not cuda_graph:
         return engine.norms(model, loss_fn, inputs, targets, method, loss_reduction)
     engine.check_method(method, loss_reduction)

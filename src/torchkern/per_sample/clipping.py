@@ -23,6 +23,7 @@ from torch import nn
 
 from . import distributed, engine, graphs
 from .._checks import opmath_dtype
+from .._cuda_graph import cuda_graph_flag
 from .arguments import fail, integer, real
 from .engine import LossFn
 
@@ -220,7 +221,7 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     try:
         module, group = distributed.module_and_group(model, process_group)
-        cuda_graph = graphs.flag(cuda_graph, use_cuda_graph)
+        cuda_graph = cuda_graph_flag(cuda_graph, use_cuda_graph, "torchkern.per_sample")
         max_norm, noise_multiplier = _check_args(max_norm, noise_multiplier, generator, batch_size, max_batch_size)
         engine.check_method(method, loss_reduction)
         engine.check_batch(inputs, targets)

@@ -8,7 +8,6 @@ flag, or a different autocast state captures anew. Its outputs are static: calle
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from typing import Callable
 
@@ -71,19 +70,6 @@ def _model_state(model: nn.Module) -> tuple:
         state += [(t.data_ptr(), t.requires_grad) if t is not None else None for t in m._parameters.values()]
         state += [t.data_ptr() if t is not None else None for t in m._buffers.values()]
     return tuple(state)
-
-
-def flag(cuda_graph: object, use_cuda_graph: object) -> bool:
-    """``cuda_graph``, or its former spelling ``use_cuda_graph`` (deprecated: a FutureWarning)."""
-    if use_cuda_graph is not None:
-        warnings.warn("torchkern.per_sample: use_cuda_graph= is deprecated, pass cuda_graph= instead", FutureWarning,
-                      stacklevel=3)
-        if cuda_graph:
-            raise ValueError("torchkern.per_sample: pass cuda_graph= only, not also use_cuda_graph=")
-        cuda_graph = use_cuda_graph
-    if not isinstance(cuda_graph, bool):
-        raise ValueError(f"torchkern.per_sample: cuda_graph must be True or False, got {cuda_graph!r}")
-    return cuda_graph
 
 
 def check_cuda(inputs: torch.Tensor, targets: torch.Tensor) -> None:
