@@ -645,16 +645,28 @@ def _library_path(p: Plan) -> str:
 class Progress:
     """What a build shows on stderr, fed ninja's lines ("[k/N] <output>", printed as each step ends). On a
     terminal: one status line, rewritten as compiles end ("[k/N]" over every library's sources, and the last
-    file). In a log: one line per library when its link ends, with its time since the build started."""
+    file). In a log: one line per library when its link ends: its compiles' seconds, from ninja's log
+    (``.ninja_log`` in ``build_dir``), and the time since the build started. ninja runs the links last (they
+    end no chain of compiles), so that time is the whole build's for every library of a build of several."""
 
-    def __init__(self, plans: Sequence[Plan]):
+    def __init__(self, plans: Sequence[Plan], build_dir: Path | None = None):
         self.libraries = {_library_path(p): p.name for p in plans}
         self.objects = {_object(p, source): f"{p.name}: {source.name}" for p in plans for source in p.sources}
         self.total = len(self.objects)
         self.compiled = 0
         self.seconds: dict[str, float] = {}
+        self.ninja_log = build_dir / ".ninja_log" if build_dir else None
         self.start = time.perf_counter()
         self.terminal = sys.stderr.isatty()
+
+    def compile_seconds(self, name: str) -> float:
+        """The seconds ninja's log gives ``name``'s compiles (its entries: start ms, end ms, mtime, output, hash)."""
+        try:
+            entries = [line.split("\t") for line in self.ninja_log.read_text().splitlines()[1:]]
+        except (AttributeError, OSError):
+            return math.nan
+        return sum(int(e[1]) - int(e[0]) for e in entries if len(e) == 5 and e[3] in self.objects
+                   and e[3].startswith(f"{name}/")) / 1000
 
     def line(self, line: str) -> None:
         match = re.fullmatch(r"\[\d+/\d+\] (.+)", line.rstrip("\n"))
@@ -665,7 +677,8 @@ class Progress:
             name = self.libraries[output]
             self.seconds[name] = time.perf_counter() - self.start
             if not self.terminal:
-                status(f"compiled {name} in {self.seconds[name]:.1f} s")
+                status(f"compiled {name} ({self.compile_seconds(name):.1f} s of compiles), {self.seconds[name]:.1f} s "
+                       "into the build")
         elif output in self.objects:
             self.compiled += 1
             if self.terminal:
@@ -758,7 +771,7 @@ def _compile(plans: Sequence[Plan], build_dir: Path, verbose: bool) -> dict[str,
                               json.dumps(dict(ninja=command, cwd=str(build_dir), parent=os.getpid()))],
                              env={**os.environ, "NINJA_STATUS": "[%f/%t] "}, start_new_session=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    progress, output = Progress(plans), []
+    progress, output = Progress(plans, build_dir), []
     try:
         for line in child.stdout:
             output.append(line)

@@ -161,7 +161,11 @@ def test_an_edited_torch_library_in_the_same_process_is_a_python_error(cache, tm
 def test_progress_is_one_status_line_on_a_terminal_and_a_line_per_library_in_a_log(tmp_path, capsys, terminal):
     plans = [jit.plan(name, [write_source(tmp_path / name, name=f"{stem}.cpp") for stem in ("one", "two")])
              for name in ("tk_a", "tk_b")]
-    progress = jit.Progress(plans)
+    (tmp_path / ".ninja_log").write_text("# ninja log v7\n" + "".join(
+        f"{start}\t{end}\t0\t{output}\t0\n" for start, end, output in
+        [(0, 1500, "tk_a/one.o"), (0, 2250, "tk_b/two.o"), (1500, 4000, "tk_a/two.o"), (4000, 4100, "tk_a/tk_a.so"),
+         (2250, 5000, "tk_b/one.o")]))
+    progress = jit.Progress(plans, tmp_path)
     progress.terminal = terminal
     for line in ["[1/6] tk_a/one.o", "[2/6] tk_b/two.o", "[3/6] tk_a/two.o", "[4/6] tk_a/tk_a.so\n",
                  "some compiler warning", "[5/6] tk_b/one.o", "[6/6] tk_b/tk_b.so"]:
@@ -171,5 +175,6 @@ def test_progress_is_one_status_line_on_a_terminal_and_a_line_per_library_in_a_l
     if terminal:
         assert err.count("\r\033[K") == 5 and "compiling [4/4] tk_b: one.cpp" in err and "\n" not in err
     else:
-        assert err.splitlines() == [f"torchkern: compiled tk_a in {progress.seconds['tk_a']:.1f} s",
-                                    f"torchkern: compiled tk_b in {progress.seconds['tk_b']:.1f} s"]
+        assert err.splitlines() == [
+            f"torchkern: compiled tk_a (4.0 s of compiles), {progress.seconds['tk_a']:.1f} s into the build",
+            f"torchkern: compiled tk_b (5.0 s of compiles), {progress.seconds['tk_b']:.1f} s into the build"]
