@@ -6,12 +6,11 @@ x <- x - eta grad E(x) + sigma sqrt(2 eta) eps, eps ~ N(0, I), optionally clampe
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 
 import torch
 
-from .._cuda_graph import capture, follow
+from .._cuda_graph import capture, cuda_graph_flag, follow
 from . import mlp, twins
 from .energies import AnalyticEnergy, score
 from .checks import non_negative, positive, real
@@ -98,15 +97,7 @@ class LangevinDynamics(ChainSampler):
         self.noise_scale = non_negative("noise_scale", noise_scale)
         self.clamp = _clamp_bounds(clamp)
         super().__init__(energy, precision=precision, devices=devices, gather=gather)
-        if use_cuda_graph is not None:
-            warnings.warn("LangevinDynamics: use_cuda_graph= is deprecated, pass cuda_graph= instead", FutureWarning,
-                          stacklevel=2)
-            if cuda_graph:
-                raise ValueError("LangevinDynamics: pass cuda_graph= only, not also use_cuda_graph=")
-            cuda_graph = use_cuda_graph
-        if not isinstance(cuda_graph, bool):
-            raise ValueError(f"LangevinDynamics: cuda_graph must be True or False, got {cuda_graph!r}")
-        self.cuda_graph = cuda_graph
+        self.cuda_graph = cuda_graph_flag(cuda_graph, use_cuda_graph, "LangevinDynamics")
         self.finite_steps: torch.Tensor | None = None
         # key -> [graph, static state, its FiniteSteps, stream of the last replay]
         self._graphs: dict[tuple, list] = {}
