@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchkern.per_sample import clip_and_accumulate
-from optim.distributed_testing import gathered, spawn  # the optimizers' 2-process gloo harness
+from distributed_testing import gathered, spawn
 
 pytestmark = pytest.mark.slow  # spawns processes
 

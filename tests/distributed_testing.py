@@ -1,6 +1,6 @@
-"""Helpers of the optimizers' multi-process tests: functions run on 2 processes of one process group, started once
-per test session (starting them is most of these tests' time), tensors gathered from every rank, and the tests'
-training loop."""
+"""Helpers of the multi-process tests (optimizers, DP clipping): functions run on 2 processes of one process
+group, started once per test session (starting them is most of these tests' time), tensors gathered from every
+rank, and the optimizers' training loop."""
 
 from __future__ import annotations
 
