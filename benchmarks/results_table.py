@@ -1,7 +1,8 @@
 """RESULTS.md's tables from the JSON that ``python -m torchkern bench --out DIR`` writes (``DIR/bench.json``).
 
-One table per family: each case's torchkern time, its strongest baseline and that baseline's time, and the
-speed-up (the baseline's time over torchkern's); the caption names the device, torch and the commit timed.
+One table per family, one row per case: torchkern's time, the strongest baseline's name and time, the speed-up
+(the baseline's time over torchkern's), the floor reached where the family has one, and the case's own note; a
+note several cases share follows the table once. The caption names the device, torch and the commit timed.
 
     python benchmarks/results_table.py gpu-out/bench.json                 # print the tables
     python benchmarks/results_table.py gpu-out/bench.json --update benchmarks/RESULTS.md
@@ -31,17 +32,21 @@ def fmt_ratio(ratio: float) -> str:
     return f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.1g}"
 
 
-def case_row(rows: list[dict], with_floor: bool) -> str:
-    """One case's line: torchkern's time, the strongest baseline, its time, the speed-up (and the floor reached)."""
+def case_row(rows: list[dict], with_floor: bool, note: str | None) -> str:
+    """One case's line: torchkern's time, the strongest baseline, its time, the speed-up, the floor reached (where
+    the family has floors) and the case's own note (``None``: the family has no note column)."""
     if rows[0].get("error"):
-        return f"| {rows[0]['case']} | failed: {rows[0]['error']} | | | |" + (" |" if with_floor else "")
-    own = next(row for row in rows if row["impl"] == "torchkern")
-    best = next((row for row in rows if row["impl"] == own["baseline"]), None)
-    cells = [own["case"], fmt_time(own["seconds"]), best["impl"] if best else "",
-             fmt_time(best["seconds"]) if best else "", f"**{fmt_ratio(own['vs_best'])}×**" if best else ""]
-    if with_floor:
-        fraction = own.get("floor_fraction") or 0
-        cells.append(f"{100 * fraction:.0f}%" if fraction >= 0.01 else "")
+        cells = [rows[0]["case"], f"failed: {rows[0]['error']}", "", "", ""] + [""] * with_floor
+    else:
+        own = next(row for row in rows if row["impl"] == "torchkern")
+        best = next((row for row in rows if row["impl"] == own["baseline"]), None)
+        cells = [own["case"], fmt_time(own["seconds"]), best["impl"] if best else "",
+                 fmt_time(best["seconds"]) if best else "", f"**{fmt_ratio(own['vs_best'])}×**" if best else ""]
+        if with_floor:
+            fraction = own.get("floor_fraction") or 0
+            cells.append(f"{100 * fraction:.0f}%" if fraction >= 0.01 else "")
+    if note is not None:
+        cells.append(note)
     return "| " + " | ".join(cells) + " |"
 
 
@@ -50,7 +55,9 @@ def tables(data: dict, commit: str | None = None) -> str:
     commit = commit or data.get("commit") or "unknown"
     ceilings = data.get("ceilings", {})
     caption = (f"Device: {data['device']}; torch {data['torch']}; torchkern {data['torchkern']}, commit {commit}"
-               + ("; --quick sizes" if data.get("quick") else "") + ". Speed-up = the strongest baseline's time / "
+               + ("; --quick sizes" if data.get("quick") else "")
+               + ("; the torchkern rows time the pure-PyTorch fallbacks" if data["device"] == "cpu" else "")
+               + ". Speed-up = the strongest baseline's time / "
                "torchkern's time (> 1: torchkern is faster).")
     if ceilings:
         caption += (f" Floor = the time to move the case's bytes at the copy bandwidth measured in the same run "
@@ -64,15 +71,20 @@ def tables(data: dict, commit: str | None = None) -> str:
         family_cases = [rows for (fam, _), rows in cases.items() if fam == family]
         with_floor = any((row.get("floor_fraction") or 0) >= 0.01 for rows in family_cases for row in rows
                          if row["impl"] == "torchkern")
-        header = ["case", "torchkern", "strongest baseline", "its time", "speed-up"] + (["floor"] if with_floor else [])
-        lines += ["", f"### {family}", "", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-        lines += [case_row(rows, with_floor) for rows in family_cases]
-        notes: dict[str, list[str]] = {}  # note -> the cases it is about
+        shared: dict[str, list[str]] = {}  # note -> the cases it is about
         for rows in family_cases:
             if rows[0].get("note"):
-                notes.setdefault(rows[0]["note"], []).append(rows[0]["case"])
-        if notes:
-            lines += [""] + [f"- {', '.join(names)}: {note}" for note, names in notes.items()]
+                shared.setdefault(rows[0]["note"], []).append(rows[0]["case"])
+        # a note of one case goes in its row (one line per case); a note several cases share, once below the table
+        own_notes = {names[0]: note for note, names in shared.items() if len(names) == 1}
+        shared = {note: names for note, names in shared.items() if len(names) > 1}
+        header = ["case", "torchkern", "strongest baseline", "its time", "speed-up"] + ["floor"] * with_floor \
+            + ["note"] * bool(own_notes)
+        lines += ["", f"### {family}", "| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+        lines += [case_row(rows, with_floor, own_notes.get(rows[0]["case"], "") if own_notes else None)
+                  for rows in family_cases]
+        if shared:
+            lines += [""] + [f"- {', '.join(names)}: {note}" for note, names in shared.items()]
     return "\n".join(lines)
 
 
