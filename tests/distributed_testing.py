@@ -1,5 +1,5 @@
 """Helpers of the multi-process tests (optimizers, DP clipping): functions run on 2 processes of one process
-group, started once per test session (starting them is most of these tests' time), tensors gathered from every
+group, started once per pytest run (starting them is most of these tests' time), tensors gathered from every
 rank, and the optimizers' training loop."""
 
 from __future__ import annotations

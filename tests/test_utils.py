@@ -137,7 +137,7 @@ def test_cuda_memory_info():
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 def test_max_bytes_any_real_number(device):
-    """Issue 12 item 10: max_bytes=1e4 raised TypeError. Any real number of bytes works (rounded down); inf is no
+    """max_bytes=1e4 (a float) is accepted: any real number of bytes works (rounded down); inf is no
     bound; other types name what is expected."""
     import numpy as np
 

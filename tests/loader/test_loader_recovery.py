@@ -70,7 +70,7 @@ def _compilers_in(directory: Path) -> list[int]:
 @pytest.mark.slow
 def test_a_build_killed_midway_blocks_nothing(cache, tmp_path):
     proc, slow = _start_slow_build(tmp_path, cache, "tk_killed", new_session=True)
-    os.killpg(proc.pid, signal.SIGKILL)  # the builder and everything in its session
+    os.killpg(proc.pid, signal.SIGKILL)  # the builder and everything in its process group
     proc.wait()
     lib = jit.load("tk_killed", [slow])  # neither the dead lock nor the half-built directory blocks
     assert lib.built and ctypes.CDLL(lib.path).torchkern_test_answer() == 9
@@ -112,7 +112,7 @@ def test_killing_the_builder_alone_stops_its_compilers(cache, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_interrupting_the_builder_stops_its_compilers(cache, tmp_path):
-    """Ctrl-C (SIGINT to the building process only: the build runs in a session of its own) raises
+    """Ctrl-C (SIGINT to the building process only: the build runs in a process group of its own) raises
     KeyboardInterrupt in the builder, which stops ninja and the compilers and removes the staging directory."""
     proc, _ = _start_slow_build(tmp_path, cache, "tk_interrupted", new_session=False, extra=ENDLESS_EXTRA)
     staging = cache / ".staging"
