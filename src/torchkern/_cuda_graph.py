@@ -63,7 +63,7 @@ def capture(body: Callable[[], T], device: torch.device, *, warmup: Callable[[],
         # current then, and a capture on that stream would miss every kernel ``body`` queues on ``device``.
         # No cyclic garbage collection during the capture: a collection there may free a dead object's CUDA graph
         # (an earlier optimizer's), and destroying a graph while this thread captures invalidates the capture
-        # (torch.cuda.graph no longer collects first; a probe making one optimizer after another hit it)
+        # (torch.cuda.graph does not collect first; making one optimizer after another in a process reaches this)
         collecting = gc.isenabled()
         gc.disable()
         try:
