@@ -12,9 +12,9 @@
 //   L_ij^T = D_j G_ij^T (i > j),  G_ii' -= L_ij L_i'j^T (the trailing matrix, both triangles: one product)
 //   Y_j = (X_j - Y_<j L_j,<j^T) D_j^T               (the columns of Y, left to right)
 //
-// Five launches a block column, the products ATen calls that write their strided views in place: a first version
-// that chained matmuls and copies spent ~150 us of host time a block column on the H200 hosts, more than the GPU
-// did (eight 1024^2: 2.95 ms a pass, now 2.23; the replaced cuSOLVER Cholesky and inverse 2.96).
+// Five launches a block column, the products ATen calls that write their strided views in place: chained matmuls
+// and copies instead spend ~150 us of host time a block column on the H200 hosts, more than the GPU does (eight
+// 1024^2: 2.95 ms a pass against 2.23; cuSOLVER's Cholesky and the factor's inverse take 2.96).
 //
 // Work: n^3/3 multiply-adds for the factor (2 n^3 / 3 here, the trailing square in full) and m n^2 / 2 for Y, all
 // but the diagonal blocks in products; n / 64 launches of the small kernel in a chain. The error is that of Cholesky

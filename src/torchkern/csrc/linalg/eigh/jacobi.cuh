@@ -8,7 +8,7 @@
 // commute. A round: thread k < m/2 computes pair k's rotation and writes the pair's own 2 x 2 block of A,
 // while the other warps apply the previous round's rotations to V (its tables are double-buffered; V is not
 // read by the rotations, so this hides their dependent chain of divisions and square roots, which the whole
-// block used to wait for) (barrier); then every thread applies the round's rotations to its other 2 x 2 blocks
+// block would otherwise wait for) (barrier); then every thread applies the round's rotations to its other 2 x 2 blocks
 // of A (rows of pair k1 x columns of pair k2: J1^T X J2 for k1 < k2, written to both triangles, so A stays
 // exactly symmetric; each entry owned by one thread, so no barrier between the two sides) (barrier). The last
 // round's rotation of V follows the last sweep.
