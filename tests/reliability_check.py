@@ -103,11 +103,6 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-def value_library(folder: Path, value: int) -> Path:
-    """A C++ source with no torch code (it compiles in a second): ``rc_value()`` returns ``value``."""
-    return write(folder / "value.cpp", f'extern "C" int rc_value() {{ return {value}; }}\n')
-
-
 def mse_sum(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(output, target, reduction="sum")
 
@@ -135,7 +130,7 @@ def clean_touches_only_torchkern_files(tmp: Path) -> str:
           f"clean of a user's directory: exit {rc}, {err.strip()!r}")
     cache = tmp / "cache"
     with environ(TORCHKERN_CACHE=str(cache)):
-        built = jit.load("rc_clean", [value_library(tmp / "src", 1)])
+        built = jit.load("rc_clean", [write(tmp / "value.cpp", 'extern "C" int rc_value() { return 1; }')])
     write(cache / "notes.txt", "keep")
     rc, out, err = run_cli("clean", TORCHKERN_CACHE=str(cache))
     check(rc == 0 and not Path(built.path).exists(), f"clean left torchkern's build: exit {rc}, {out}{err}")
@@ -210,7 +205,7 @@ def a_rejected_micro_batch_discards_the_pending_sum(tmp: Path) -> str:
 
 @scenario
 def every_param_group_is_validated(tmp: Path) -> str:
-    def model_and_param():
+    def param():
         torch.manual_seed(0)
         return nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
 
@@ -218,11 +213,11 @@ def every_param_group_is_validated(tmp: Path) -> str:
            (Shampoo, "precision", "fp8"), (Shampoo, "precondition_frequency", 0),
            (Shampoo, "max_preconditioner_dim", 0), (SOAP, "refresh", "xx"), (SOAP, "lr", math.nan)]
     for cls, arg, value in bad:
-        p = model_and_param()
+        p = param()
         refused(lambda: cls([{"params": [p], arg: value}]), arg, "param_groups[0]")
         opt = cls([p])
-        refused(lambda: opt.add_param_group({"params": [model_and_param()], arg: value}), arg, "param_groups[1]")
-    p = model_and_param()
+        refused(lambda: opt.add_param_group({"params": [param()], arg: value}), arg, "param_groups[1]")
+    p = param()
     opt = Shampoo([p], precondition_frequency=1)
     p.grad = torch.ones_like(p)
     opt.step()
@@ -233,8 +228,8 @@ def every_param_group_is_validated(tmp: Path) -> str:
     opt.param_groups[0]["lr"] = 1e-3
     saved = opt.state_dict()
     saved["state"][0]["step"] = math.nan
-    refused(lambda: Shampoo([model_and_param()]).load_state_dict(saved), "step")
-    p = model_and_param()
+    refused(lambda: Shampoo([param()]).load_state_dict(saved), "step")
+    p = param()
     refused(lambda: Shampoo([p, p]), "listed twice")
     return "bad lr, betas, precision, frequencies, dims or refresh are refused in a group, in add_param_group, " \
            "set mid-run (the parameter untouched) and as a loaded step; a parameter listed twice is refused"
@@ -379,12 +374,11 @@ def vector_shaped_matrices_keep_vector_state(tmp: Path) -> str:
         for _ in range(2):
             p.grad = torch.randn_like(p)
             opt.step()
-        size = sum(t.numel() for t in opt.state[p].values() if isinstance(t, torch.Tensor))
-        size += sum(t.numel() for v in opt.state[p].values() if isinstance(v, list) for t in v
-                    if isinstance(t, torch.Tensor))
+        values = [t for v in opt.state[p].values() for t in (v if isinstance(v, list) else [v])]
+        size = sum(t.numel() for t in values if isinstance(t, torch.Tensor))
         check(size <= 2 * p.numel(), f"{cls.__name__} keeps {size / p.numel():.0f}x a (1, 20000) parameter's size")
         check(no_nan(p), f"{cls.__name__} made the (1, 20000) parameter non-finite")
-    return "Shampoo and SOAP step a (1, 20000) parameter as a vector: state of at most twice its size, no factors"
+    return "Shampoo and SOAP step a (1, 20000) parameter as a vector: state of at most twice its size"
 
 
 def main() -> int:
