@@ -769,7 +769,7 @@ def _compile(plans: Sequence[Plan], build_dir: Path, verbose: bool) -> dict[str,
     command = ["ninja", "-k", "0", *(["-j", str(jobs)] if jobs else []), *(["-v"] if verbose else [])]
     child = subprocess.Popen([sys.executable, "-c", _BUILD_CHILD,
                               json.dumps(dict(ninja=command, cwd=str(build_dir), parent=os.getpid()))],
-                             env={**os.environ, "NINJA_STATUS": "[%f/%t] "}, start_new_session=True,
+                             env={**os.environ, "NINJA_STATUS": "[%f/%t] "}, preexec_fn=os.setsid,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     progress, output = Progress(plans, build_dir), []
     try:

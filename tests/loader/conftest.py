@@ -17,7 +17,7 @@ def cache(tmp_path, monkeypatch) -> Path:
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def placeholder(tmp_path_factory) -> Path:
     """A shared library that registers nothing: what the counted build publishes."""
     directory = tmp_path_factory.mktemp("placeholder")

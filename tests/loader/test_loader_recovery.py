@@ -35,15 +35,21 @@ ENDLESS_EXTRA = ("constexpr unsigned long long spin(unsigned long long x) {\n"
                  + "".join(f"static_assert(spin({k}) | 1, \"keeps the compiler busy\");\n" for k in range(1, 25)))
 
 
-def _start_slow_build(tmp_path: Path, cache: Path, name: str, new_session: bool, extra: str = SLOW_EXTRA):
+def _child_setup(detached: bool) -> None:
+    """A process group of its own when ``detached`` (killed as a group), SIGINT at its default."""
+    if detached:
+        os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _start_slow_build(tmp_path: Path, cache: Path, name: str, detached: bool, extra: str = SLOW_EXTRA):
     """A build that takes seconds, started in a child; returns the child once it is compiling."""
     slow = write_source(tmp_path / "src", answer=9, extra=extra)
     code = f"import torchkern_jit; torchkern_jit.load({name!r}, [{str(slow)!r}])"
     # SIGINT at its default in the child: a shell starts background jobs with it ignored, which Python keeps (and then
     # raises no KeyboardInterrupt), so a suite run in the background would test nothing about Ctrl-C
     proc = subprocess.Popen([sys.executable, "-c", code], env=child_env(), stderr=subprocess.PIPE,
-                            start_new_session=new_session,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            preexec_fn=lambda: _child_setup(detached))
     deadline = time.monotonic() + 120
     staging = cache / ".staging"
     while not (staging.exists() and any(staging.iterdir()) and _compilers_in(staging)):
@@ -69,7 +75,7 @@ def _compilers_in(directory: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_a_build_killed_midway_blocks_nothing(cache, tmp_path):
-    proc, slow = _start_slow_build(tmp_path, cache, "tk_killed", new_session=True)
+    proc, slow = _start_slow_build(tmp_path, cache, "tk_killed", detached=True)
     os.killpg(proc.pid, signal.SIGKILL)  # the builder and everything in its process group
     proc.wait()
     lib = jit.load("tk_killed", [slow])  # neither the dead lock nor the half-built directory blocks
@@ -101,7 +107,7 @@ def test_killing_the_builder_alone_stops_its_compilers(cache, tmp_path):
     """kill -9 of the Python process that builds (not its group): ninja and the compilers (which ninja runs in
     process groups of their own) die with it instead of compiling on into a staging directory nobody will
     publish. The compile would take about a minute; the compilers must be gone 2 s after the kill."""
-    proc, _ = _start_slow_build(tmp_path, cache, "tk_orphans", new_session=False, extra=ENDLESS_EXTRA)
+    proc, _ = _start_slow_build(tmp_path, cache, "tk_orphans", detached=False, extra=ENDLESS_EXTRA)
     staging = cache / ".staging"
     assert _compilers_in(staging)
     proc.kill()
@@ -114,7 +120,7 @@ def test_killing_the_builder_alone_stops_its_compilers(cache, tmp_path):
 def test_interrupting_the_builder_stops_its_compilers(cache, tmp_path):
     """Ctrl-C (SIGINT to the building process only: the build runs in a process group of its own) raises
     KeyboardInterrupt in the builder, which stops ninja and the compilers and removes the staging directory."""
-    proc, _ = _start_slow_build(tmp_path, cache, "tk_interrupted", new_session=False, extra=ENDLESS_EXTRA)
+    proc, _ = _start_slow_build(tmp_path, cache, "tk_interrupted", detached=False, extra=ENDLESS_EXTRA)
     staging = cache / ".staging"
     proc.send_signal(signal.SIGINT)
     _assert_compilers_stop(staging, 2.0)
