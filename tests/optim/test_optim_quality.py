@@ -1,4 +1,5 @@
-"""The training-quality suite: its summaries, its quick mode end to end, and split runs merged."""
+"""The training-quality suite: its summaries and verdict, divergence and silent-NaN detection on a tiny task, its
+quick mode end to end, and split runs merged."""
 
 from __future__ import annotations
 
@@ -7,78 +8,123 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchkern.optim import quality
+
+CPU = torch.device("cpu")
 
 
-def test_quality_summary_and_bars():
-    from torchkern.optim.quality import Run, Task, bars, summarize
+def _run(opt, lr, seed, losses, dt=1.0):
+    return quality.Run("t", opt, lr, seed, steps=list(range(len(losses))),
+                       seconds=[dt * i for i in range(len(losses))], losses=losses)
 
-    def run(opt, lr, seed, losses, dt=1.0):
-        return Run("t", opt, lr, seed, steps=list(range(len(losses))), seconds=[dt * i for i in range(len(losses))],
-                   losses=losses)
 
-    task = Task("t", None, None, None, None, 3, 1, {})
-    runs = [run("adamw", 1e-3, 0, [1, 0.5, 0.4, 0.30]), run("adamw", 1e-3, 1, [1, 0.5, 0.4, 0.32]),
-            run("adamw", 1e-2, 0, [1, 0.9, 0.8, 0.7]), run("adamw", 1e-2, 1, [1, 0.9, 0.8, 0.7]),
-            run("soap", 1e-3, 0, [1, 0.3, 0.2, 0.1], dt=2.0), run("soap", 1e-3, 1, [1, 0.3, 0.2, 0.1], dt=2.0),
-            run("shampoo", 1e-3, 0, [1, float("nan")]), run("shampoo", 1e-3, 1, [1, 2.0])]
-    runs[6].diverged = True
-    s = summarize(runs, task)
+def _tiny(loss=F.mse_loss, steps=20) -> quality.Task:
+    """Full-batch linear regression, 4 -> 2: a task of a few milliseconds."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 4, generator=gen), torch.randn(4, 2, generator=gen)
+    test = torch.randn(64, 4, generator=gen)
+    return quality.Task("tiny", lambda: nn.Linear(4, 2), lambda g: (lambda: (x, x @ w)), (test, test @ w), loss,
+                        steps=steps, eval_every=5, lrs=quality._grid([1e-2, 1e-1]), note="tiny")
+
+
+def test_summary_reports_the_best_lr_the_seeds_range_and_diverged_lrs():
+    runs = [_run("adamw", 1e-3, 0, [1, 0.5, 0.4, 0.30]), _run("adamw", 1e-3, 1, [1, 0.5, 0.4, 0.32]),
+            _run("adamw", 1e-2, 0, [1, 0.9, 0.8, 0.7]),
+            _run("soap", 1e-3, 0, [1, 0.3, 0.2, 0.1], dt=2.0), _run("soap", 1e-3, 1, [1, 0.3, 0.2, 0.2], dt=2.0),
+            _run("shampoo", 1e-3, 0, [1, 0.6]), _run("shampoo", 1e-2, 0, [1, math.nan])]
+    runs[-1].diverged = "the loss is not finite"
+    s = quality.summarize(runs)
     assert s["adamw"]["lr"] == 1e-3 and s["adamw"]["final"] == pytest.approx(0.31) and s["adamw"]["edge"]
+    assert (s["adamw"]["final_low"], s["adamw"]["final_high"], s["adamw"]["seeds"]) == (0.30, 0.32, 2)
+    assert s["soap"]["low"][-1] == 0.1 and s["soap"]["high"][-1] == 0.2  # the band of the plots
     assert s["soap"]["steps_to_adamw"] == 1 and s["soap"]["time_to_adamw"] == 2.0
-    assert s["adamw"]["time_to_adamw"] == 3.0 and s["shampoo"]["final"] == math.inf
-    verdict = bars({"a": s, "b": s, "c": s})
-    assert verdict["lower_loss_holds"] and verdict["faster_holds"]
-    slow = {k: dict(v, time_to_adamw=9.0) if k == "soap" else v for k, v in s.items()}
-    assert not bars({"a": slow, "b": slow})["faster_holds"]
+    assert s["shampoo"]["lr"] == 1e-3 and s["shampoo"]["diverged"] == [1e-2]
+    line = quality._table_line("t", "adamw", s["adamw"])
+    assert "0.3-0.32" in line and "0.001*" in line
+    assert "diverged at 0.01" in quality._table_line("t", "shampoo", s["shampoo"])
 
 
+def test_verdict_counts_a_tie_within_the_seeds_range():
+    def summary(adamw, soap):
+        return {name: dict(final=sum(v) / len(v), final_low=min(v), final_high=max(v))
+                for name, v in (("adamw", adamw), ("soap", soap))}
 
-def test_quality_suite_quick(tmp_path, capsys):
-    from torchkern.optim import quality
+    verdict = quality.versus_adamw({"a": summary([1.0, 1.2], [0.5, 0.6]), "b": summary([1.0, 1.2], [1.1, 1.5]),
+                                    "c": summary([1.0, 1.2], [1.3, 1.4])})
+    assert verdict == dict(tasks=dict(a="below", b="tied", c="above"), holds=True)
+    assert not quality.versus_adamw({"c": summary([1.0, 1.2], [1.3, 1.4]),
+                                     "d": summary([1.0, 1.2], [2.0, 2.0])})["holds"]
 
-    try:  # the plots need matplotlib, a benchmark-only extra; the suite itself runs without it
-        import matplotlib  # noqa: F401
-        plots = True
-    except ImportError:
-        plots = False
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared CPU
-    try:
-        assert quality.main(quick=True, out_dir=str(tmp_path), plots=plots) == 0
-    finally:
-        torch.set_num_threads(threads)
+def test_a_run_whose_loss_explodes_stops_as_diverged():
+    run = quality.train(_tiny(), "sgd", 10.0, 0, CPU)
+    assert run.diverged.startswith("the loss grew past") and run.final == math.inf and not run.silent_nan
+    assert run.steps[-1] < 20
+
+
+@pytest.mark.filterwarnings("ignore:SOAP. skipped a step")
+def test_a_torchkern_optimizer_that_raises_divergence_is_reported_not_silent():
+    def nan_gradients(out, target):  # finite held-out loss, non-finite gradients at every step
+        return F.mse_loss(out, target) + (out.sum() * 0 * math.inf if out.requires_grad else 0)
+
+    run = quality.train(_tiny(nan_gradients), "soap", 1e-2, 0, CPU)
+    assert run.diverged == "DivergenceError" and not run.silent_nan
+
+
+@pytest.mark.filterwarnings("ignore:SOAP. skipped a step")
+def test_a_silent_nan_is_named_and_fails_the_suite(monkeypatch, tmp_path, capsys):
+    make = quality.make_optimizer
+
+    def poisoned(name, model, lr, **overrides):  # SOAP whose update writes NaN into the parameters
+        opt = make(name, model, lr, **overrides)
+        if name == "soap":
+            step = opt.step
+
+            def nan_step(*args, **kwargs):
+                step(*args, **kwargs)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.fill_(math.nan)
+            opt.step = nan_step
+        return opt
+
+    monkeypatch.setattr(quality, "make_optimizer", poisoned)
+    monkeypatch.setitem(quality.TASKS, "tiny", lambda device, quick: _tiny())
+    status = quality.main(quick=True, out_dir=tmp_path, tasks=("tiny",), optimizers=("adamw", "soap"), seeds=(0,),
+                          plots=False)
     printed = capsys.readouterr().out
-    assert "bar 1" in printed and "bar 2" in printed
+    assert status == 1 and "FAILED" in printed and "tiny/soap lr" in printed and "tiny/adamw" not in printed
+    assert "tiny/soap_fp32 lr" in printed  # the variant runs through the same constructor
+
+
+@pytest.mark.slow
+def test_quality_suite_quick(tmp_path):
+    pytest.importorskip("matplotlib")  # the plots, a benchmark-only extra
+    tasks = ("regression", "axes", "small")
+    assert quality.main(quick=True, out_dir=str(tmp_path), tasks=tasks) == 0
     report = json.loads((tmp_path / "quality.json").read_text())
-    assert set(report["tasks"]) == set(quality.TASKS)
+    assert set(report["tasks"]) == set(tasks) and report["seeds"] == list(quality.QUICK_SEEDS)
     for name, task in report["tasks"].items():
-        assert (tmp_path / f"{name}.png").exists() == plots
-        if plots:
-            assert (tmp_path / f"{name}.png").stat().st_size > 1000
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
         assert set(task["summary"]) == set(quality.OPTIMIZERS) | set(quality.VARIANTS)
-        assert len(task["runs"]) == (len(quality.OPTIMIZERS) + len(quality.VARIANTS)) * len(quality.SEEDS)
+        assert len(task["runs"]) == (len(quality.OPTIMIZERS) + len(quality.VARIANTS)) * len(quality.QUICK_SEEDS)
         for variant, (base, _) in quality.VARIANTS.items():  # at the sibling's best learning rate
             assert task["summary"][variant]["lr"] == task["summary"][base]["lr"]
         for run in task["runs"]:
             assert run["steps"][0] == 0 and len(run["steps"]) == len(run["losses"]) == len(run["seconds"])
+            assert run["steps"][-1] == quality.QUICK_STEPS and not run["diverged"]
         adamw = task["summary"]["adamw"]
-        assert adamw["final"] is not None and adamw["final"] < adamw["losses"][0]  # AdamW learns on every task
-
+        assert adamw["final"] < adamw["losses"][0]  # AdamW learns on every task
+    assert set(report["versus_adamw"]["tasks"]) == set(tasks)
 
 
 def test_quality_suite_split_runs_merge(tmp_path):
-    from torchkern.optim import quality
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for task in ("regression", "cnn"):
-            quality.main(quick=True, out_dir=str(tmp_path), tasks=(task,), optimizers=("adamw", "soap"), seeds=(0,),
-                         plots=False)
-    finally:
-        torch.set_num_threads(threads)
+    for task in ("regression", "small"):
+        assert quality.main(quick=True, out_dir=str(tmp_path), tasks=(task,), optimizers=("adamw", "soap"),
+                            seeds=(0,), plots=False) == 0
     report = json.loads((tmp_path / "quality.json").read_text())
-    assert set(report["tasks"]) == {"regression", "cnn"}
-    assert set(report["bars"]["lower_loss_tasks"]) <= {"regression", "cnn"}
+    assert set(report["tasks"]) == set(report["versus_adamw"]["tasks"]) == {"regression", "small"}
     assert not list(tmp_path.glob("*.png"))
