@@ -4,29 +4,33 @@
 # benchmark's bench.json beside it, the quality suite's quality.json and figures as one tarball (quality.tgz).
 #
 #   bash benchmarks/gpu_run.sh                       # every stage, every family
-#   STAGES="build tests" TEST_ARGS="tests/test_linalg.py -k eigh" bash benchmarks/gpu_run.sh
-#   STAGES="tests" TEST_ARGS="tests/test_linalg.py tests/test_optim.py" TEST_K="eigh or kfac" bash ...
+#   STAGES="build tests" TEST_ARGS="tests/linalg -k eigh" bash benchmarks/gpu_run.sh
+#   STAGES="tests" TEST_ARGS="tests/linalg tests/optim" TEST_K="eigh or kfac" bash benchmarks/gpu_run.sh
 # (TEST_ARGS is split at spaces; a -k expression with spaces goes in TEST_K.)
 #   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_run.sh
 #   python benchmarks/results_table.py gpu-out/bench.json --update benchmarks/RESULTS.md   # afterwards, here
 #
-# The whole test suite takes 410-530 s and a cold build 50-110 s: with 600 s a call, build first
-# (STAGES="env build") and run STAGES="tests" TEST_SECONDS=580 in the next call on the warm machine, or split the
-# files (ebm + loader + per_sample take about 360-390 s, linalg + optim + primitives + utils about 80 s).
+# Each bench run merges its families' rows into $OUT/bench.json (benchmarks/merge_bench.py): families run in several
+# calls with one OUT make one bench.json; results of calls with different OUTs merge here the same way.
+# With 600 s a call, split the work by STAGES, TEST_ARGS and BENCH_FAMILIES; each stage's time limit is its
+# *_SECONDS variable.
 #
-# Benchmark-only peers (opacus) travel as wheels in .whl/ (ignored by git) and are installed into /tmp/site.
+# Benchmark-only peers travel outside git, named in the device call's carry: opacus and heavyball as wheels in
+# .whl/ (installed into /tmp/site), Meta's distributed_shampoo source tree in .peers/ (put on PYTHONPATH).
 set -uo pipefail
 STAGES=${STAGES:-env build import tests bench quality readme}
 TEST_ARGS=${TEST_ARGS:-tests}
 TEST_K=${TEST_K:-}
 TEST_SECONDS=${TEST_SECONDS:-420}
+IMPORT_ARGS=${IMPORT_ARGS:-}  # import_time.py's rows and --warm (default: every row, each a cold build of its own)
+IMPORT_SECONDS=${IMPORT_SECONDS:-420}
 BENCH_FAMILIES=${BENCH_FAMILIES:-}
 BENCH_SECONDS=${BENCH_SECONDS:-420}
 QUALITY_SECONDS=${QUALITY_SECONDS:-300}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export PYTHONPATH=$PWD/src:$PWD/.peers PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export TORCHKERN_CACHE=${TORCHKERN_CACHE:-/tmp/torchkern-cache} MAX_JOBS=${MAX_JOBS:-16}
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -39,7 +43,9 @@ if has env; then
     date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
     nvcc --version | tail -1
-    python -c "import opacus; print('opacus', opacus.__version__)" 2>&1 | tail -1
+    for peer in opacus heavyball distributed_shampoo; do
+      python -c "import $peer; print('$peer', getattr($peer, '__version__', 'importable'))" 2>&1 | tail -1
+    done
   } 2>&1
 fi
 
@@ -49,7 +55,9 @@ if has build; then
 fi
 
 if has import; then
-  python benchmarks/import_time.py 2>&1
+  echo "== import time: ${IMPORT_ARGS:-every row}"
+  # shellcheck disable=SC2086
+  timeout "$IMPORT_SECONDS" python benchmarks/import_time.py $IMPORT_ARGS 2>&1
   python benchmarks/import_profile.py 2>&1 | head -12
 fi
 
@@ -64,7 +72,11 @@ fi
 if has bench; then
   echo "== benchmarks: ${BENCH_FAMILIES:-all}"
   fam_args=(); for f in $BENCH_FAMILIES; do fam_args+=(--family "$f"); done
-  timeout "$BENCH_SECONDS" python -m torchkern bench "${fam_args[@]}" --out "$OUT" 2>&1
+  rm -rf "$OUT/bench-run"
+  timeout "$BENCH_SECONDS" python -m torchkern bench "${fam_args[@]}" --out "$OUT/bench-run" 2>&1
+  # a run cut by its limit still wrote the cases it finished
+  [[ -f "$OUT/bench-run/bench.json" ]] && python benchmarks/merge_bench.py "$OUT/bench.json" "$OUT/bench-run/bench.json"
+  rm -rf "$OUT/bench-run"
 fi
 
 if has quality; then

@@ -4,7 +4,8 @@ For each row a new cache directory: the first `import` in a fresh process builds
 median of later fresh processes loads it from the cache (warm). Times are measured inside each process from after
 `import torch` to after the import, so the interpreter's and torch's own start-up (seconds on some hosts, and
 noisy) stay out; "torch" is the median of `import torch` alone. "built" names the families the cold import
-compiled (a family builds with the families it imports). Run it on the GPU host: `python benchmarks/import_time.py`.
+compiled (a family builds with the families it imports). Run it on the GPU host: `python benchmarks/import_time.py`
+(every row), or name rows: `python benchmarks/import_time.py all --warm 3`.
 """
 
 from __future__ import annotations
@@ -44,12 +45,17 @@ def run(statement: str, cache: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rows", nargs="*", metavar="ROW", help=f"rows to time: {', '.join(ROWS)} (default: every row)")
     parser.add_argument("--warm", type=int, default=5, help="fresh processes per warm median (default 5)")
     args = parser.parse_args()
+    unknown = [row for row in args.rows if row not in ROWS]
+    if unknown:
+        parser.error(f"unknown row {unknown[0]!r}: choose from {', '.join(ROWS)}")
     print(f"{os.cpu_count()} CPUs, MAX_JOBS={os.environ.get('MAX_JOBS', 'unset')}, "
           f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', 'unset')}")
     print(f"{'import':<12} {'cold s':>8} {'warm s':>8} {'torch s':>8}  built (cold)")
-    for row, statement in ROWS.items():
+    for row in args.rows or ROWS:
+        statement = ROWS[row]
         with tempfile.TemporaryDirectory(prefix="torchkern-import-") as cache:
             cold = run(statement, cache)
             if cold["backend"] == "torch":

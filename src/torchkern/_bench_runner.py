@@ -145,9 +145,20 @@ def fallbacks_and_peers() -> list[str]:
 
 def main(quick: bool = False, families: list[str] | None = None, out: str | Path | None = None) -> int:
     """Run ``families`` (default: every family of ops; ``"quality"`` only when named), print the table, write
-    ``bench.json`` (and the quality suite's files) to ``out`` (default: a new temporary directory).
+    ``bench.json`` (and the quality suite's files) to ``out`` (default: a new temporary directory). ``quick``:
+    small sizes and few repeats, on one CPU thread.
 
     Returns 0, or 1 when a case failed (its error is printed in its place and the run goes on)."""
+    threads = torch.get_num_threads()
+    if quick:  # a smoke run of small ops: more threads only wait on each other, and on a shared CPU's other work
+        torch.set_num_threads(1)
+    try:
+        return _run(quick, families, out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(quick: bool, families: list[str] | None, out: str | Path | None) -> int:
     start = time.perf_counter()
     out = out_dir(out)
     families = families or list(FAMILIES)

@@ -14,14 +14,15 @@
   kernel. ``eager``: a Python loop of autograd's input gradient and the update. ``compiled_graph`` /
   ``compiled_graph_bf16``: the closed-form input gradient written in torch, ``torch.compile``d
   (max-autotune without Inductor's own graphs; under bf16 autocast for the second) and all 100 steps captured in
-  ONE CUDA graph (the strongest plain-PyTorch alternative). ``generic_graph``: LangevinDynamics' generic path
-  (autograd + fused step) with ``cuda_graph=True``.
+  ONE CUDA graph (the strongest plain-PyTorch alternative). ``torchkern_generic_graph``: LangevinDynamics' generic
+  path (autograd + fused step) with ``cuda_graph=True``.
 - ``mlp_chain/32-256-256x4096x100x10runs``: ten back-to-back runs of ``torchkern`` and of ``compiled_graph_bf16``
   per timed call, one synchronize at the end (a training loop's view: the sampler's host work overlaps the GPU's).
-- ``hmc/double_well-1024x128``: 100 HMC trajectories of 10 leapfrog steps; torchkern's one launch against the
-  same algorithm in eager torch (closed-form gradient) and the generic autograd path.
-- ``hmc/mlp-32-256-256x4096``: 10 trajectories of 10 leapfrog steps on the MLP above (bf16, tf32) against the
-  generic autograd path.
+- ``hmc/double_well-1024x128``: 100 HMC trajectories of 10 leapfrog steps; torchkern's one launch and
+  ``torchkern_generic`` (HamiltonianMonteCarlo's generic autograd path) against ``eager``, the same algorithm in
+  torch ops with the closed-form gradient.
+- ``hmc/mlp-32-256-256x4096``: 10 trajectories of 10 leapfrog steps on the MLP above (bf16, tf32) against
+  ``eager``, the same algorithm in torch ops with autograd's gradient.
 
 Agreement: chains are compared on seeded statistics (mean |x| and the fraction of coordinates
 in the right well, within 6 standard errors; both impls start from the same x); the step with
@@ -245,14 +246,15 @@ def _mlp_chain_case(device: str, quick: bool, calls: int = 1) -> Case:
             return x
 
         impls = {name: (lambda s=s: s.sample(x0, n_steps=n_steps)) for name, s in samplers.items()}
+        if cuda:
+            impls["torchkern_generic_graph"] = lambda: generic.sample(x0, n_steps=n_steps)
         impls["eager"] = eager
-        if torch.device(device).type == "cuda":
+        if cuda:
             # max-autotune without Inductor's own per-call graphs: the one graph of all steps replaces them
             mode = "default" if quick else "max-autotune-no-cudagraphs"
             for name, fn in zip(("compiled_graph", "compiled_graph_bf16"), _mlp_closed_form(energy)):
                 if name in names:
                     impls[name] = _graph_of_steps(torch.compile(fn, mode=mode, dynamic=False), x0, n_steps, device)
-            impls["generic_graph"] = lambda: generic.sample(x0, n_steps=n_steps)
 
         def check():
             ref = impls["eager"]()
@@ -275,9 +277,8 @@ def _mlp_chain_case(device: str, quick: bool, calls: int = 1) -> Case:
     if calls > 1:
         names = ("torchkern", "compiled_graph_bf16") if cuda else ("torchkern",)
     else:
-        names = ("torchkern", "torchkern_tf32", "torchkern_fp32", "eager")
-        if cuda:
-            names += ("compiled_graph", "compiled_graph_bf16", "generic_graph")
+        names = ("torchkern", "torchkern_tf32", "torchkern_fp32") + (("torchkern_generic_graph",) if cuda else ())
+        names += ("eager",) + (("compiled_graph", "compiled_graph_bf16") if cuda else ())
     suffix = f"x{calls}runs" if calls > 1 else ""
     return Case("ebm", f"mlp_chain/{'-'.join(map(str, MLP_WIDTHS))}x{batch}x{n_steps}{suffix}", setup, device,
                 impls=names)
@@ -304,8 +305,8 @@ def _hmc_analytic_case(device: str, quick: bool) -> Case:
 
         impls = {
             "torchkern": lambda: fused.sample(x0, n_steps=n_traj),
+            "torchkern_generic": lambda: generic.sample(x0, n_steps=n_traj),
             "eager": lambda: twins.hmc_loop(x0.clone(), closed, step, leap, n_traj),
-            "generic": lambda: generic.sample(x0, n_steps=n_traj),
         }
 
         def check():
@@ -319,9 +320,11 @@ def _hmc_analytic_case(device: str, quick: bool) -> Case:
             _check_moments("hmc double well", a.abs(), b.abs())
 
         return Prepared(impls, bytes=2 * x0.nbytes, check=check,
-                        note="eager: the same HMC in torch ops with the closed-form gradient; generic: autograd")
+                        note="eager: the same HMC in torch ops with the closed-form gradient; torchkern_generic: "
+                             "HamiltonianMonteCarlo's generic path (autograd's gradient)")
 
-    return Case("ebm", f"hmc/double_well-{batch}x{dim}", setup, device, impls=("torchkern", "eager", "generic"))
+    return Case("ebm", f"hmc/double_well-{batch}x{dim}", setup, device,
+                impls=("torchkern", "torchkern_generic", "eager"))
 
 
 def _hmc_mlp_case(device: str, quick: bool) -> Case:
@@ -339,7 +342,7 @@ def _hmc_mlp_case(device: str, quick: bool) -> Case:
             return e, -s
 
         impls = {name: (lambda h=h: h.sample(x0, n_steps=n_traj)) for name, h in fused.items()}
-        impls["generic"] = lambda: twins.hmc_loop(x0.clone(), grad, step, leap, n_traj)
+        impls["eager"] = lambda: twins.hmc_loop(x0.clone(), grad, step, leap, n_traj)
 
         def check():
             ref = x0.clone()
@@ -348,10 +351,10 @@ def _hmc_mlp_case(device: str, quick: bool) -> Case:
                 _check_moments(f"hmc mlp {name}", h.sample(x0, n_steps=n_traj), ref)
 
         return Prepared(impls, bytes=2 * x0.nbytes, flops=_mlp_flops(list(MLP_WIDTHS), batch, n_traj * (leap + 1)),
-                        check=check, note="generic: HMC in torch ops with autograd's gradient")
+                        check=check, note="eager: HMC in torch ops with autograd's gradient")
 
     return Case("ebm", f"hmc/mlp-{'-'.join(map(str, MLP_WIDTHS))}x{batch}", setup, device,
-                impls=("torchkern", "torchkern_tf32", "generic"))
+                impls=("torchkern", "torchkern_tf32", "eager"))
 
 
 def cases(device: str, quick: bool) -> list[Case]:

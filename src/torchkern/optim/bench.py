@@ -5,23 +5,28 @@ number of the expensive updates (Shampoo: 5 inverse-root recomputations at preco
 basis refreshes at its default precondition_frequency 10; K-FAC: 10 eigendecompositions at its default
 inv_update_freq 10): the amortized cost. Several periods per call because the call ends with a synchronize: the
 last expensive update's GPU work cannot overlap the host work of the steps after it, as it does in a training
-loop; over several periods that artifact weighs little.
+loop; over several periods that artifact weighs little. ``--quick``: ``QUICK_PERIODS`` (1) period per call on a
+32-wide MLP.
 
 * ``shampoo_step/...``: Shampoo's optimizer step alone (gradients computed once in setup);
 * ``shampoo_train/...``, ``soap_train/...``, ``kfac_train/...``: the whole training step, forward + backward
   + optimizer step (K-FAC's factors are captured in the forward and backward, so only this form is fair).
 
-impls: ``torchkern`` (the case's optimizer at its defaults; Shampoo with Adam grafting), ``adam``/``adamw``
+impls: ``torchkern`` (the case's optimizer at its defaults; Shampoo with Adam grafting) and its variants: for
+Shampoo ``torchkern_bf16`` (``precision="bf16"``) and ``torchkern_qr`` (``root_method="qr"``), for SOAP
+``torchkern_fp32`` (``precision="fp32"``) and ``torchkern_eigh`` (``refresh="eigh"``), for K-FAC ``torchkern_qr``
+(``refresh="qr"``) and ``torchkern_bf16`` (``precision="bf16"``). Baselines: ``adam``/``adamw``
 (torch.optim.Adam/AdamW, their default foreach path), ``adam_fused``/``adamw_fused`` (``fused=True``, CUDA
-only), for Shampoo ``shampoo_bf16`` (``precision="bf16"``), for SOAP ``soap_fp32`` (``precision="fp32"``)
-and ``soap_eigh`` (``refresh="eigh"``), for K-FAC ``kfac_qr`` (``refresh="qr"``) and ``kfac_bf16``
-(``precision="bf16"``). Peers, where importable (else the runner prints that their rows are skipped):
-``meta_shampoo`` for Shampoo, Meta's DistributedShampoo (facebookresearch/optimizers' ``distributed_shampoo``
-source tree on PYTHONPATH; single process, its default distributor) with Adam grafting and the same frequency,
-betas, block size and start; ``heavyball_soap`` for SOAP, heavyball's SOAP with the same frequency, betas and
-block size. Divide a row's time by 100 for the per-step time; ratio = impl time / torchkern time, so
-the bars read: Shampoo <= 2x Adam as ratio >= 0.5 on shampoo_train's ``adam`` row, SOAP <= 2x AdamW as ratio >= 0.5
-on soap_train's ``adamw`` row, K-FAC <= 3x Adam as ratio >= 0.33 on kfac_train's ``adam`` row.
+only), and peers, where importable (else the runner prints that their rows are skipped): ``meta_shampoo`` for
+Shampoo, Meta's DistributedShampoo (facebookresearch/optimizers' ``distributed_shampoo`` source tree on
+PYTHONPATH; single process, its default distributor) with Adam grafting and the same frequency, betas, block size
+and start; ``heavyball_soap`` for SOAP, heavyball's SOAP with the same frequency, betas and block size.
+
+Divide a row's time by the steps per call for the per-step time. The runner's ``vs best`` is the strongest
+baseline's time / the row's time; the bars compare torchkern's time with Adam's (AdamW's for SOAP), that is
+Adam's time / torchkern's time (the torchkern row's ``vs best`` over the adam row's): Shampoo <= 2x Adam where it
+is >= 0.5 on shampoo_train, SOAP <= 2x AdamW where AdamW's time / torchkern's >= 0.5 on soap_train, K-FAC <= 3x
+Adam where it is >= 0.33 on kfac_train.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from ..optim import KFAC, SOAP, Shampoo
 from .._bench import Case, Prepared, peer_available
 
 FREQ, PERIODS = 20, 5
-STEPS = FREQ * PERIODS
+QUICK_PERIODS = 1  # --quick: one period per call, a smoke run
 
 
 def _mlp(width: int, depth: int, device: str) -> nn.Module:
@@ -49,42 +54,46 @@ def _mlp(width: int, depth: int, device: str) -> nn.Module:
     return nn.Sequential(*layers).to(device)
 
 
-def _optimizers(kind: str, device: str) -> dict:
-    """impl name -> maker(model), the case's own optimizer first."""
+def _optimizers(kind: str, device: str, quick: bool) -> dict:
+    """impl name -> maker(model): the case's own optimizer, its variants, then the baselines."""
     cuda = torch.device(device).type == "cuda"
     if kind == "soap":
         out = {"torchkern": lambda m: SOAP(m.parameters(), lr=1e-3),
+               "torchkern_fp32": lambda m: SOAP(m.parameters(), lr=1e-3, precision="fp32"),
+               "torchkern_eigh": lambda m: SOAP(m.parameters(), lr=1e-3, refresh="eigh"),
                "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)}
         if cuda:
             out["adamw_fused"] = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
-        out["soap_fp32"] = lambda m: SOAP(m.parameters(), lr=1e-3, precision="fp32")
-        out["soap_eigh"] = lambda m: SOAP(m.parameters(), lr=1e-3, refresh="eigh")
         if peer_available("heavyball", "pip install heavyball"):
-            out["heavyball_soap"] = heavyball_soap
+            out["heavyball_soap"] = lambda m: heavyball_soap(m, compiled=not quick)
         return out
-    own = (lambda m: KFAC(m, lr=1e-3)) if kind == "kfac" else \
-        (lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ))
-    out = {"torchkern": own, "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)}
+    if kind == "kfac":
+        out = {"torchkern": lambda m: KFAC(m, lr=1e-3),
+               "torchkern_qr": lambda m: KFAC(m, lr=1e-3, refresh="qr"),
+               "torchkern_bf16": lambda m: KFAC(m, lr=1e-3, precision="bf16")}
+    else:
+        out = {"torchkern": lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ),
+               "torchkern_bf16": lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
+                                                   precision="bf16"),
+               "torchkern_qr": lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
+                                                 root_method="qr")}
+    out["adam"] = lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)
     if cuda:
         out["adam_fused"] = lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, fused=True)
-    if kind == "kfac":
-        out["kfac_qr"] = lambda m: KFAC(m, lr=1e-3, refresh="qr")
-        out["kfac_bf16"] = lambda m: KFAC(m, lr=1e-3, precision="bf16")
-    if kind == "shampoo":
-        out["shampoo_bf16"] = lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
-                                                precision="bf16")
-        out["shampoo_qr"] = lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
-                                              root_method="qr")
-        if peer_available("distributed_shampoo", "facebookresearch/optimizers' distributed_shampoo tree on "
-                                                 "PYTHONPATH"):
-            out["meta_shampoo"] = meta_shampoo
+    if kind == "shampoo" and peer_available("distributed_shampoo", "facebookresearch/optimizers' distributed_shampoo "
+                                                                   "tree on PYTHONPATH"):
+        out["meta_shampoo"] = meta_shampoo
     return out
 
 
-def heavyball_soap(model: nn.Module, lr: float = 1e-3):
+def heavyball_soap(model: nn.Module, lr: float = 1e-3, compiled: bool = True):
     """heavyball's SOAP at torchkern SOAP's defaults: refresh every 10 steps, betas and shampoo_beta 0.95, blocks
-    of at most 1024."""
+    of at most 1024. ``compiled=False``: heavyball's torch.compile (max-autotune) off, for the whole process
+    (``heavyball.utils.compile_mode``): a quick run spends no time compiling."""
     import heavyball
+
+    if not compiled:
+        heavyball.utils.compile_mode = None
 
     return heavyball.SOAP(model.parameters(), lr=lr, betas=(0.95, 0.95), shampoo_beta=0.95,
                           precondition_frequency=10, max_precond_dim=1024)
@@ -127,8 +136,8 @@ def _check(kind: str, model: nn.Module, opt, base: nn.Module, x: torch.Tensor, y
         assert err < 1e-3, f"{kind}'s eigenbasis is not orthonormal (max |Q^T Q - I| = {err:.2e})"
 
 
-def _case(kind: str, timed: str, width: int, depth: int, batch: int, device: str) -> Case:
-    makers = _optimizers(kind, device)
+def _case(kind: str, timed: str, width: int, depth: int, batch: int, device: str, steps: int, quick: bool) -> Case:
+    makers = _optimizers(kind, device, quick)
 
     def setup() -> Prepared:
         base = _mlp(width, depth, device)
@@ -140,17 +149,17 @@ def _case(kind: str, timed: str, width: int, depth: int, batch: int, device: str
             model = copy.deepcopy(base)
             opt = make(model)
 
-            def train_steps(model=model, opt=opt, n=STEPS):
+            def train_steps(model=model, opt=opt, n=steps):
                 for _ in range(n):
                     opt.zero_grad(set_to_none=False)
                     F.mse_loss(model(x), y).backward()
                     opt.step()
 
             train_steps()  # past the first expensive updates (which may wait): every later call holds the same number
-            impls[name] = (lambda opt=opt: [opt.step() for _ in range(STEPS)]) if timed == "step" else train_steps
+            impls[name] = (lambda opt=opt: [opt.step() for _ in range(steps)]) if timed == "step" else train_steps
             states[name] = (model, opt)
 
-        note = (f"{STEPS} {'optimizer' if timed == 'step' else 'training'} steps per call; MLP {depth}x{width}, "
+        note = (f"{steps} {'optimizer' if timed == 'step' else 'training'} steps per call; MLP {depth}x{width}, "
                 f"batch {batch}")
         return Prepared(impls, check=lambda: _check(kind, *states["torchkern"], base, x, y), note=note)
 
@@ -159,9 +168,12 @@ def _case(kind: str, timed: str, width: int, depth: int, batch: int, device: str
 
 
 def cases(device: str, quick: bool) -> list[Case]:
-    if quick or torch.device(device).type != "cuda":
+    if quick:
+        width, batch = 32, 32
+    elif torch.device(device).type != "cuda":
         width, batch = 64, 64
     else:
         width, batch = 1024, 1024
-    return [_case("shampoo", "step", width, 4, batch, device), _case("shampoo", "train", width, 4, batch, device),
-            _case("soap", "train", width, 4, batch, device), _case("kfac", "train", width, 4, batch, device)]
+    steps = FREQ * (QUICK_PERIODS if quick else PERIODS)
+    return [_case(kind, timed, width, 4, batch, device, steps, quick)
+            for kind, timed in (("shampoo", "step"), ("shampoo", "train"), ("soap", "train"), ("kfac", "train"))]

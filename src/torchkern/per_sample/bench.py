@@ -435,9 +435,9 @@ _TAGS = {"mlp": "mlp_b256", "transformer": "transformer_b64_t128", "cnn": "cnn_b
          "vit": "vit_b128"}
 
 
-def _opacus_impls() -> tuple[str, ...]:
-    """Both of Opacus 1.6's modes (the bar is against the faster for each model), where it is installed."""
-    return ("opacus_hooks", "opacus_ghost") if peer_available("opacus") else ()
+HAS_OPACUS = peer_available("opacus")
+# Both of Opacus 1.6's modes (the bar is against the faster for each model), where it is installed.
+OPACUS_IMPLS = ("opacus_hooks", "opacus_ghost") if HAS_OPACUS else ()
 
 
 def _opacus(impl: str, model, x, y, noise: float = SIGMA, batches: PoissonBatches | None = None):
@@ -446,7 +446,7 @@ def _opacus(impl: str, model, x, y, noise: float = SIGMA, batches: PoissonBatche
 
 def _dp_case(device: str, name: str, quick: bool) -> Case:
     impls = ("torchkern",) + (("torchkern_graph",) if torch.device(device).type == "cuda" else ()) \
-        + _opacus_impls() + ("torch_func", "eager_loop")
+        + OPACUS_IMPLS + ("torch_func", "eager_loop")
 
     def setup() -> Prepared:
         model, x, y = dp_problem(name, device, quick)
@@ -468,7 +468,7 @@ def _dp_case(device: str, name: str, quick: bool) -> Case:
                 torchkern_step(model, x, y, noise=0.0)()
                 references = [(lambda m: torch_func_step(m, x, y, noise=0.0), 1e-2, "torch_func")]
                 references += [(lambda m, impl=impl: opacus_step(m, x, y, impl == "opacus_ghost", noise=0.0), 2e-5,
-                                impl) for impl in _opacus_impls()]
+                                impl) for impl in OPACUS_IMPLS]
                 for make, rtol, label in references:
                     other = copy.deepcopy(model)
                     make(other)()
@@ -483,7 +483,7 @@ def _dp_poisson_case(device: str, name: str, quick: bool) -> Case:
     """The dp_step model on Poisson-sized batches (each call the next size of :class:`PoissonBatches`, expected the
     case's batch size), divided by the expected size: torchkern plain, torchkern's graph captured once at the
     largest size (``max_batch_size``), Opacus with ``expected_batch_size``."""
-    impls = ("torchkern",) + (("torchkern_graph",) if torch.device(device).type == "cuda" else ()) + _opacus_impls()
+    impls = ("torchkern",) + (("torchkern_graph",) if torch.device(device).type == "cuda" else ()) + OPACUS_IMPLS
 
     def setup() -> Prepared:
         model, x, _ = dp_problem(name, device, quick)
@@ -501,7 +501,7 @@ def _dp_poisson_case(device: str, name: str, quick: bool) -> Case:
             with no_tf32():
                 torchkern_step(model, None, None, noise=0.0, batches=batches())()
                 references = [(lambda m, impl=impl: opacus_step(m, None, None, impl == "opacus_ghost", 0.0, batches()),
-                               impl) for impl in _opacus_impls()]
+                               impl) for impl in OPACUS_IMPLS]
                 if "torchkern_graph" in impls:
                     references.append((lambda m: torchkern_step(m, None, None, 0.0, True, batches()), "graph"))
                 for make, label in references:
