@@ -8,8 +8,9 @@ and raise :class:`DivergenceError` when so many are skipped that training has di
 
 from . import ops  # noqa: F401  (registers the family's ops)
 from ._guard import DivergenceError, SkipLimits
+from .distributed import Distributed
 from .kfac import KFAC
 from .shampoo import Shampoo
 from .soap import SOAP
 
-__all__ = ["KFAC", "SOAP", "DivergenceError", "Shampoo", "SkipLimits"]
+__all__ = ["KFAC", "SOAP", "DivergenceError", "Distributed", "Shampoo", "SkipLimits"]

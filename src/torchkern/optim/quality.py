@@ -403,10 +403,10 @@ def make_optimizer(name: str, model: nn.Module, lr: float, **overrides) -> torch
 def available_peers(device: torch.device) -> tuple[list[str], list[str]]:
     """The peers that construct here, and a line for each that does not (not installed, or its API changed)."""
     found, skipped = [], []
-    probe = nn.Linear(4, 4).to(device)
+    model = nn.Linear(4, 4).to(device)
     for name, (make, install) in PEERS.items():
         try:
-            make(probe, 1e-3)
+            make(model, 1e-3)
             found.append(name)
         except Exception as exc:  # noqa: BLE001 (an optional peer: any failure only skips it)
             reason = "not installed" if isinstance(exc, ImportError) else f"{type(exc).__name__}: {exc}"

@@ -62,10 +62,7 @@ _ROOT_METHODS = ("auto", "eigh", "newton", "qr")
 _STAT_KEYS = frozenset({"exp_avg", "graft_sq", "L", "R", "L_root", "R_root", "L_basis", "R_basis"})
 _TINY = 1e-30
 _MAX_ITERS = 100  # matrix_inverse_root's default
-# Newton's tolerance on ||X^4 A - I||_inf, a root within about a quarter of it. Not matrix_inverse_root's 1e-6: in
-# float32 the roots of factors conditioned up to 1/eps (1e6) carry errors of 1e-4 to a few 1e-3 anyway (the float32
-# floor in docs/design.md; 1.4e-4 from float64 eigh at either tolerance on the optimizer benchmark's 1024^2
-# factors), and the last step, from ~4e-5 to ~6e-7, is one iteration of eleven or twelve per update there.
+# Newton's tolerance on ||X^4 A - I||_inf: float32 roots of factors conditioned up to 1/eps err by >= 1e-4 anyway.
 _TOL = 1e-4
 # A Newton root is accepted when ||X^4 A - I||_inf <= this: the root is then within about a quarter of it
 # (a few percent); a diverged or stalled iteration (an indefinite factor at the rounding level) is far above.
