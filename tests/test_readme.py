@@ -1,5 +1,5 @@
-"""The README as a new user meets it: every Python block runs as written on a CPU, the page keeps its size bars, and
-its install and test commands are the ones CI runs.
+"""The README as a new user meets it: every Python block runs as written on a CPU (and on a GPU where there is one),
+the page keeps its size bars, and its install and test commands are the ones CI runs.
 
 Fence info strings: a ```python block runs, each in a fresh interpreter; a ```python dp block needs the `dp` extra
 (Opacus's accountants) and is skipped where Opacus is not installed; a ```python no-run block is not run (it needs
@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from testing import requires_cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -39,18 +40,29 @@ def test_every_python_block_is_marked():
     assert PYTHON, "the README has no runnable Python block"
 
 
+def run_block(info: str, line: int, code: str, cwd: Path, **env: str) -> None:
+    """Runs one block in a fresh interpreter, in ``cwd``, with TORCHKERN_BACKEND unset and ``env`` added."""
+    if info == "python dp" and importlib.util.find_spec("opacus") is None:
+        pytest.skip("needs the dp extra (opacus)")
+    env = {**{k: v for k, v in os.environ.items() if k != "TORCHKERN_BACKEND"}, **env}
+    run = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"README block at line {line} failed:\n{run.stdout}\n{run.stderr}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("info,line,code", PYTHON, ids=[f"line{line}" for _, line, _ in PYTHON])
 def test_python_block_runs_on_the_cpu(info, line, code, tmp_path):
-    if info == "python dp" and importlib.util.find_spec("opacus") is None:
-        pytest.skip("needs the dp extra (opacus)")
-    env = {k: v for k, v in os.environ.items() if k != "TORCHKERN_BACKEND"}
     cache = tmp_path / "cache"
-    env.update(TORCHKERN_CACHE=str(cache), CUDA_VISIBLE_DEVICES="")  # the CPU, as a machine without a GPU has it
-    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0, f"README block at line {line} failed:\n{run.stdout}\n{run.stderr}"
+    run_block(info, line, code, tmp_path, TORCHKERN_CACHE=str(cache), CUDA_VISIBLE_DEVICES="")  # as without a GPU
     assert not cache.exists() or not any(cache.iterdir()), "a CPU run wrote to the kernel cache"
+
+
+@pytest.mark.slow
+@requires_cuda
+@pytest.mark.parametrize("info,line,code", PYTHON, ids=[f"line{line}" for _, line, _ in PYTHON])
+def test_python_block_runs_on_the_gpu(info, line, code, tmp_path):
+    # the environment's kernel cache, as the rest of the suite's CUDA tests use it: built once, then loaded
+    run_block(info, line, code, tmp_path)
 
 
 def test_size_bars():
