@@ -19,7 +19,7 @@ from torchkern.__main__ import main as cli
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _case(name: str, fail: bool = False) -> _bench.Case:
+def _case(name: str, fail: bool = False, family: str = "primitives") -> _bench.Case:
     x = torch.ones(1024)
 
     def setup() -> _bench.Prepared:
@@ -27,15 +27,16 @@ def _case(name: str, fail: bool = False) -> _bench.Case:
             raise RuntimeError("the case could not be set up")
         impls = {"torchkern": lambda: x * 2, "torchkern_variant": lambda: x * 2,
                  "eager": lambda: x.mul(2), "slow": lambda: [x.mul(2) for _ in range(50)]}
-        return _bench.Prepared(impls, bytes=2 * x.nbytes, note="two baselines")
+        return _bench.Prepared(impls, bytes=2 * x.nbytes, note=f"two baselines; threads: {torch.get_num_threads()}")
 
-    return _bench.Case("primitives", name, setup, "cpu", ("torchkern", "torchkern_variant", "eager", "slow"))
+    return _bench.Case(family, name, setup, "cpu", ("torchkern", "torchkern_variant", "eager", "slow"))
 
 
 @pytest.fixture
 def fake_cases(monkeypatch):
     """The runner times two small cases (the second fails) instead of a family's; nothing else changes."""
-    monkeypatch.setattr(_bench_runner, "family_cases", lambda family, device, quick: [_case("a"), _case("b", True)])
+    monkeypatch.setattr(_bench_runner, "family_cases",
+                        lambda family, device, quick: [_case("a", family=family), _case("b", True, family)])
     monkeypatch.setattr(_bench, "MISSING_PEERS", {})
 
 
@@ -64,8 +65,11 @@ def test_json_is_not_an_option(capsys):
 
 def test_table_rows_and_results_in_out(tmp_path, fake_cases, capsys):
     assert _bench.peer_available("torchkern_no_such_peer") is False
+    threads = torch.get_num_threads()
     assert cli(["bench", "--quick", "--family", "primitives", "--out", str(tmp_path / "new")]) == 1  # a case failed
+    assert torch.get_num_threads() == threads  # a quick run's one thread is the run's alone
     out = capsys.readouterr().out
+    assert "note: two baselines; threads: 1" in out
     lines = out.splitlines()
     # the header first: versions and device, the fallback line (on CPU), the missing peer, the columns
     assert lines[0].startswith(f"torchkern {_bench_runner.__version__}") and "--quick" in lines[0]
@@ -122,3 +126,21 @@ def test_quality_quick_from_the_repository_root_leaves_the_tree_as_it_was(tmp_pa
         assert (out / "quality.json").is_file()
     finally:
         shutil.rmtree(out)
+
+
+def test_runs_of_separate_families_merge_into_one_bench_json(tmp_path, fake_cases, capsys):
+    """benchmarks/merge_bench.py: the families of several runs in one file, a family run again replaces its rows,
+    runs of another commit are refused."""
+    for family in ("primitives", "linalg", "primitives"):
+        cli(["bench", "--quick", "--family", family, "--out", str(tmp_path / family)])
+        part = tmp_path / f"{family}.json"
+        part.write_text((tmp_path / family / "bench.json").read_text())
+        merge = [sys.executable, str(ROOT / "benchmarks" / "merge_bench.py"), str(tmp_path / "bench.json"), str(part)]
+        subprocess.run(merge, check=True, capture_output=True, text=True)
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [(row["family"], row["case"]) for row in rows if row.get("impl") in ("torchkern", None)] == [
+        ("linalg", "a"), ("linalg", "b"), ("primitives", "a"), ("primitives", "b")]
+    other = json.loads(part.read_text())
+    part.write_text(json.dumps({**other, "commit": "0000000"}))
+    run = subprocess.run(merge, capture_output=True, text=True)
+    assert run.returncode != 0 and "commit '0000000'" in run.stderr
