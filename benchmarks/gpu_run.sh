@@ -10,8 +10,9 @@
 #   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_run.sh
 #   python benchmarks/results_table.py gpu-out/bench.json --update benchmarks/RESULTS.md   # afterwards, here
 #
-# Each bench run merges its families' rows into $OUT/bench.json (benchmarks/merge_bench.py): families run in several
-# calls with one OUT make one bench.json; results of calls with different OUTs merge here the same way.
+# Each bench run merges its families' rows into $OUT/bench.json (benchmarks/merge_bench.py), so families run in
+# several calls with one OUT make one bench.json; calls with different OUTs merge afterwards, on any machine:
+#   python benchmarks/merge_bench.py gpu-out/bench.json call1/bench.json call2/bench.json
 # With 600 s a call, split the work by STAGES, TEST_ARGS and BENCH_FAMILIES; each stage's time limit is its
 # *_SECONDS variable.
 #
@@ -41,7 +42,8 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has env; then
   {
     date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
+    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+               'gpus', torch.cuda.device_count())"
     nvcc --version | tail -1
     for peer in opacus heavyball distributed_shampoo; do
       python -c "import $peer; print('$peer', getattr($peer, '__version__', 'importable'))" 2>&1 | tail -1
@@ -74,9 +76,9 @@ if has bench; then
   fam_args=(); for f in $BENCH_FAMILIES; do fam_args+=(--family "$f"); done
   rm -rf "$OUT/bench-run"
   timeout "$BENCH_SECONDS" python -m torchkern bench "${fam_args[@]}" --out "$OUT/bench-run" 2>&1
-  # a run cut by its limit still wrote the cases it finished
-  [[ -f "$OUT/bench-run/bench.json" ]] && python benchmarks/merge_bench.py "$OUT/bench.json" "$OUT/bench-run/bench.json"
-  rm -rf "$OUT/bench-run"
+  # a run cut by its limit still wrote the cases it finished; a run that does not merge stays in bench-run/
+  run="$OUT/bench-run/bench.json"
+  [[ -f "$run" ]] && python benchmarks/merge_bench.py "$OUT/bench.json" "$run" && rm -r "$OUT/bench-run"
 fi
 
 if has quality; then

@@ -268,10 +268,11 @@ def _mlp_chain_case(device: str, quick: bool, calls: int = 1) -> Case:
             impls = {name: (lambda fn=impls[name]: [fn() for _ in range(calls)][-1]) for name in names}
             return Prepared(impls, bytes=(2 * x0.nbytes + weights) * calls, flops=flops,
                             note=f"{calls} back-to-back runs per call, one synchronize: per run = time / {calls}")
-        return Prepared(impls, bytes=2 * x0.nbytes + weights, flops=flops, check=check,
-                        note="compiled_graph: closed-form gradient, torch.compile max-autotune, all steps in one CUDA "
-                             "graph; torchkern = bf16 operands, torchkern_tf32 = TF32 tensor cores (FP32 "
-                             "accumulation), torchkern_fp32 = exact FP32")
+        note = ("torchkern = bf16 operands, torchkern_tf32 = TF32 tensor cores (FP32 accumulation), torchkern_fp32 = "
+                "exact FP32")
+        if cuda:
+            note = f"compiled_graph: closed-form gradient, torch.compile {mode}, all steps in one CUDA graph; {note}"
+        return Prepared(impls, bytes=2 * x0.nbytes + weights, flops=flops, check=check, note=note)
 
     cuda = torch.device(device).type == "cuda"
     if calls > 1:
