@@ -72,9 +72,18 @@ def test_size_bars():
     assert not long, f"README lines over {MAX_LINE_LENGTH} characters (line, length): {long}"
 
 
+# Words of a work log, not of a product ("s[e]ssion" so that this file does not match itself).
+HISTORY = re.compile(r".*(?:s[e]ssion|call [0-9]+ |issue [0-9]+).*", re.I)
+PROSE_SUFFIXES = {".md", ".py", ".cu", ".cuh", ".h", ".cpp", ".sh", ".toml", ".ini"}
+
+
 def test_describes_the_present():
-    found = re.findall(r".*(?:session|call [0-9]+ |issue [0-9]+).*", README.read_text(), re.I)
-    assert not found, f"README narrates history: {found}"
+    files = [README, *(path for folder in ("docs", "src", "tests", "benchmarks")
+                       for path in (README.parent / folder).rglob("*")
+                       if path.suffix in PROSE_SUFFIXES and "egg-info" not in path.parts)]
+    found = [f"{path.relative_to(README.parent)}: {line.strip()}" for path in files
+             for line in HISTORY.findall(path.read_text(errors="replace"))]
+    assert not found, "the repository narrates history:\n" + "\n".join(found)
 
 
 def test_install_commands_are_the_ones_ci_runs():
