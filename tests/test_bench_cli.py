@@ -92,6 +92,7 @@ def test_table_rows_and_results_in_out(tmp_path, fake_cases, capsys):
     by_impl = {row["impl"]: row for row in report["rows"] if row["case"] == "a"}
     assert all(row["baseline"] == "eager" for row in by_impl.values())
     assert by_impl["eager"]["vs_best"] == 1.0 and by_impl["slow"]["vs_best"] < 1
+    assert all(row["case_seconds"] >= sum(r["seconds"] for r in by_impl.values()) for row in by_impl.values())
     own, eager = by_impl["torchkern"], by_impl["eager"]
     assert own["vs_best"] == pytest.approx(eager["seconds"] / own["seconds"])
     errors = [row["error"] for row in report["rows"] if row["case"] == "b"]

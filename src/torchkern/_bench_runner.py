@@ -3,9 +3,9 @@
 The header comes first (versions and device, which families time their fallbacks, which peers are missing, the
 measured bandwidths, the columns), then each case as ``[k/N] family/case`` before it runs and one row per
 implementation after: time, the fraction of the memory floor reached, and the speed against the strongest
-baseline. ``bench.json`` in the output directory holds every row (rewritten after each case, so a run cut short
-keeps what it measured); when the optimizers' quality suite runs, its ``quality.json`` and plots go there too.
-Nothing is written anywhere else.
+baseline. ``bench.json`` in the output directory holds every row, with the wall time its whole case took
+(rewritten after each case, so a run cut short keeps what it measured); when the optimizers' quality suite runs,
+its ``quality.json`` and plots go there too. Nothing is written anywhere else.
 """
 
 from __future__ import annotations
@@ -188,11 +188,14 @@ def _run(quick: bool, families: list[str] | None, out: str | Path | None) -> int
     failed = 0
     for k, case in enumerate(cases, 1):
         print(f"{f'[{k}/{steps}]':<{width}}{case.family}/{case.name}", flush=True)
+        case_start = time.perf_counter()
         try:
             case_rows = run_case(case, ceilings=ceilings, quick=quick)
         except Exception as exc:  # report and go on: one broken case should not hide the rest
             failed += 1
             case_rows = [dict(family=case.family, case=case.name, impl=None, error=f"{type(exc).__name__}: {exc}")]
+        for row in case_rows:  # what a run's length is made of: setup, check, compiles and timing
+            row["case_seconds"] = time.perf_counter() - case_start
         new_note = case_rows[0].get("note") != (rows[-1].get("note") if rows else None)
         print(format_rows(case_rows, width, note=new_note), flush=True)
         rows.extend(case_rows)
