@@ -23,10 +23,10 @@ PYTHONPATH; single process, its default distributor) with Adam grafting and the 
 and start; ``heavyball_soap`` for SOAP, heavyball's SOAP with the same frequency, betas and block size.
 
 Divide a row's time by the steps per call for the per-step time. The runner's ``vs best`` is the strongest
-baseline's time / the row's time; the bars compare torchkern's time with Adam's (AdamW's for SOAP), that is
-Adam's time / torchkern's time (the torchkern row's ``vs best`` over the adam row's): Shampoo <= 2x Adam where it
-is >= 0.5 on shampoo_train, SOAP <= 2x AdamW where AdamW's time / torchkern's >= 0.5 on soap_train, K-FAC <= 3x
-Adam where it is >= 0.33 on kfac_train.
+baseline's time / the row's time. The bars compare torchkern with Adam (AdamW for SOAP) by the ratio Adam's time /
+torchkern's time, which is the torchkern row's ``vs best`` divided by the adam row's: Shampoo <= 2x Adam is a
+ratio >= 0.5 on shampoo_train, SOAP <= 2x AdamW a ratio >= 0.5 on soap_train, K-FAC <= 3x Adam a ratio >= 0.33
+on kfac_train.
 """
 
 from __future__ import annotations
