@@ -11,6 +11,7 @@ compiled (a family builds with the families it imports). Run it on the GPU host:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,6 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows", nargs="*", metavar="ROW", help=f"rows to time: {', '.join(ROWS)} (default: every row)")
     parser.add_argument("--warm", type=int, default=5, help="fresh processes per warm median (default 5)")
+    parser.add_argument("--keep", metavar="DIR", help="build each row's cache in DIR/<row> and keep it (DIR/<row> must "
+                        "not exist; default: a temporary directory per row), e.g. to run the tests on the 'all' build")
     args = parser.parse_args()
     unknown = [row for row in args.rows if row not in ROWS]
     if unknown:
@@ -56,7 +59,12 @@ def main() -> None:
     print(f"{'import':<12} {'cold s':>8} {'warm s':>8} {'torch s':>8}  built (cold)")
     for row in args.rows or ROWS:
         statement = ROWS[row]
-        with tempfile.TemporaryDirectory(prefix="torchkern-import-") as cache:
+        with contextlib.ExitStack() as stack:
+            if args.keep:
+                cache = os.path.join(args.keep, row)
+                os.makedirs(cache)
+            else:
+                cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="torchkern-import-"))
             cold = run(statement, cache)
             if cold["backend"] == "torch":
                 print(f"{row:<12} the kernels are unavailable: {cold['reason']}")
