@@ -152,14 +152,14 @@ def _regression(device, quick: bool) -> Task:
 
     x, y = sample(n_train)
     test = sample(n_test)
-
-    def make_model():
-        return nn.Sequential(nn.Linear(d, hidden, bias=False), nn.Linear(hidden, out, bias=False)).to(device)
-
-    return Task("regression", make_model, _full_batch(x, y), test, _normalized_mse(test[1].var().item()),
+    return Task("regression", lambda: _deep_linear_model(d, hidden, out, device), _full_batch(x, y), test, _normalized_mse(test[1].var().item()),
                 steps=QUICK_STEPS if quick else 300, eval_every=10,
                 note=f"deep linear {d}->{hidden}->{out}, rotated inputs",
                 lrs=_grid([3e-3, 1e-2, 3e-2]))
+
+
+def _deep_linear_model(d: int, hidden: int, out: int, device) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, hidden, bias=False), nn.Linear(hidden, out, bias=False)).to(device)
 
 
 def _classification(device, quick: bool) -> Task:
@@ -319,14 +319,10 @@ def _deep_linear(device, quick: bool) -> Task:
 
     x, y = sample(n)
     test = sample(n)
-
-    def make_model():
-        return nn.Sequential(nn.Linear(d, hidden, bias=False), nn.Linear(hidden, out, bias=False)).to(device)
-
-    return Task("deep_linear", make_model, _full_batch(x, y), test, _normalized_mse(test[1].var().item()),
+    return Task("deep_linear", lambda: _deep_linear_model(d, hidden, out, device), _full_batch(x, y), test, _normalized_mse(test[1].var().item()),
                 steps=QUICK_STEPS if quick else 300, eval_every=10,
                 note=f"deep linear {d}->{hidden}->{out}, per-axis scales over 1e3, full batch",
-                lrs=_grid([3e-3, 1e-2, 3e-2]))
+                lrs=_grid([1e-3, 3e-3, 1e-2, 3e-2, 1e-1]))
 
 
 def _minibatches(x: torch.Tensor, y: torch.Tensor, batch: int):
