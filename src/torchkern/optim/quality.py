@@ -40,7 +40,6 @@ range as a band). ``quick=True`` shrinks every task to a CPU smoke run.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import statistics
@@ -152,7 +151,8 @@ def _regression(device, quick: bool) -> Task:
 
     x, y = sample(n_train)
     test = sample(n_test)
-    return Task("regression", lambda: _deep_linear_model(d, hidden, out, device), _full_batch(x, y), test, _normalized_mse(test[1].var().item()),
+    return Task("regression", lambda: _deep_linear_model(d, hidden, out, device), _full_batch(x, y), test,
+                _normalized_mse(test[1].var().item()),
                 steps=QUICK_STEPS if quick else 300, eval_every=10,
                 note=f"deep linear {d}->{hidden}->{out}, rotated inputs",
                 lrs=_grid([3e-3, 1e-2, 3e-2]))
@@ -319,7 +319,8 @@ def _deep_linear(device, quick: bool) -> Task:
 
     x, y = sample(n)
     test = sample(n)
-    return Task("deep_linear", lambda: _deep_linear_model(d, hidden, out, device), _full_batch(x, y), test, _normalized_mse(test[1].var().item()),
+    return Task("deep_linear", lambda: _deep_linear_model(d, hidden, out, device), _full_batch(x, y), test,
+                _normalized_mse(test[1].var().item()),
                 steps=QUICK_STEPS if quick else 300, eval_every=10,
                 note=f"deep linear {d}->{hidden}->{out}, per-axis scales over 1e3, full batch",
                 lrs=_grid([1e-3, 3e-3, 1e-2, 3e-2, 1e-1]))
@@ -592,18 +593,6 @@ def run_task(task: Task, optimizers: tuple[str, ...], seeds: tuple[int, ...], de
     return runs
 
 
-@contextlib.contextmanager
-def _threads(count: int | None):
-    """torch's intra-op threads set to ``count`` (None: left as they are) for the block."""
-    before = torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def main(quick: bool = False, out_dir: str | Path | None = None, *, tasks: tuple[str, ...] | None = None,
          optimizers: tuple[str, ...] | None = None, seeds: tuple[int, ...] | None = None, plots: bool = True) -> int:
     """Run the suite, print the table, write ``quality.json`` and one PNG per task to ``out_dir`` (default: a new
@@ -638,8 +627,7 @@ def main(quick: bool = False, out_dir: str | Path | None = None, *, tasks: tuple
     print(header, flush=True)
     for task_name in tasks or tuple(TASKS):
         task = TASKS[task_name](device, quick)
-        with _threads(1 if quick and device.type == "cpu" else None):  # smoke sizes: threads only add contention
-            runs = run_task(task, optimizers, seeds, device, quick)
+        runs = run_task(task, optimizers, seeds, device, quick)
         summary = summarize(runs)
         summaries[task_name] = summary
         silent += [r for r in runs if r.silent_nan]
