@@ -174,9 +174,9 @@ def test_mlp_kernel_every_configuration(widths, precision):
     _assert_every_layout_is_the_twin(energy, x, noise, precision, step=0.02)
 
 
-def _assert_every_layout_is_the_twin(energy, x, noise, precision, step, layouts=None):
+def _assert_every_layout_is_the_twin(energy, x, noise, precision, step):
     """The fused energy and score and a Langevin chain with injected ``noise`` ([n_steps, B, d]) in every layout
-    that fits this device (``layouts``), against the twin: float32 rounding for fp32; for bf16/tf32, whose
+    that fits this device (ebm_testing.layouts), against the twin: float32 rounding for fp32; for bf16/tf32, whose
     roundings the twin emulates, 2e-2."""
     code = PRECISIONS.index(precision)
     args = energy.kernel_args()
@@ -185,9 +185,9 @@ def _assert_every_layout_is_the_twin(energy, x, noise, precision, step, layouts=
     traj_state = x.clone()
     twins.mlp_langevin_chain_(traj_state, *args, step, 1.0, None, None, n_steps, 1, noise=noise, precision=code)
     tol = dict(rtol=2e-5, atol=2e-5) if precision == "fp32" else dict(rtol=2e-2, atol=2e-2)
-    layouts = layouts(energy, x, precision, hmc=False) if layouts is None else layouts
-    assert layouts, "no configuration fits"
-    for layout in layouts:
+    fitting = layouts(energy, x, precision, hmc=False)
+    assert fitting, "no configuration fits"
+    for layout in fitting:
         e, s = torch.ops.torchkern.mlp_energy_and_score(x, *args, code, layout)
         torch.testing.assert_close(e, e_tw, **tol)
         torch.testing.assert_close(s, s_tw, **tol)
