@@ -223,7 +223,7 @@ def test_mlp_fallback_replays_a_graph_and_follows_replaced_weights():
     def eager(n_steps, seed):
         gen, state = torch.Generator("cuda").manual_seed(seed), x.clone()
         for _ in range(n_steps):
-            sampler._step(energy, state, gen)
+            sampler._step(energy, state, gen, twins.FiniteSteps(state))
         return state
 
     for replace in (False, True):
