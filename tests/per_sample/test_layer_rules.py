@@ -306,11 +306,18 @@ class _Recurrent(nn.Module):
     (nn.GRU, True, 1, False, False, 5), (nn.GRU, False, 2, True, False, 5), (nn.GRU, True, 2, False, True, 5),
     (nn.GRU, True, 2, True, False, 1), (nn.RNN, False, 2, False, True, 5), (nn.LSTM, True, 2, True, True, 5)],
     ids=["gru", "gru_sequence_first", "gru_state", "gru_one_sample", "rnn", "lstm"])
+@pytest.mark.parametrize("one_by_one", [False, True], ids=["vmap", "one_by_one"])
 @pytest.mark.parametrize("device", devices(second_gpu=False))
-def test_recurrent_layers_on_every_path(kind, batch_first, layers, bidirectional, state, batch, device):
+def test_recurrent_layers_on_every_path(kind, batch_first, layers, bidirectional, state, batch, device, one_by_one,
+                                        monkeypatch):
     """nn.GRU and nn.RNN (whose fused kernels' decomposition vmap refused: every path failed) and nn.LSTM: per-sample
     gradients, norms and the clipped sum on every path against one backward per sample (their final states carry
-    the batch in dim 1, which the torch.func unit maps over)."""
+    the batch in dim 1, which the torch.func unit maps over). ``one_by_one``: the per-sample loop that recurrent
+    layers take on CUDA (cuDNN and the fused cells have no batching rule), forced on any device."""
+    if one_by_one:
+        monkeypatch.setattr(engine, "loops_over_samples", lambda module, tensors: True)
+    elif device != "cpu":
+        pytest.skip("recurrent layers on CUDA always run one sample at a time")
     torch.manual_seed(0)
     model = _Recurrent(kind, batch_first, layers, bidirectional, state).double().to(device)
     x, y = (randn(batch, 6, 4, dtype=torch.float64, device=device), randn(batch, 3, dtype=torch.float64, device=device))

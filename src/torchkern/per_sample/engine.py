@@ -758,6 +758,19 @@ def _batched_state(module: nn.Module, args: tuple, kwargs: dict):
 _RNNS = (nn.RNN, nn.GRU, nn.LSTM)
 
 
+def loops_over_samples(module: nn.Module, tensors) -> bool:
+    """Whether the torch.func unit ``module`` runs one sample at a time instead of under vmap: its recurrent layers
+    on CUDA, whose cuDNN and fused-cell kernels have no batching rule."""
+    return any(type(m) in _RNNS for m in module.modules()) and any(
+        isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+
+
+def _stack_samples(grad_fn: Callable, samples) -> dict[str, torch.Tensor]:
+    """``grad_fn`` on each sample's arguments, its gradients stacked along a new dim 0 (vmap's result, one by one)."""
+    grads = [grad_fn(*args) for args in samples]
+    return {k: torch.stack([g[k] for g in grads]) for k in grads[0]}
+
+
 @contextlib.contextmanager
 def rnn_state_batched(module: nn.Module):
     """The recurrent layers at or below ``module`` can run under vmap (:func:`_batched_state`) in the body."""
@@ -783,6 +796,9 @@ def func_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targ
         return loss
 
     with torch.enable_grad(), rnn_state_batched(model):
+        if loops_over_samples(model, (inputs,)):
+            return _stack_samples(torch.func.grad(loss_one),
+                                  ((detached, inputs[i], targets[i]) for i in range(inputs.shape[0])))
         return torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(detached, inputs, targets)
 
 
@@ -814,8 +830,17 @@ def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
 
     context = torch.autocast(run.autocast[0], dtype=run.autocast[1]) if run.autocast else contextlib.nullcontext()
     in_dims = (None, [d for d in dims if d is not None], out_dims, None if anchor is None else 0)
+    gs = list(entry.grads)
     with torch.enable_grad(), context, rnn_state_batched(module):
-        grads = torch.func.vmap(torch.func.grad(one), in_dims=in_dims)(params, xs, list(entry.grads), anchor)
+        if loops_over_samples(module, xs + gs):
+            batch = (xs[0].shape[in_dims[1][0]] if xs else
+                     next((g.shape[d] for g, d in zip(gs, out_dims) if d is not None), 1))
+            grads = _stack_samples(torch.func.grad(one), (
+                (params, [x.select(d, i) for x, d in zip(xs, in_dims[1])],
+                 [g if d is None else g.select(d, i) for g, d in zip(gs, out_dims)],
+                 None if anchor is None else anchor[i]) for i in range(batch)))
+        else:
+            grads = torch.func.vmap(torch.func.grad(one), in_dims=in_dims)(params, xs, gs, anchor)
     return {q: grads[rel] for rel, q in names}
 
 
