@@ -1,11 +1,14 @@
 """Shared test helpers: the dtype x device grid, fresh random data, tolerances.
 
-Every op test compares the op against its pure-PyTorch twin (``torchkern.ref``):
+Every op test compares the op against its pure-PyTorch twin (``torchkern.<family>.twins``):
 on CPU the op *is* the twin's registration, so the CPU run checks the wiring,
 fake kernels and autograd; on CUDA it checks the kernel.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import pathlib
 
 import pytest
 import torch
@@ -16,6 +19,16 @@ HAS_TWO_GPUS = HAS_CUDA and torch.cuda.device_count() >= 2
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 requires_two_gpus = pytest.mark.skipif(not HAS_TWO_GPUS, reason="needs two CUDA devices")
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str):
+    """A script of the repository (``benchmarks/``, ``examples/``) as a module, for tests that call its functions."""
+    path = REPO / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def devices(second_gpu: bool = True) -> list:

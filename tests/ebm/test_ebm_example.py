@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import pathlib
 
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "ebm_two_moons.py"
+from testing import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("ebm_two_moons", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/ebm_two_moons.py")
 
 
 def test_example_two_moons_small_on_cpu(tmp_path, capsys):

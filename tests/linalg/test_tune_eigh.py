@@ -3,21 +3,16 @@ of its quick grid on the CPU (the GPU sweep itself is the coordinator's)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tune_eigh.py"
+from testing import load_script
 
 
 @pytest.fixture(scope="module")
 def tune():
-    spec = importlib.util.spec_from_file_location("tune_eigh", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/tune_eigh.py")
 
 
 def row(dtype, n, batch, torch_ms, **torchkern_ms):

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "dp_sgd.py"
+from testing import load_script
 
 
 @pytest.mark.slow  # 24 s of CPU here (imports of torch, torch._dynamo and Opacus included)
 def test_example_dp_sgd_small_on_cpu(capsys):
     pytest.importorskip("opacus")  # the dp extra: the accountant
-    spec = importlib.util.spec_from_file_location("dp_sgd", EXAMPLE)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_script("examples/dp_sgd.py")
     stats = example.main(["--small", "--device", "cpu", "--target-epsilon", "3"])
     printed = capsys.readouterr().out
     for epoch in (1, 2, 3):
