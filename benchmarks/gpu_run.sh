@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_run.sh                       # every stage, every family
 #   STAGES="build tests" TEST_ARGS="tests/linalg -k eigh" bash benchmarks/gpu_run.sh
 #   STAGES="tests" TEST_ARGS="tests/linalg tests/optim" TEST_K="eigh or kfac" bash benchmarks/gpu_run.sh
+#   STAGES="tests" TEST_ARGS="tests/ebm tests/per_sample" TEST_WORKERS=8 TEST_SECONDS=560 bash benchmarks/gpu_run.sh
 # (TEST_ARGS is split at spaces; a -k expression with spaces goes in TEST_K.)
 #   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_run.sh
 #   python benchmarks/results_table.py gpu-out/bench.json --update benchmarks/RESULTS.md   # afterwards, here
@@ -23,6 +24,7 @@ STAGES=${STAGES:-env build import tests bench quality readme}
 TEST_ARGS=${TEST_ARGS:-tests}
 TEST_K=${TEST_K:-}
 TEST_SECONDS=${TEST_SECONDS:-420}
+TEST_WORKERS=${TEST_WORKERS:-1}
 IMPORT_ARGS=${IMPORT_ARGS:-}  # import_time.py's rows and --warm (default: every row, each a cold build of its own)
 IMPORT_SECONDS=${IMPORT_SECONDS:-420}
 BENCH_FAMILIES=${BENCH_FAMILIES:-}
@@ -66,9 +68,14 @@ fi
 if has tests; then
   echo "== tests: $TEST_ARGS${TEST_K:+ -k \"$TEST_K\"}"
   # shellcheck disable=SC2086
-  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} -q -p no:cacheprovider \
-    -rfE --maxfail=30 2>&1 \
-    | grep -v "^SKIPPED"
+  # one line per test as it ends, in $OUT/tests.log: a run cut by its limit still names what failed so far
+  # (TEST_WORKERS > 1 needs pytest-xdist; files stay whole on one worker)
+  workers=()
+  [[ "${TEST_WORKERS:-1}" -gt 1 ]] && workers=(-n "$TEST_WORKERS" --dist loadfile)
+  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} "${workers[@]}" -v -p no:cacheprovider \
+    -p no:benchmark -rfE --maxfail=30 > "$OUT/tests.log" 2>&1
+  grep -E "FAILED|ERROR" "$OUT/tests.log" | head -60
+  tail -1 "$OUT/tests.log"
 fi
 
 if has bench; then
