@@ -315,7 +315,7 @@ def test_recurrent_layers_on_every_path(kind, batch_first, layers, bidirectional
     the batch in dim 1, which the torch.func unit maps over). ``one_by_one``: the per-sample loop that recurrent
     layers take on CUDA (cuDNN and the fused cells have no batching rule), forced on any device."""
     if one_by_one:
-        monkeypatch.setattr(engine, "loops_over_samples", lambda module, tensors: True)
+        monkeypatch.setattr(engine, "loops_over_samples", lambda recurrent, tensors: True)
     elif device != "cpu":
         pytest.skip("recurrent layers on CUDA always run one sample at a time")
     torch.manual_seed(0)

@@ -758,11 +758,10 @@ def _batched_state(module: nn.Module, args: tuple, kwargs: dict):
 _RNNS = (nn.RNN, nn.GRU, nn.LSTM)
 
 
-def loops_over_samples(module: nn.Module, tensors) -> bool:
-    """Whether the torch.func unit ``module`` runs one sample at a time instead of under vmap: its recurrent layers
-    on CUDA, whose cuDNN and fused-cell kernels have no batching rule."""
-    return any(type(m) in _RNNS for m in module.modules()) and any(
-        isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
+def loops_over_samples(recurrent: list[nn.Module], tensors) -> bool:
+    """Whether a torch.func unit with the ``recurrent`` layers (:func:`rnn_state_batched`'s) runs one sample at a time
+    instead of under vmap: recurrent layers on CUDA, whose cuDNN and fused-cell kernels have no batching rule."""
+    return bool(recurrent) and any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
 
 
 def _stack_samples(grad_fn: Callable, samples) -> dict[str, torch.Tensor]:
@@ -773,11 +772,12 @@ def _stack_samples(grad_fn: Callable, samples) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def rnn_state_batched(module: nn.Module):
-    """The recurrent layers at or below ``module`` can run under vmap (:func:`_batched_state`) in the body."""
-    handles = [m.register_forward_pre_hook(_batched_state, with_kwargs=True)
-               for m in module.modules() if type(m) in _RNNS]
+    """The recurrent layers at or below ``module`` can run under vmap (:func:`_batched_state`) in the body; yields
+    those layers."""
+    recurrent = [m for m in module.modules() if type(m) in _RNNS]
+    handles = [m.register_forward_pre_hook(_batched_state, with_kwargs=True) for m in recurrent]
     try:
-        yield
+        yield recurrent
     finally:
         for h in handles:
             h.remove()
@@ -795,8 +795,8 @@ def func_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targ
         check_loss(loss_fn, loss_reduction, loss)
         return loss
 
-    with torch.enable_grad(), rnn_state_batched(model):
-        if loops_over_samples(model, (inputs,)):
+    with torch.enable_grad(), rnn_state_batched(model) as recurrent:
+        if loops_over_samples(recurrent, (inputs,)):
             return _stack_samples(torch.func.grad(loss_one),
                                   ((detached, inputs[i], targets[i]) for i in range(inputs.shape[0])))
         return torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(detached, inputs, targets)
@@ -831,8 +831,8 @@ def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
     context = torch.autocast(run.autocast[0], dtype=run.autocast[1]) if run.autocast else contextlib.nullcontext()
     in_dims = (None, [d for d in dims if d is not None], out_dims, None if anchor is None else 0)
     gs = list(entry.grads)
-    with torch.enable_grad(), context, rnn_state_batched(module):
-        if loops_over_samples(module, xs + gs):
+    with torch.enable_grad(), context, rnn_state_batched(module) as recurrent:
+        if loops_over_samples(recurrent, xs + gs):
             batch = (xs[0].shape[in_dims[1][0]] if xs else
                      next((g.shape[d] for g, d in zip(gs, out_dims) if d is not None), 1))
             grads = _stack_samples(torch.func.grad(one), (
