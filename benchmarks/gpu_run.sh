@@ -71,7 +71,7 @@ if has tests; then
   # one line per test as it ends, in $OUT/tests.log: a run cut by its limit still names what failed so far
   # (TEST_WORKERS > 1 needs pytest-xdist; files stay whole on one worker)
   workers=()
-  [[ "${TEST_WORKERS:-1}" -gt 1 ]] && workers=(-n "$TEST_WORKERS" --dist loadfile)
+  [[ "$TEST_WORKERS" -gt 1 ]] && workers=(-n "$TEST_WORKERS" --dist loadfile)
   timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} "${workers[@]}" -v -p no:cacheprovider \
     -p no:benchmark -rfE --maxfail=30 > "$OUT/tests.log" 2>&1
   grep -E "FAILED|ERROR" "$OUT/tests.log" | head -60
