@@ -390,7 +390,7 @@ class Refresh:
             if mine:
                 send[:sizes[dist.rank]].copy_(torch.cat(mine))
             received = torch.empty(dist.world * width, dtype=wire, device=device)
-            torch.distributed.all_gather_single(received, send, group=dist._group)
+            torch.distributed.all_gather_into_tensor(received, send, group=dist._group)
             offsets = [r * width for r in range(dist.world)]
             dsts, srcs = [], []
             for owner, (container, key, shape, replace), t in items:
