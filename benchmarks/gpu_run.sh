@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_run.sh                       # every stage, every family
 #   STAGES="build tests" TEST_ARGS="tests/linalg -k eigh" bash benchmarks/gpu_run.sh
 #   STAGES="tests" TEST_ARGS="tests/linalg tests/optim" TEST_K="eigh or kfac" bash benchmarks/gpu_run.sh
-#   STAGES="tests" TEST_ARGS="tests/ebm tests/per_sample" TEST_WORKERS=8 TEST_SECONDS=560 bash benchmarks/gpu_run.sh
+#   STAGES="build tests" TEST_WORKERS=14 bash benchmarks/gpu_run.sh   # the whole suite on 14 pytest-xdist workers
 # (TEST_ARGS is split at spaces; a -k expression with spaces goes in TEST_K.)
 #   STAGES="bench" BENCH_FAMILIES="linalg optim" bash benchmarks/gpu_run.sh
 #   python benchmarks/results_table.py gpu-out/bench.json --update benchmarks/RESULTS.md   # afterwards, here
@@ -68,12 +68,14 @@ fi
 if has tests; then
   echo "== tests: $TEST_ARGS${TEST_K:+ -k \"$TEST_K\"}"
   # shellcheck disable=SC2086
-  # one line per test as it ends, in $OUT/tests.log: a run cut by its limit still names what failed so far
-  # (TEST_WORKERS > 1 needs pytest-xdist; files stay whole on one worker)
-  workers=()
-  [[ "$TEST_WORKERS" -gt 1 ]] && workers=(-n "$TEST_WORKERS" --dist loadfile)
-  timeout "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} "${workers[@]}" -v -p no:cacheprovider \
-    -p no:benchmark -rfE --maxfail=30 > "$OUT/tests.log" 2>&1
+  # one line per test as it ends, in $OUT/tests.log: a run cut by its limit still names what failed so far, and the
+  # limit interrupts pytest (SIGINT) so that it still prints the failures' tracebacks and the summary line.
+  # TEST_WORKERS > 1 (pytest-xdist): tests go to whichever worker is free, each worker on one CPU thread (workers
+  # that each start a thread per core slow the suite down several times over).
+  workers=(); threads=()
+  [[ "$TEST_WORKERS" -gt 1 ]] && workers=(-n "$TEST_WORKERS" --dist worksteal) && threads=(OMP_NUM_THREADS=1)
+  env "${threads[@]}" timeout -s INT "$TEST_SECONDS" python -m pytest $TEST_ARGS ${TEST_K:+-k "$TEST_K"} \
+    "${workers[@]}" -v -p no:cacheprovider -p no:benchmark -rfE --tb=short --maxfail=30 > "$OUT/tests.log" 2>&1
   grep -E "FAILED|ERROR" "$OUT/tests.log" | head -60
   tail -1 "$OUT/tests.log"
 fi
