@@ -282,7 +282,8 @@ def test_conv_unfold_is_f_unfold(device):
 
 class _Recurrent(nn.Module):
     """An nn.RNN / nn.GRU / nn.LSTM on (B, T, 4) inputs (transposed for batch_first=False), the mean of its outputs
-    and its final states into a Linear head; ``state``: an initial state shared by the samples (unbatched)."""
+    and its final states into a Linear head; ``state``: an initial state of the same values for every sample (made
+    contiguous: cuDNN takes no other)."""
 
     def __init__(self, kind, batch_first, layers, bidirectional, state):
         super().__init__()
@@ -294,12 +295,22 @@ class _Recurrent(nn.Module):
         seq = x if self.rnn.batch_first else x.transpose(0, 1)
         args = (seq,)
         if self.state:
-            h0 = torch.linspace(-1, 1, 5, dtype=x.dtype, device=x.device).expand(self.rnn.num_layers * self.dirs,
-                                                                                  x.shape[0], 5)
+            h0 = torch.linspace(-1, 1, 5, dtype=x.dtype, device=x.device).repeat(self.rnn.num_layers * self.dirs,
+                                                                                  x.shape[0], 1)
             args += ((h0, h0) if isinstance(self.rnn, nn.LSTM) else h0,)
         out, h = self.rnn(*args)
         h = h[0] if isinstance(h, tuple) else h
         return self.head(torch.cat([out.mean(1 if self.rnn.batch_first else 0), h.sum(0)], -1))
+
+
+def _cudnn_preconditions(module, args):
+    """Forward pre-hook: what cuDNN's RNN needs of a call, checked on every device: weights and arguments with
+    storage of their own (not torch.func's wrappers), a contiguous initial state."""
+    states = args[1] if len(args) > 1 else ()
+    states = states if isinstance(states, tuple) else (states,)
+    for t in (*module.parameters(), args[0], *states):
+        t.data_ptr()  # raises for a tensor without storage
+    assert all(t.is_contiguous() for t in states), [t.stride() for t in states]
 
 
 @pytest.mark.parametrize("kind,batch_first,layers,bidirectional,state,batch", [
@@ -313,13 +324,15 @@ def test_recurrent_layers_on_every_path(kind, batch_first, layers, bidirectional
     """nn.GRU and nn.RNN (whose fused kernels' decomposition vmap refused: every path failed) and nn.LSTM: per-sample
     gradients, norms and the clipped sum on every path against one backward per sample (their final states carry
     the batch in dim 1, which the torch.func unit maps over). ``one_by_one``: the per-sample loop that recurrent
-    layers take on CUDA (cuDNN and the fused cells have no batching rule), forced on any device."""
-    if one_by_one:
-        monkeypatch.setattr(engine, "loops_over_samples", lambda recurrent, tensors: True)
-    elif device != "cpu":
+    layers take on CUDA (cuDNN and the fused cells have no batching rule), forced on any device, with cuDNN's
+    preconditions checked in every call of the layer."""
+    if not one_by_one and device != "cpu":
         pytest.skip("recurrent layers on CUDA always run one sample at a time")
     torch.manual_seed(0)
     model = _Recurrent(kind, batch_first, layers, bidirectional, state).double().to(device)
+    if one_by_one:
+        monkeypatch.setattr(engine, "loops_over_samples", lambda recurrent, tensors: True)
+        model.rnn.register_forward_pre_hook(_cudnn_preconditions)
     x, y = (randn(batch, 6, 4, dtype=torch.float64, device=device), randn(batch, 3, dtype=torch.float64, device=device))
     params = dict(model.named_parameters())
     loop = [torch.autograd.grad(mse_sum(model(x[i:i + 1]), y[i:i + 1]), list(params.values())) for i in range(batch)]

@@ -5,7 +5,8 @@ trainable parameters, one backward to those modules' outputs (never to the param
 Units. Every module holding a trainable parameter directly is a unit: a layer with a rule (``layers.RULES``, exact
 type) or, for any other module, a torch.func unit, whose per-sample gradients come from
 ``torch.func.functional_call`` on that module alone with its recorded arguments, vmapped over the batch
-(``vmap(grad(<module(x_i), g_i>))``): never the whole model. A unit that did not run (``nn.MultiheadAttention``'s
+(``vmap(grad(<module(x_i), g_i>))``; a unit holding a recurrent layer on CUDA: plain autograd one sample at a time,
+``loops_over_samples``): never the whole model. A unit that did not run (``nn.MultiheadAttention``'s
 ``out_proj``, whose weight its parent reads directly) is folded into the nearest enclosing torch.func unit that
 ran.
 
@@ -758,54 +759,80 @@ def _batched_state(module: nn.Module, args: tuple, kwargs: dict):
 _RNNS = (nn.RNN, nn.GRU, nn.LSTM)
 
 
+def recurrent_layers(module: nn.Module) -> list[nn.Module]:
+    """The nn.RNN, nn.GRU and nn.LSTM layers at or below ``module``."""
+    return [m for m in module.modules() if type(m) in _RNNS]
+
+
 def loops_over_samples(recurrent: list[nn.Module], tensors) -> bool:
-    """Whether a torch.func unit with the ``recurrent`` layers (:func:`rnn_state_batched`'s) runs one sample at a time
-    instead of under vmap: recurrent layers on CUDA, whose cuDNN and fused-cell kernels have no batching rule."""
+    """Whether a torch.func unit with the ``recurrent`` layers (:func:`recurrent_layers`) takes its gradients one
+    sample at a time by plain autograd instead of vmap(grad): recurrent layers on CUDA, whose cuDNN and fused-cell
+    kernels have no batching rule and read the storage of their tensors, which torch.func's wrappers have not."""
     return bool(recurrent) and any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors)
 
 
-def _stack_samples(grad_fn: Callable, samples) -> dict[str, torch.Tensor]:
-    """``grad_fn`` on each sample's arguments, its gradients stacked along a new dim 0 (vmap's result, one by one)."""
-    grads = [grad_fn(*args) for args in samples]
-    return {k: torch.stack([g[k] for g in grads]) for k in grads[0]}
-
-
 @contextlib.contextmanager
-def rnn_state_batched(module: nn.Module):
-    """The recurrent layers at or below ``module`` can run under vmap (:func:`_batched_state`) in the body; yields
-    those layers."""
-    recurrent = [m for m in module.modules() if type(m) in _RNNS]
+def _state_batched(recurrent: list[nn.Module]):
+    """The ``recurrent`` layers can run under vmap (:func:`_batched_state`) in the body."""
     handles = [m.register_forward_pre_hook(_batched_state, with_kwargs=True) for m in recurrent]
     try:
-        yield recurrent
+        yield
     finally:
         for h in handles:
             h.remove()
 
 
+def _aliases(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fresh leaves with the parameters' values, differentiated in their place: no hook or ``.grad`` of a parameter
+    sees the per-sample gradients."""
+    return {k: v.detach().requires_grad_() for k, v in params.items()}
+
+
+def _looped(sample_total: Callable[[int], torch.Tensor], leaves: list[torch.Tensor], batch: int) -> list[torch.Tensor]:
+    """Per-sample gradients by plain autograd, one sample at a time: ``sample_total(i)`` is sample i's scalar,
+    differentiated for ``leaves`` (zeros for a leaf it does not reach); each leaf's gradients stacked along a new
+    dim 0, as vmap would."""
+    per_sample = []
+    for i in range(batch):
+        total = sample_total(i)
+        grads = torch.autograd.grad(total, leaves, allow_unused=True) if total.requires_grad else [None] * len(leaves)
+        per_sample.append([torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)])
+    return [torch.stack(gs) for gs in zip(*per_sample)]
+
+
 def func_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torch.Tensor,
                    params: dict[str, nn.Parameter], loss_reduction: str | None) -> dict[str, torch.Tensor]:
-    """Per-sample gradients of the whole model through torch.func (the fallback)."""
-    detached = {k: v.detach() for k, v in params.items()}
+    """Per-sample gradients of the whole model through torch.func (the fallback), or one sample at a time by plain
+    autograd where :func:`loops_over_samples`."""
     buffers = dict(model.named_buffers())
-
-    def loss_one(prm, x, y):
-        out = torch.func.functional_call(model, (prm, buffers), (x.unsqueeze(0),))
-        loss = loss_fn(out, y.unsqueeze(0))
-        check_loss(loss_fn, loss_reduction, loss)
-        return loss
-
-    with torch.enable_grad(), rnn_state_batched(model) as recurrent:
+    recurrent = recurrent_layers(model)
+    with torch.enable_grad():
         if loops_over_samples(recurrent, (inputs,)):
-            return _stack_samples(torch.func.grad(loss_one),
-                                  ((detached, inputs[i], targets[i]) for i in range(inputs.shape[0])))
-        return torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(detached, inputs, targets)
+            aliases = _aliases(params)
+
+            def sample_loss(i):
+                out = torch.func.functional_call(model, (aliases, buffers), (inputs[i:i + 1],))
+                loss = loss_fn(out, targets[i:i + 1])
+                check_loss(loss_fn, loss_reduction, loss)
+                return loss
+
+            return dict(zip(aliases, _looped(sample_loss, list(aliases.values()), inputs.shape[0])))
+
+        def loss_one(prm, x, y):
+            out = torch.func.functional_call(model, (prm, buffers), (x.unsqueeze(0),))
+            loss = loss_fn(out, y.unsqueeze(0))
+            check_loss(loss_fn, loss_reduction, loss)
+            return loss
+
+        detached = {k: v.detach() for k, v in params.items()}
+        with _state_batched(recurrent):
+            return torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(detached, inputs, targets)
 
 
 def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
     """Per-sample gradients of a torch.func unit's parameters: functional_call on that module alone, with its
     recorded arguments (those with a batch dim batched along it, the rest shared), vmapped over the batch,
-    differentiating <module(x_i), g_i>."""
+    differentiating <module(x_i), g_i> (one sample at a time where :func:`loops_over_samples`)."""
     unit, call = entry.unit, entry.call
     module = unit.module
     names = list(unit.names.items()) + list(entry.extra)
@@ -817,30 +844,40 @@ def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
     shared = [None if d is not None else (t.detach() if isinstance(t, torch.Tensor) else t)
               for t, d in zip(leaves, dims)]
     picks = [i for i, *_ in call.outs]
+    gs = list(entry.grads)
+    context = torch.autocast(run.autocast[0], dtype=run.autocast[1]) if run.autocast else contextlib.nullcontext()
+    recurrent = recurrent_layers(module)
+
+    def total(prm, full, gs_i):
+        args, kwargs = tree_unflatten(full, spec)
+        out = torch.func.functional_call(module, prm, tuple(args), kwargs)
+        outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        return sum((outs[i] * g).sum() for i, g in zip(picks, gs_i))
+
+    if loops_over_samples(recurrent, xs + gs):
+        aliases = _aliases(params)
+
+        def sample_total(i):
+            it = iter(xs)
+            # contiguous: cuDNN's RNN takes no other initial state, and a sample of a (layers, B, hidden) one is not
+            full = [next(it).narrow(d, i, 1).contiguous() if d is not None else s for d, s in zip(dims, shared)]
+            return total(aliases, full, [g if d is None else g.narrow(d, i, 1) for g, d in zip(gs, out_dims)])
+
+        with torch.enable_grad(), context:
+            grads = dict(zip(aliases, _looped(sample_total, list(aliases.values()), run.batch)))
+        return {q: grads[rel] for rel, q in names}
+
     # B = 1 with no dim of size 1 anywhere: nothing to map over but this (every tensor is the one sample's)
     anchor = None if xs or any(d is not None for d in out_dims) else torch.empty(1, 0)
 
     def one(prm, xs_i, gs_i, _):
         it = iter(xs_i)
         full = [next(it).unsqueeze(d) if d is not None else s for d, s in zip(dims, shared)]
-        args, kwargs = tree_unflatten(full, spec)
-        out = torch.func.functional_call(module, prm, tuple(args), kwargs)
-        outs = [out] if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-        return sum((outs[i] * (g if d is None else g.unsqueeze(d))).sum() for i, g, d in zip(picks, gs_i, out_dims))
+        return total(prm, full, [g if d is None else g.unsqueeze(d) for g, d in zip(gs_i, out_dims)])
 
-    context = torch.autocast(run.autocast[0], dtype=run.autocast[1]) if run.autocast else contextlib.nullcontext()
     in_dims = (None, [d for d in dims if d is not None], out_dims, None if anchor is None else 0)
-    gs = list(entry.grads)
-    with torch.enable_grad(), context, rnn_state_batched(module) as recurrent:
-        if loops_over_samples(recurrent, xs + gs):
-            batch = (xs[0].shape[in_dims[1][0]] if xs else
-                     next((g.shape[d] for g, d in zip(gs, out_dims) if d is not None), 1))
-            grads = _stack_samples(torch.func.grad(one), (
-                (params, [x.select(d, i) for x, d in zip(xs, in_dims[1])],
-                 [g if d is None else g.select(d, i) for g, d in zip(gs, out_dims)],
-                 None if anchor is None else anchor[i]) for i in range(batch)))
-        else:
-            grads = torch.func.vmap(torch.func.grad(one), in_dims=in_dims)(params, xs, gs, anchor)
+    with torch.enable_grad(), context, _state_batched(recurrent):
+        grads = torch.func.vmap(torch.func.grad(one), in_dims=in_dims)(params, xs, gs, anchor)
     return {q: grads[rel] for rel, q in names}
 
 
