@@ -393,6 +393,20 @@ def per_sample_losses(loss_fn: LossFn, outputs: torch.Tensor, targets: torch.Ten
     return torch.func.vmap(lambda o, t: loss_fn(o.unsqueeze(0), t.unsqueeze(0)))(outputs, targets)
 
 
+# Entries kept by the caches keyed by batch size (the confirmed probes, the "mean" loss's backward seeds): the
+# sizes Poisson sampling draws over a run (tens to a few hundred around the expected size) all stay, so no size is
+# probed or filled twice; the oldest entry goes first beyond it (a caller cycling through ever new sizes).
+SIZES_KEPT = 1024
+
+
+def _keep(cache: dict, key: object, value: object) -> object:
+    """``cache[key] = value``, the oldest entry dropped first where the cache holds :data:`SIZES_KEPT`."""
+    if len(cache) >= SIZES_KEPT:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
+
+
 _SEEDS: dict[tuple, torch.Tensor] = {}
 
 
@@ -408,9 +422,7 @@ def _seed(total: torch.Tensor, scale: int) -> torch.Tensor:
     key = (total.device, total.dtype, scale, stream)
     seed = _SEEDS.get(key)
     if seed is None:
-        if len(_SEEDS) >= 64:  # bounded: a caller cycling through fresh streams or batch sizes
-            _SEEDS.clear()
-        seed = _SEEDS[key] = torch.full((), scale, dtype=total.dtype, device=total.device)
+        seed = _keep(_SEEDS, key, torch.full((), scale, dtype=total.dtype, device=total.device))
     return seed
 
 
@@ -485,10 +497,8 @@ def _batch_dims(p: Plan, model: nn.Module, inputs: torch.Tensor, counts: tuple, 
     if isinstance(dims, str):  # no forward on one sample to compare with: the sizes' reading, as for B = 1
         return None
     if agreed is None:
-        if len(p.confirmed) >= 16:  # bounded: a caller cycling through shapes
-            p.confirmed.clear()
-        p.confirmed[key] = all(_reading(calls[i][0], batch, None) == _reading(calls[i][0], batch, dims[i][0])
-                               for i, _ in active)
+        _keep(p.confirmed, key, all(_reading(calls[i][0], batch, None) == _reading(calls[i][0], batch, dims[i][0])
+                                    for i, _ in active))
     return dims
 
 

@@ -1,0 +1,68 @@
+"""What the per-call work keeps across calls, and what makes it start over: the batch-dim probe's confirmations per
+batch size (every size of a Poisson-sampled run kept, the oldest dropped past the bound), the "mean" loss's
+backward seeds per size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchkern.per_sample import clip_and_accumulate, engine
+from testing import randn
+from per_sample_testing import explicit_clip, forward_counter, func_reference, mlp, mse_sum
+
+
+def _sizes_problem():
+    model = mlp().double()
+    x, y = randn(40, 10, dtype=torch.float64), randn(40, 3, dtype=torch.float64)
+    return model, x, y
+
+
+def test_every_poisson_size_probes_once():
+    """A cycle through 23 batch sizes (as Poisson sampling draws), twice: each size's first call probes (two
+    forwards), every later call of it runs one forward; the clipped gradients stay right throughout. (10, the
+    inputs' width, is left out: a batch of 10 probes in every call.)"""
+    model, x, y = _sizes_problem()
+    forwards = forward_counter(model)
+    sizes = [b for b in range(2, 26) if b != 10]
+    for cycle in range(2):
+        for b in sizes:
+            forwards.clear()
+            clip_and_accumulate(model, mse_sum, x[:b], y[:b], 0.5, batch_size=12.0)
+            assert len(forwards) == (2 if cycle == 0 else 1), (cycle, b)
+    grads, norms = func_reference(model, x[:25], y[:25])
+    expected = explicit_clip(grads, norms, 0.5, 12.0)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k])
+
+
+def test_confirmations_drop_the_oldest_size_past_the_bound(monkeypatch):
+    """With room for 3 sizes, a 4th drops the first, whose next call probes again; the others stay."""
+    monkeypatch.setattr(engine, "SIZES_KEPT", 3)
+    model, x, y = _sizes_problem()
+    forwards = forward_counter(model)
+
+    def forwards_of(b):
+        forwards.clear()
+        clip_and_accumulate(model, mse_sum, x[:b], y[:b], 0.5)
+        return len(forwards)
+
+    assert [forwards_of(b) for b in (2, 3, 4, 5)] == [2, 2, 2, 2]
+    assert [forwards_of(b) for b in (3, 4, 5)] == [1, 1, 1]
+    assert forwards_of(2) == 2  # dropped for 5
+
+
+@pytest.mark.parametrize("batch", [3, 7])
+def test_mean_seeds_are_kept_per_size(batch):
+    """A "mean" loss's backward seed is B: one seed per (device, dtype, size), reused by the next call of that
+    size and never by another size (whose gradient it would scale wrongly)."""
+    model, x, y = _sizes_problem()
+    engine._SEEDS.clear()
+    for b in (batch, batch + 1, batch):
+        clip_and_accumulate(model, F.mse_loss, x[:b], y[:b], 0.5, loss_reduction="mean")
+        grads, norms = func_reference(model, x[:b], y[:b], lambda o, t: F.mse_loss(o, t, reduction="sum"))
+        expected = explicit_clip(grads, norms, 0.5, b)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[k])
+    assert sorted(seed.item() for seed in engine._SEEDS.values()) == [batch, batch + 1]
