@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from .._library import define, save_inputs
+from .. import _library
+from .._library import save_inputs
 from . import twins
+
+
+def define(schema: str, **wiring) -> None:
+    """``_library.define`` of the op and of its differentiable variant ``_<name>_differentiable`` (same schema,
+    kernels, fake and formula). The compiled library's Autograd kernel for the op (csrc/primitives/ops.cpp) runs
+    a call that records no graph in C++ and hands one that does to the variant, whose autograd is the formula
+    here; without that library the op carries the formula itself."""
+    _library.define(schema, **wiring)
+    _library.define(f"_{schema.replace('(', '_differentiable(', 1)}", **wiring)
 
 
 def _add_constant_fake(x, c):
