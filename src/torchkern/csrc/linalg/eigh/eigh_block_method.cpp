@@ -5,7 +5,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/ones.h>
-#include <ATen/ops/sort.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -205,17 +204,12 @@ Result solve_block_method(const at::Tensor& X, const at::Tensor& Q, double tol) 
   }
   // The result, in buffers 0: the eigenvalues on A's diagonal, the padding's coordinates (which never rotate: their
   // rows and columns are zero) last.
-  const auto [sorted, order] = at::sort(A.diagonal(0, 1, 2).narrow(1, 0, n), 1);
-  auto [w, V] = finish(X, scaled, W, /*rows=*/true, sorted, order);
+  auto [w, V] = finish_sorted(X, scaled, W, A.diagonal(0, 1, 2).narrow(1, 0, n));
   // The basis went through hundreds of rounds of products, each adding rounding to V^T V - I (measured: 1e-12 at
-  // n = 256, the float64 bar's edge). For float64 results one correction V <- V (3 I - V^T V) / 2 squares that
-  // error (two products, a few percent of one sweep) and moves V by O(error), leaving the residual as it was (a
-  // flagged matrix's NaN stays NaN); rounding to float32 adds far more (about 1e-7) than it removes.
-  if (X.scalar_type() == at::kDouble) {
-    const at::Tensor gram = at::bmm(V.transpose(1, 2), V);
-    gram.diagonal(0, 1, 2).sub_(3.0);
-    V = at::bmm(V, gram).mul_(-0.5);
-  }
+  // n = 256, the float64 bar's edge). For float64 results one orthogonality_step squares that error (two products, a
+  // few percent of one sweep), leaving the residual as it was (a flagged matrix's NaN stays NaN); rounding to float32
+  // adds far more (about 1e-7) than it removes.
+  if (X.scalar_type() == at::kDouble) V = orthogonality_step(V);
   return {w, V};
 }
 

@@ -2,7 +2,9 @@
 // through launchers.h.
 #include "eigh_prep.h"
 
+#include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/sort.h>
 #include <c10/cuda/CUDAException.h>
 
 #include "launchers.h"
@@ -86,6 +88,18 @@ Result finish(const at::Tensor& X, const Scaled& scaled, const at::Tensor& vecto
   p.N = static_cast<int>(vectors.size(1));
   C10_CUDA_CHECK(finish_launch(p, current_stream()));
   return {w, V};
+}
+
+at::Tensor orthogonality_step(const at::Tensor& V) {
+  const at::Tensor gram = at::bmm(V.transpose(1, 2), V);
+  gram.diagonal(0, 1, 2).sub_(3.0);
+  return at::bmm(V, gram).mul_(-0.5);
+}
+
+Result finish_sorted(const at::Tensor& X, const Scaled& scaled, const at::Tensor& vectors, const at::Tensor& values,
+                     const at::Tensor& failed) {
+  const auto [sorted, order] = at::sort(values, /*dim=*/1);
+  return finish(X, scaled, vectors, /*rows=*/true, sorted, order, failed);
 }
 
 }  // namespace eigh

@@ -38,5 +38,16 @@ Result finish(const at::Tensor& X, const Scaled& scaled, const at::Tensor& vecto
               const at::Tensor& values, const at::Tensor& order = at::Tensor(),
               const at::Tensor& failed = at::Tensor());
 
+// finish for a solver whose eigenvalues come in any order (values [B, n], float64 or float32), with the eigenvectors
+// as the rows of `vectors`: sorts them (cuSOLVER's routines can leave the copies of a repeated eigenvalue out of order
+// by an ulp) and gathers each eigenvector with its eigenvalue.
+Result finish_sorted(const at::Tensor& X, const Scaled& scaled, const at::Tensor& vectors, const at::Tensor& values,
+                     const at::Tensor& failed = at::Tensor());
+
+// One Newton-Schulz step towards the nearest orthogonal matrix, V (3 I - V^T V) / 2 for V [B, m, n] (float64 products:
+// float32 ones would follow torch's TF32 flag): it squares the error E = V^T V - I (to about 3/4 E^2) and moves V by
+// O(||E||), each column only towards the columns that E couples it with.
+at::Tensor orthogonality_step(const at::Tensor& V);
+
 }  // namespace eigh
 }  // namespace torchkern

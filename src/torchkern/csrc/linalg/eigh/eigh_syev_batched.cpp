@@ -16,7 +16,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/eye.h>
 #include <ATen/ops/linalg_eigh.h>
-#include <ATen/ops/sort.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <dlfcn.h>
 
@@ -142,14 +141,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> syev_batched(at::Tensor X) {
 
 bool syev_batched_available() { return api().solve != nullptr; }
 
-// The routine can leave the copies of a repeated eigenvalue out of order by an ulp (seen on an H200, cuSOLVER 12.0
-// of CUDA 13.0), so the eigenvalues are sorted after it; a matrix it reports as not converged comes back NaN (never
-// the case for the scaled, symmetrized matrices passed here; the public eigh names it if it ever happens).
+// The eigenvalues as the routine leaves them, sorted (finish_sorted); a matrix it reports as not converged comes back
+// NaN (never the case for the scaled, symmetrized matrices passed here; the public eigh names it if it ever happens).
 Result solve_syev_batched(const at::Tensor& X, const at::Tensor& Q) {
   const Scaled scaled = prep_direct(X, Q, X.scalar_type() == at::kDouble ? at::kDouble : at::kFloat, X.size(1));
   const auto [w_raw, V_rows, info] = syev_batched(scaled.S);
-  const auto [sorted, order] = at::sort(w_raw, /*dim=*/1);
-  return finish(X, scaled, V_rows, /*rows=*/true, sorted, order, info);
+  return finish_sorted(X, scaled, V_rows, w_raw, info);
 }
 
 }  // namespace eigh

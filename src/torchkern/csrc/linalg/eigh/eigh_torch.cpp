@@ -14,9 +14,9 @@ namespace eigh {
 Result solve_torch(const at::Tensor& X, const at::Tensor& Q) {
   const Scaled scaled = prep_direct(X, Q, X.scalar_type() == at::kDouble ? at::kDouble : at::kFloat, X.size(1));
   const auto [values, vectors] = at::linalg_eigh(scaled.S);
-  // torch returns the eigenvectors column-major (LAPACK's layout): then their transposes are rows, stored contiguously
-  const bool rows = vectors.mT().is_contiguous();
-  return finish(X, scaled, rows ? vectors.mT() : vectors.contiguous(), rows, values.contiguous());
+  // torch returns the eigenvectors column-major (LAPACK's layout): their transposes are then rows, stored
+  // contiguously (contiguous() copies nothing). Sorted, as cuSOLVER's eigenvalues need (eigh_prep.h, finish_sorted).
+  return finish_sorted(X, scaled, vectors.mT().contiguous(), values);
 }
 
 }  // namespace eigh

@@ -30,7 +30,7 @@ int tridiagonal_max_cluster(int64_t n) {
 // whose clusters all fit on the GPU at once for a batch of B, else the smallest K that fits (many matrices: the
 // fewest blocks per matrix do the least waiting).
 int tridiagonal_cluster(int64_t B, int n, size_t* smem) {
-    static int opted_in[kCachedDevices] = {};
+  static int opted_in[kCachedDevices] = {};
   opt_in_smem(opted_in, td::sytrd_kernel, smem_optin_bytes());
   if (!tridiagonal_fits(n)) return 0;
   int fits = 0;
@@ -50,11 +50,6 @@ int tridiagonal_cluster(int64_t B, int n, size_t* smem) {
   }
   return fits;  // (*smem: its bytes, set when it fit)
 }
-
-// The tridiagonal solver (float32 compute; tridiagonal.cuh has the kernels and the method): the block method's way
-// in (flags, exponent, the scaled and symmetrized matrix, here in float32), A = Q T Q^T by Householder reflections
-// on clusters of blocks, T's eigenpairs in float64 (bisection, sort, inverse iteration), the eigenvectors Q Z
-// through the reflections' compact WY form, panel by panel from the last, in float64 products (cuBLAS: float32
 
 // The kernels' shared memory is dynamic only, so that all of the opt-in is theirs to take.
 void opt_in_tridiagonal() {
