@@ -9,18 +9,26 @@ from __future__ import annotations
 import functools
 import math
 import re
+import zlib
 
 import pytest
 import torch
 
 from torchkern.linalg import twins
 
-GEN = torch.Generator().manual_seed(4)
 
 
-def spd(n: int, cond: float = 10.0, batch: tuple = (), rank: int | None = None) -> torch.Tensor:
-    """float64 symmetric PSD matrices with eigenvalues log-spaced in [1/cond, 1] (zeros past ``rank``)."""
-    Q, _ = torch.linalg.qr(torch.randn(*batch, n, n, generator=GEN, dtype=torch.float64))
+def generator(*key) -> torch.Generator:
+    """A generator seeded from ``key`` (what the draws are for, and their parameters): a test's random input is the
+    same whichever tests ran before it, under any ``-n`` and ``--dist``, so a failure reproduces."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def spd(n: int, cond: float = 10.0, batch: tuple = (), rank: int | None = None, draw: int = 0) -> torch.Tensor:
+    """float64 symmetric PSD matrices with eigenvalues log-spaced in [1/cond, 1] (zeros past ``rank``); ``draw``
+    tells apart the matrices of the same parameters."""
+    gen = generator("spd", n, cond, tuple(batch), rank, draw)
+    Q, _ = torch.linalg.qr(torch.randn(*batch, n, n, generator=gen, dtype=torch.float64))
     lam = torch.logspace(0, -math.log10(cond), n, dtype=torch.float64) if n > 1 else torch.ones(1, dtype=torch.float64)
     if rank is not None:
         lam[rank:] = 0
@@ -67,15 +75,16 @@ EIGH_KINDS = ["random", "clustered", "repeated", "rank_deficient", "cond1e8", "z
 EIGH_SOLVERS = list(twins.EIGH_SOLVERS)
 
 
-def spectrum(kind: str, n: int, batch: tuple = ()) -> torch.Tensor:
-    """float64 symmetric test matrices of one spectrum class."""
-    Q, _ = torch.linalg.qr(torch.randn(*batch, n, n, generator=GEN, dtype=torch.float64))
+def spectrum(kind: str, n: int, batch: tuple = (), draw: int = 0) -> torch.Tensor:
+    """float64 symmetric test matrices of one spectrum class (``draw``: as for :func:`spd`)."""
+    gen = generator("spectrum", kind, n, tuple(batch), draw)
+    Q, _ = torch.linalg.qr(torch.randn(*batch, n, n, generator=gen, dtype=torch.float64))
     if kind == "random":
-        G = torch.randn(*batch, n, n, generator=GEN, dtype=torch.float64)
+        G = torch.randn(*batch, n, n, generator=gen, dtype=torch.float64)
         return G + G.mT
     if kind == "clustered":  # eigenvalues within 1e-6 of each other, and of -1
-        lam = torch.cat([1 + 1e-6 * torch.rand(n - n // 2, generator=GEN, dtype=torch.float64),
-                         -1 + 1e-6 * torch.rand(n // 2, generator=GEN, dtype=torch.float64)])
+        lam = torch.cat([1 + 1e-6 * torch.rand(n - n // 2, generator=gen, dtype=torch.float64),
+                         -1 + 1e-6 * torch.rand(n // 2, generator=gen, dtype=torch.float64)])
     elif kind == "repeated":  # three eigenvalues, each many times
         lam = torch.tensor([2.0, -0.5, 1.0], dtype=torch.float64).repeat(n // 3 + 1)[:n]
     elif kind == "rank_deficient":
@@ -86,7 +95,7 @@ def spectrum(kind: str, n: int, batch: tuple = ()) -> torch.Tensor:
     elif kind == "zero":
         return torch.zeros(*batch, n, n, dtype=torch.float64)
     elif kind == "diagonal":
-        return torch.diag_embed(torch.randn(*batch, n, generator=GEN, dtype=torch.float64))
+        return torch.diag_embed(torch.randn(*batch, n, generator=gen, dtype=torch.float64))
     else:
         raise ValueError(kind)
     A = (Q * lam) @ Q.mT

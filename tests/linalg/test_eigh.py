@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from linalg_testing import EIGH_KINDS, EIGH_SOLVERS, EIGH_VALUES, GEN, check_eigh, raises, skip_solver, spectrum
+from linalg_testing import EIGH_KINDS, EIGH_SOLVERS, EIGH_VALUES, check_eigh, generator, raises, skip_solver, spectrum
 from testing import devices, noncontiguous
 
 from torchkern import linalg
@@ -79,7 +79,7 @@ def test_eigh_warm_start(device, n, dtype):
     # Q0: the eigenbasis of the statistics one optimizer step earlier (a small PSD update); on CUDA the Jacobi
     # kernels' warm start too where "auto" gives the call to cuSOLVER (float32 from n = EIGH_SYEV_WARM_MIN_N)
     A0 = spectrum("cond1e8", n, batch=(2,))
-    Z = torch.randn(2, n, n, generator=GEN, dtype=torch.float64)
+    Z = torch.randn(2, n, n, generator=generator("warm_start", n), dtype=torch.float64)
     A = A0 + 1e-2 * (Z @ Z.mT) / n
     _, Q0 = torch.linalg.eigh(A0)
     w_cold, _ = linalg.eigh(A.to(dtype).to(device))
@@ -98,7 +98,7 @@ def test_eigh_warm_start_decomposes_the_symmetric_part(device, n):
     # A non-symmetric A: with a warm start too, its symmetric part is decomposed (the rotations may work on A or on
     # A^T); float16 input is computed in float32
     S = spectrum("random", n, batch=(3,))
-    Z = torch.randn(3, n, n, generator=GEN, dtype=torch.float64)
+    Z = torch.randn(3, n, n, generator=generator("symmetric_part", n), dtype=torch.float64)
     A = S + 0.3 * (Z - Z.mT)
     Q0 = torch.linalg.eigh(S + 1e-3 * (Z + Z.mT))[1]
     for dtype in (torch.float32, torch.float16):
@@ -122,8 +122,8 @@ def test_eigh_tolerance(device, n, warm):
     # are orthogonal however many there are), eigenvalues ascending; the default keeps the full accuracy. The CPU
     # (LAPACK) and cuSOLVER ignore it: "jacobi" here, so that CUDA runs the kernels
     A = spectrum("random", n, batch=(3,))
-    Q0 = torch.linalg.eigh(A + 1e-2 * torch.eye(n, dtype=A.dtype) * torch.randn(3, n, 1, generator=GEN,
-                                                                                  dtype=A.dtype))[1]
+    shift = torch.randn(3, n, 1, generator=generator("tolerance", n), dtype=A.dtype)
+    Q0 = torch.linalg.eigh(A + 1e-2 * torch.eye(n, dtype=A.dtype) * shift)[1]
     eye = torch.eye(n, dtype=torch.float64)
     for tol in (1e-2, 1e-4, None):
         w, V = linalg.eigh(A.float().to(device), Q0.float().to(device) if warm else None,
@@ -185,7 +185,8 @@ def test_eigh_nan_names_the_matrices(device, solver):
         A = spectrum("random", n, batch=(2, 3)).float().to(device)
         A[0, 2, 1, 1] = float("nan")
         A[1, 0, 3, 4] = float("inf")
-        Q0 = torch.linalg.qr(torch.randn(6, n, n, generator=GEN, dtype=torch.float64))[0].float().to(device)
+        Z = torch.randn(6, n, n, generator=generator("nan", n), dtype=torch.float64)
+        Q0 = torch.linalg.qr(Z)[0].float().to(device)
         Q0[4, 2, 0] = float("nan")
         for warm, bad in ((None, [2, 3]), (Q0, [2, 3, 4])):
             w, V = torch.ops.torchkern.eigh(A.flatten(0, 1), warm, solver)

@@ -21,7 +21,8 @@ from torchkern.linalg import constants, twins
 @pytest.mark.parametrize("solver", EIGH_SOLVERS)
 def test_eigh_kernel_sizes(kind, n, dtype, solver):
     # around the in-block kernel's limit (136 float32, 118 float64) and the block method above it (padding:
-    # 137 and 200 are not multiples of 64); "auto": cuSOLVER's batched solver for these cold starts (float64 to 128)
+    # 137 and 200 are not multiples of 64); "auto": cuSOLVER's batched solver for these cold starts (float64 to 128;
+    # above, torch.linalg.eigh for two matrices: constants.EIGH_TORCH_F64)
     skip_solver("cuda", solver, dtype)
     A = spectrum(kind, n, batch=(2,))
     w, V = linalg.eigh(A.to(dtype).cuda(), solver=solver)

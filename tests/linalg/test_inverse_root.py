@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from linalg_testing import GEN, newton_tol, raises, rel_err, root_ref, spd
+from linalg_testing import generator, newton_tol, raises, rel_err, root_ref, spd
 from testing import devices, dtypes, noncontiguous
 
 from torchkern import linalg
@@ -252,7 +252,7 @@ def test_root_mixed_batch_falls_back_per_matrix(device):
     n, p, eps = 32, 4, 1e-6
     g = torch.Generator().manual_seed(3)
     W = torch.randn(n, 4, generator=g, dtype=torch.float64) * 30
-    indefinite = spd(n, 10.0) - 0.5 * torch.eye(n, dtype=torch.float64)  # not PSD: Newton surely diverges
+    indefinite = spd(n, 10.0, draw=1) - 0.5 * torch.eye(n, dtype=torch.float64)  # not PSD: Newton surely diverges
     G = torch.stack([spd(n, 10.0), W @ W.T, spd(n, 1e4), torch.eye(n, dtype=torch.float64) * 1e-25,
                      spd(n, 1e10), indefinite, spd(n, 100.0) * 1e20]).float().to(device)
     raw, err, _ = torch.ops.torchkern.matrix_inverse_root_newton(G, p, eps, 100, 1e-6)
@@ -272,7 +272,7 @@ def test_root_mixed_batch_falls_back_per_matrix(device):
 def test_root_uses_the_symmetric_part_on_every_path(device, n):
     # a non-symmetric G is the same as its symmetric part, for every method and kernel path
     G = spd(n, 10.0, batch=(2,))
-    S = torch.randn(2, n, n, generator=GEN, dtype=torch.float64) * 0.05
+    S = torch.randn(2, n, n, generator=generator("skew", n), dtype=torch.float64) * 0.05
     N = (G + S - S.mT).float().to(device)  # G plus an antisymmetric part
     R = root_ref(G.float(), 4, 1e-6)
     roots = {m: linalg.matrix_inverse_root(N, 4, method=m) for m in ("newton", "eigh")}

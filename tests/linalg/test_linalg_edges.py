@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 import torch
-from linalg_testing import GEN, check_eigh, raises, rel_err, root_ref, spd, spectrum
+from linalg_testing import check_eigh, generator, raises, rel_err, root_ref, spd, spectrum
 from testing import devices, requires_cuda
 
 from torchkern import linalg
@@ -104,7 +104,8 @@ def test_eigh_refuses_a_warm_start_that_is_not_orthogonal(device):
     with raises("torchkern.eigh: Q0 must be orthogonal (||Q0^T Q0 v - v|| <= 0.0001 ||v||), got 3 in the matrices "
                 "at batch indices [1]"):
         linalg.eigh(A, bad)
-    skew = Q0[2] + 1e-2 * torch.randn(n, n, generator=GEN).to(device)  # a basis from the wrong computation
+    noise = torch.randn(n, n, generator=generator("skew", n)).to(device)
+    skew = Q0[2] + 1e-2 * noise  # a basis from the wrong computation
     with pytest.raises(RuntimeError, match=r"^torchkern\.eigh: Q0 must be orthogonal \(.*\), got [0-9.]+$"):
         linalg.eigh(A[2], skew)
     w, V = linalg.eigh(A, Q0)  # the eigenbasis it came from passes
@@ -119,7 +120,7 @@ def test_eigh_orthogonality_tolerance_admits_every_orthogonal_basis(device, dtyp
     # 1 + 10 tol is not
     n = 64
     compute = torch.float64 if dtype == torch.float64 else torch.float32
-    Q = torch.linalg.qr(torch.randn(2, n, n, generator=GEN, dtype=compute))[0]
+    Q = torch.linalg.qr(torch.randn(2, n, n, generator=generator("qr", n, dtype), dtype=compute))[0]
     V = torch.linalg.eigh(spectrum("cond1e8", n, batch=(2,)).to(compute))[1]
     tol = finish.orthogonality_tol(dtype)
     for basis in (Q, V):
@@ -154,7 +155,7 @@ def test_kron_precondition_batched_factors_pair_matrix_by_matrix():
     L, R = spd(m, 20.0, batch=(2,)), spd(n, 20.0, batch=(2,))
     dL, QL = torch.linalg.eigh(L)
     dR, QR = torch.linalg.eigh(R)
-    grad = torch.randn(2, m, n, generator=GEN, dtype=torch.float64)
+    grad = torch.randn(2, m, n, generator=generator("grad", m, n), dtype=torch.float64)
     out = linalg.kron_precondition(grad, (QL, dL), (QR, dR), 0.1)
     for i in range(2):
         K = torch.kron(L[i], R[i]) + 0.1 * torch.eye(m * n, dtype=torch.float64)

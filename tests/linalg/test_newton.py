@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from linalg_testing import GEN, newton_tol, rel_err, root_ref, spd
+from linalg_testing import generator, newton_tol, rel_err, root_ref, spd
 from testing import cuda_devices, devices, dtypes, requires_cuda
 
 import torchkern
@@ -80,7 +80,7 @@ def test_root_newton_when_lanczos_misses_the_bottom(device):
     # it (but for rounding), the estimate lands far above it, and that costs steps, not accuracy
     n = 96
     v0 = twins.lanczos_start(n, torch.float64, "cpu")
-    B = torch.randn(n, n, generator=GEN, dtype=torch.float64)
+    B = torch.randn(n, n, generator=generator("lanczos_miss", n), dtype=torch.float64)
     B[:, 0] -= v0 * (v0 @ B[:, 0])
     Q, _ = torch.linalg.qr(B)
     lam = torch.logspace(0, -2, n, dtype=torch.float64).flip(0)
