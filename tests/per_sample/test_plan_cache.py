@@ -1,6 +1,6 @@
 """What the per-call work keeps across calls, and what makes it start over: the batch-dim probe's confirmations per
 batch size (every size of a Poisson-sampled run kept, the oldest dropped past the bound), the "mean" loss's
-backward seeds per size."""
+backward seeds per size, the accumulators' layout per parameter shape."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchkern.per_sample import clip_and_accumulate, engine
+from torch import nn
+
+from torchkern.per_sample import clip_and_accumulate, clipping, engine
 from testing import randn
 from per_sample_testing import explicit_clip, forward_counter, func_reference, mlp, mse_sum
 
@@ -66,3 +68,27 @@ def test_mean_seeds_are_kept_per_size(batch):
         for k, p in model.named_parameters():
             torch.testing.assert_close(p.grad, expected[k])
     assert sorted(seed.item() for seed in engine._SEEDS.values()) == [batch, batch + 1]
+
+
+def test_layout_follows_a_parameter_reshaped_in_place():
+    """``p.data = ...`` of another shape keeps the Parameter objects (the plan still matches): the accumulators are
+    laid out anew, and ``.grad`` has the new shapes and the clipped sums of the new model; a step whose parameters
+    changed shape between micro-batches is refused."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    x = randn(5, 4, dtype=torch.float64)
+    clip_and_accumulate(model, mse_sum, x, randn(5, 3, dtype=torch.float64), 0.5)
+    first = clipping._layout(engine.plan(model))
+    model.weight.data, model.bias.data = randn(6, 4, dtype=torch.float64), randn(6, dtype=torch.float64)
+    y = randn(5, 6, dtype=torch.float64)
+    clip_and_accumulate(model, mse_sum, x, y, 0.5)
+    assert clipping._layout(engine.plan(model)) is not first
+    grads, norms = func_reference(model, x, y)
+    expected = explicit_clip(grads, norms, 0.5, 5)
+    for k, p in model.named_parameters():
+        assert p.grad.shape == p.shape
+        torch.testing.assert_close(p.grad, expected[k])
+    clip_and_accumulate(model, mse_sum, x, y, 0.5, finalize=False)
+    model.weight.data, model.bias.data = randn(3, 4, dtype=torch.float64), randn(3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"trainable parameters \(or their devices, dtypes or shapes\) or max_norm"):
+        clip_and_accumulate(model, mse_sum, x, y[:, :3], 0.5)

@@ -30,22 +30,25 @@ from .engine import LossFn
 
 class Layout:
     """The trainable parameters packed into one flat accumulator per (device, accumulation dtype) group:
-    ``groups`` is a list of (device, dtype, numel, ((name, parameter, offset), ...))."""
+    ``groups`` is a list of (device, dtype, numel, ((name, parameter, offset), ...)); ``_pieces``, per group,
+    the split sizes and each piece's view shape (None: 1-D, the piece itself)."""
 
-    __slots__ = ("groups", "signature")
+    __slots__ = ("groups", "signature", "_pieces")
 
     def __init__(self, params: dict[str, nn.Parameter]):
         self.signature = _signature(params)
         members: dict[tuple, list] = {}
         for name, p in params.items():
             members.setdefault((p.device, opmath_dtype(p.dtype)), []).append((name, p))
-        self.groups = []
+        self.groups, self._pieces = [], []
         for (device, dtype), group in members.items():
             entries, offset = [], 0
             for name, p in group:
                 entries.append((name, p, offset))
                 offset += p.numel()
             self.groups.append((device, dtype, offset, tuple(entries)))
+            self._pieces.append(([p.numel() for _, p in group],
+                                 [(name, None if p.dim() == 1 else p.shape) for name, p in group]))
 
     def empty(self) -> list[torch.Tensor]:
         return [torch.empty(n, device=device, dtype=dtype) for device, dtype, n, _ in self.groups]
@@ -53,19 +56,19 @@ class Layout:
     def views(self, flats: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         # one split per group, not a slice per parameter (launch-free, but a dispatch each); 1-D ones need no view
         out = {}
-        for (_, _, _, entries), flat in zip(self.groups, flats):
-            for (name, p, _), piece in zip(entries, flat.split([p.numel() for _, p, _ in entries])):
-                out[name] = piece if p.dim() == 1 else piece.view(p.shape)
+        for (sizes, shapes), flat in zip(self._pieces, flats):
+            for (name, shape), piece in zip(shapes, flat.split(sizes)):
+                out[name] = piece if shape is None else piece.view(shape)
         return out
 
 
 def _signature(params: dict[str, nn.Parameter]) -> tuple:
-    return tuple((p.device, p.dtype) for p in params.values())
+    return tuple((p.device, p.dtype, p.shape) for p in params.values())
 
 
 def _layout(plan: engine.Plan) -> Layout:
-    """The plan's layout, made anew when a parameter moved or changed dtype in place (``model.to(...)`` keeps
-    the Parameter objects, so the plan itself still matches)."""
+    """The plan's layout, made anew when a parameter moved, changed dtype or changed shape in place
+    (``model.to(...)`` and ``p.data = ...`` keep the Parameter objects, so the plan itself still matches)."""
     if plan.layout is None or plan.layout.signature != _signature(plan.params):
         plan.layout = Layout(plan.params)
     return plan.layout
@@ -236,7 +239,7 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
                 _generator(generator, device)
         pending = _PENDING.get(module)
         if pending is not None and (pending.layout is not layout or pending.max_norm != max_norm):
-            fail("the trainable parameters (or their devices or dtypes) or max_norm changed between the "
+            fail("the trainable parameters (or their devices, dtypes or shapes) or max_norm changed between the "
                  "micro-batches of one step (the step's pending sum was discarded)")
         if cuda_graph and inputs.shape[0] > 0:
             norms, flats, views = _graphed(module, loss_fn, inputs, targets, layout, method, loss_reduction, max_norm,
