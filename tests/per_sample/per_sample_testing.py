@@ -59,6 +59,16 @@ def explicit_clip(grads, norms, max_norm, divisor):
     return {k: torch.einsum("b,b...->...", c.to(g.dtype), g) / divisor for k, g in grads.items()}
 
 
+def assert_grads_clipped(model, x, y, max_norm, divisor, loss=None):
+    """Every parameter's .grad (its shape included) is the explicit clip-and-sum of torch.func's per-sample gradients
+    over ``divisor``; ``loss``: the per-sample loss (default ``mse_sum``)."""
+    grads, norms = func_reference(model, x, y, loss)
+    expected = explicit_clip(grads, norms, max_norm, divisor)
+    for k, p in model.named_parameters():
+        assert p.grad.shape == p.shape
+        torch.testing.assert_close(p.grad, expected[k])
+
+
 def assert_auto_is_right(model, x, y, loss=mse_sum):
     """"auto" (norms and clipped .grad) against torch.func over the whole model and an explicit clip-and-sum."""
     grads, norms = func_reference(model, x, y, loss)

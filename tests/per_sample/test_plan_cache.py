@@ -12,7 +12,7 @@ from torch import nn
 
 from torchkern.per_sample import clip_and_accumulate, clipping, engine
 from testing import randn
-from per_sample_testing import explicit_clip, forward_counter, func_reference, mlp, mse_sum
+from per_sample_testing import assert_grads_clipped, forward_counter, mlp, mse_sum
 
 
 def _sizes_problem():
@@ -33,10 +33,7 @@ def test_every_poisson_size_probes_once():
             forwards.clear()
             clip_and_accumulate(model, mse_sum, x[:b], y[:b], 0.5, batch_size=12.0)
             assert len(forwards) == (2 if cycle == 0 else 1), (cycle, b)
-    grads, norms = func_reference(model, x[:25], y[:25])
-    expected = explicit_clip(grads, norms, 0.5, 12.0)
-    for k, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, expected[k])
+    assert_grads_clipped(model, x[:25], y[:25], 0.5, 12.0)
 
 
 def test_confirmations_drop_the_oldest_size_past_the_bound(monkeypatch):
@@ -58,15 +55,13 @@ def test_confirmations_drop_the_oldest_size_past_the_bound(monkeypatch):
 @pytest.mark.parametrize("batch", [3, 7])
 def test_mean_seeds_are_kept_per_size(batch):
     """A "mean" loss's backward seed is B: one seed per (device, dtype, size), reused by the next call of that
-    size and never by another size (whose gradient it would scale wrongly)."""
+    size and never by another size (whose gradient it would scale wrongly: no sample is clipped, so the scale
+    shows)."""
     model, x, y = _sizes_problem()
     engine._SEEDS.clear()
     for b in (batch, batch + 1, batch):
-        clip_and_accumulate(model, F.mse_loss, x[:b], y[:b], 0.5, loss_reduction="mean")
-        grads, norms = func_reference(model, x[:b], y[:b], lambda o, t: F.mse_loss(o, t, reduction="sum"))
-        expected = explicit_clip(grads, norms, 0.5, b)
-        for k, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, expected[k])
+        clip_and_accumulate(model, F.mse_loss, x[:b], y[:b], 1e6, loss_reduction="mean")
+        assert_grads_clipped(model, x[:b], y[:b], 1e6, b, F.mse_loss)
     assert sorted(seed.item() for seed in engine._SEEDS.values()) == [batch, batch + 1]
 
 
@@ -83,11 +78,7 @@ def test_layout_follows_a_parameter_reshaped_in_place():
     y = randn(5, 6, dtype=torch.float64)
     clip_and_accumulate(model, mse_sum, x, y, 0.5)
     assert clipping._layout(engine.plan(model)) is not first
-    grads, norms = func_reference(model, x, y)
-    expected = explicit_clip(grads, norms, 0.5, 5)
-    for k, p in model.named_parameters():
-        assert p.grad.shape == p.shape
-        torch.testing.assert_close(p.grad, expected[k])
+    assert_grads_clipped(model, x, y, 0.5, 5)
     clip_and_accumulate(model, mse_sum, x, y, 0.5, finalize=False)
     model.weight.data, model.bias.data = randn(3, 4, dtype=torch.float64), randn(3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"trainable parameters \(or their devices, dtypes or shapes\) or max_norm"):
