@@ -78,6 +78,29 @@ def test_kernels_are_the_compiled_ones_when_backend_is_cuda():
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("device", devices())
+def test_differentiable_variant_records_the_graph(op, device):
+    """A call that records a graph matches the op's differentiable variant (ops.py), value and gradients; with
+    the compiled library the op's C++ Autograd kernel hands it to that variant (the same graph node), and a call
+    with one input requiring grad differentiates that input alone."""
+    args = make_inputs(op, torch.float64, device, requires_grad=True)
+    out = call(op, *args)
+    variant_out = getattr(torch.ops.torchkern, f"_{op}_differentiable")(*args)
+    assert torch.equal(out, variant_out)
+    grad_out = randn(*out.shape, dtype=torch.float64, device=device)
+    grads = torch.autograd.grad(out, tensors(args), grad_out)
+    for g, r in zip(grads, torch.autograd.grad(variant_out, tensors(args), grad_out)):
+        assert torch.equal(g, r)
+    if family_info("primitives").backend == "cuda":
+        assert out.grad_fn.name() == variant_out.grad_fn.name()
+    first, *rest = args
+    partial = call(op, first, *[a.detach() if isinstance(a, torch.Tensor) else a for a in rest])
+    (grad_first,) = torch.autograd.grad(partial, first, grad_out)
+    assert torch.equal(grad_first, grads[0])
+    assert call(op, *[a.detach() if isinstance(a, torch.Tensor) else a for a in args]).grad_fn is None
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("device", devices())
 def test_noncontiguous_inputs(op, device):
     args = make_inputs(op, torch.float32, device)
     strided = [noncontiguous(a) if isinstance(a, torch.Tensor) else a for a in args]
