@@ -101,6 +101,19 @@ def test_differentiable_variant_records_the_graph(op, device):
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("device", devices())
+def test_compiled_autograd_refuses_forward_mode(op, device):
+    """No formula computes a forward-mode tangent: the compiled Autograd kernel says so rather than drop it."""
+    if family_info("primitives").backend != "cuda":
+        pytest.skip("the compiled library's Autograd kernel is not in use")
+    first, *rest = make_inputs(op, torch.float64, device)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(first, torch.ones_like(first))
+        with pytest.raises(RuntimeError, match=f"torchkern.{op}: forward-mode AD"):
+            call(op, dual, *rest)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("device", devices())
 def test_noncontiguous_inputs(op, device):
     args = make_inputs(op, torch.float32, device)
     strided = [noncontiguous(a) if isinstance(a, torch.Tensor) else a for a in args]

@@ -75,23 +75,33 @@ at::Tensor batched_outer_cuda(const at::Tensor& a, const at::Tensor& b) {
 
 // These ops are cheap enough that the per-call cost of a Python autograd kernel (about 5 us on an H200 host,
 // measured) doubled a small call against torch eager. So their Autograd key runs the C++ kernel below: with grad
-// mode off, or no input requiring grad (nor carrying a forward-mode tangent), it calls the backend kernel directly;
-// otherwise it calls the op's differentiable variant `torchkern::_<op>_differentiable` (same schema and kernels),
-// whose autograd is the op's formula in torchkern/primitives/ops.py. Its headers stay those of torch/library.h:
-// torch/csrc/autograd's would make this the family's longest compile.
+// mode off, or no input requiring grad, it calls the backend kernel directly; otherwise it calls the op's
+// differentiable variant `torchkern::_<op>_differentiable` (same schema and kernels), whose autograd is the op's
+// formula in torchkern/primitives/ops.py. Its headers stay those of torch/library.h: torch/csrc/autograd's would
+// make this the family's longest compile.
 bool records_autograd(const at::Tensor& t) {
-  return t.defined() && ((c10::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined());
+  return t.defined() && c10::GradMode::is_enabled() && t.requires_grad();
 }
 bool records_autograd(double) { return false; }
+
+// No formula here or in ops.py computes a forward-mode tangent: an error rather than a result without one.
+void check_no_tangent(const std::string& name, const at::Tensor& t) {
+  TORCH_CHECK(!t.defined() || !t._fw_grad(/*level=*/0).defined(), "torchkern.", name,
+              ": forward-mode AD (a dual tensor input) is not supported");
+}
+void check_no_tangent(const std::string&, double) {}
 
 // The Autograd kernel of `torchkern::<name>`, whose signature is Tensor(Args...).
 template <class... Args>
 class Routed {
  public:
   explicit Routed(const std::string& name)
-      : plain_(handle("torchkern::" + name)), differentiable_(handle("torchkern::_" + name + "_differentiable")) {}
+      : name_(name),
+        plain_(handle("torchkern::" + name)),
+        differentiable_(handle("torchkern::_" + name + "_differentiable")) {}
 
   at::Tensor operator()(Args... args) const {
+    (check_no_tangent(name_, args), ...);
     if ((records_autograd(args) || ...)) return differentiable_.call(args...);
     const at::AutoDispatchBelowADInplaceOrView below;
     return plain_.call(args...);
@@ -102,6 +112,7 @@ class Routed {
   static Handle handle(const std::string& name) {
     return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<at::Tensor(Args...)>();
   }
+  std::string name_;
   Handle plain_, differentiable_;
 };
 
