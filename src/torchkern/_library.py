@@ -38,8 +38,8 @@ def define(schema: str, *, twin: Callable, fake: Callable, backward: Callable | 
     if not has_kernel:
         _LIB.impl(name, twin, "CUDA")
     torch.library.register_fake(qualname, fake, lib=_LIB)
-    # An op whose per-call cost matters may carry its autograd in the compiled library
-    # (csrc/primitives/autograd.cpp); the Python formula serves whenever that one is absent.
+    # An op whose per-call cost matters may carry an Autograd kernel in the compiled library
+    # (csrc/primitives/ops.cpp); the Python formula serves whenever that one is absent.
     if backward is not None and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd"):
         torch.library.register_autograd(qualname, backward, setup_context=setup_context, lib=_LIB)
 

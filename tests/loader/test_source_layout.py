@@ -17,8 +17,8 @@ from torchkern import _backend
 CSRC = _backend.CSRC
 INCLUDE = CSRC / "include"
 HEADER_SUFFIXES = (".h", ".cuh")
-# A family's host side: its checks and registrations (ops.cpp) and the autograd it compiles (autograd.cpp).
-HOST_SOURCES = {"ops.cpp", "autograd.cpp"}
+# A family's host side: its checks, registrations and any C++ Autograd kernels.
+HOST_SOURCES = {"ops.cpp"}
 # Folders named after the kernel several ops share rather than after one op: the ops each one serves.
 SHARED_KERNEL_FOLDERS = {("ebm", "mlp_chain"): {"mlp_energy_and_score", "mlp_langevin_chain_", "mlp_hmc_chain_"}}
 
