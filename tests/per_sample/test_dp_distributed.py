@@ -101,11 +101,13 @@ def _noise(rank: int, world: int) -> None:
     single = copy.deepcopy(model)
     clip_and_accumulate(single, _loss, x, y, c, sigma, torch.Generator().manual_seed(5), batch_size=4)
     torch.testing.assert_close(noisy, _grads(single), rtol=1e-10, atol=1e-12)
-    # the default noise (each rank's generator seeded from secrets): N(0, (sigma c)^2) once, not once per rank
+    # the default noise (each rank's generator seeded from secrets, so a fresh draw every run): N(0, (sigma c)^2) once,
+    # not once per rank (variance 2). Five standard errors: correct noise fails the two checks about once in a
+    # million runs (three failed one run in ~190), while a variance of 2 is ~45 standard errors out.
     z = (step(sigma) - clean) * 4 / (sigma * c)
     n = z.numel()
-    assert abs(z.mean().item()) <= 3 / math.sqrt(n)
-    assert abs(z.var().item() - 1) <= 3 * math.sqrt(2 / (n - 1)), z.var().item()
+    assert abs(z.mean().item()) <= 5 / math.sqrt(n), z.mean().item()
+    assert abs(z.var().item() - 1) <= 5 * math.sqrt(2 / (n - 1)), z.var().item()
     first, second = gathered(z)
     assert (first - second).abs().max().item() <= 1e-12
 
