@@ -2,7 +2,7 @@
 concatenated batch in float64 (DistributedDataParallel or a plain process group, batch_size given or counted,
 micro-batches, an empty shard), parameters stay equal across ranks through optimizer steps with noise, and the
 noise is drawn once: rank 0's generator reproduces the single-process noise, the default noise has variance
-(sigma C)^2 within 3 standard errors."""
+(sigma C)^2 within 5 standard errors."""
 
 from __future__ import annotations
 
