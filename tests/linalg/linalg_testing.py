@@ -17,7 +17,6 @@ import torch
 from torchkern.linalg import twins
 
 
-
 def generator(*key) -> torch.Generator:
     """A generator seeded from ``key`` (what the draws are for, and their parameters): a test's random input is the
     same whichever tests ran before it, under any ``-n`` and ``--dist``, so a failure reproduces."""

@@ -816,24 +816,18 @@ def func_gradients(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targ
     autograd where :func:`loops_over_samples`."""
     buffers = dict(model.named_buffers())
     recurrent = recurrent_layers(model)
+
+    def loss_one(prm, x, y):  # x, y: one sample, without its batch dim
+        out = torch.func.functional_call(model, (prm, buffers), (x.unsqueeze(0),))
+        loss = loss_fn(out, y.unsqueeze(0))
+        check_loss(loss_fn, loss_reduction, loss)
+        return loss
+
     with torch.enable_grad():
         if loops_over_samples(recurrent, (inputs,)):
             aliases = _aliases(params)
-
-            def sample_loss(i):
-                out = torch.func.functional_call(model, (aliases, buffers), (inputs[i:i + 1],))
-                loss = loss_fn(out, targets[i:i + 1])
-                check_loss(loss_fn, loss_reduction, loss)
-                return loss
-
-            return dict(zip(aliases, _looped(sample_loss, list(aliases.values()), inputs.shape[0])))
-
-        def loss_one(prm, x, y):
-            out = torch.func.functional_call(model, (prm, buffers), (x.unsqueeze(0),))
-            loss = loss_fn(out, y.unsqueeze(0))
-            check_loss(loss_fn, loss_reduction, loss)
-            return loss
-
+            grads = _looped(lambda i: loss_one(aliases, inputs[i], targets[i]), list(aliases.values()), inputs.shape[0])
+            return dict(zip(aliases, grads))
         detached = {k: v.detach() for k, v in params.items()}
         with _state_batched(recurrent):
             return torch.func.vmap(torch.func.grad(loss_one), in_dims=(None, 0, 0))(detached, inputs, targets)
