@@ -16,7 +16,7 @@ Per optimizer: ``--warmup`` steps (CUDA graph captures, first refreshes), then `
 SOAP's 10 and Shampoo's 20 steps between refreshes, so the refreshes are amortized): the median over ``--repeats``
 of the wall time per training step (forward, backward with DDP's all-reduce, optimizer step; synchronized at the
 ends), and the optimizer's time per step (CUDA events around ``step()``: its kernels and collectives, and any idle
-gap while the host queues them). Then ``--check-steps`` steps with the ranks' parameters compared after each (a
+gap while the host queues them; ``opt_med``: the median step's, a step without a refresh). Then ``--check-steps`` steps with the ranks' parameters compared after each (a
 bitwise checksum of every parameter, all-gathered; at the end the parameters themselves): ``identical`` in the
 output, or the first step and the largest difference. ``--baseline``: a 1-rank run's JSON, for the optimizer's time
 on these ranks against one rank (the refreshes split; the every-step work is each rank's whole).
@@ -88,6 +88,10 @@ class _StepTimer:
             return sum(s.elapsed_time(e) for s, e in self.pairs)
         return self.host * 1e3
 
+    def median_ms(self) -> float:
+        """The median step's time (a step without a refresh: the every-step work); nan on the CPU."""
+        return statistics.median(s.elapsed_time(e) for s, e in self.pairs) if self.cuda else float("nan")
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -125,7 +129,7 @@ def _run(name: str, make, args, device: torch.device, x: torch.Tensor, y: torch.
 
     for _ in range(args.warmup):
         train_step()
-    times, opt_ms = [], []
+    times, opt_ms, median_ms = [], [], []
     for _ in range(args.repeats):
         timer = _StepTimer(device)
         _sync(device)
@@ -135,6 +139,7 @@ def _run(name: str, make, args, device: torch.device, x: torch.Tensor, y: torch.
         _sync(device)
         times.append((time.perf_counter() - t) * 1e3 / args.steps)
         opt_ms.append(timer.total_ms() / args.steps)
+        median_ms.append(timer.median_ms())
     mismatch = None
     for step in range(args.check_steps):
         train_step()
@@ -144,6 +149,7 @@ def _run(name: str, make, args, device: torch.device, x: torch.Tensor, y: torch.
     flat = torch.cat([p.detach().flatten().double() for p in model.parameters()])
     largest = max((g - flat).abs().max().item() for g in _gathered(flat))
     out = {"train_ms": statistics.median(times), "optimizer_ms": statistics.median(opt_ms),
+           "optimizer_median_step_ms": statistics.median(median_ms),
            "identical": mismatch is None and largest == 0.0, "first_mismatch_step": mismatch,
            "largest_difference": largest}
     d = getattr(opt, "_distribution", None)
@@ -193,12 +199,13 @@ def main() -> None:
         name_of = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"\n{world} rank(s) of {name_of}, torch {torch.__version__}; {args.blocks} blocks d={args.dim}, "
               f"B={args.batch} per rank, T={args.seq}; ms per step (median of {args.repeats} x {args.steps})")
-        print(f"{'optimizer':18} {'train':>8} {'/adamw':>7} {'opt':>8} {'opt/1rank':>9}  ranks identical")
+        print(f"{'optimizer':18} {'train':>8} {'/adamw':>7} {'opt':>8} {'opt/1rank':>9} {'opt_med':>8}  ranks identical")
         for name, r in results.items():
             ratio = f"{r['train_ms'] / adamw:7.2f}" if adamw else f"{'':7}"
             scale = f"{r['optimizer_ms'] / base[name]['optimizer_ms']:9.2f}" if name in base else f"{'':9}"
             same = "yes" if r["identical"] else f"NO (step {r['first_mismatch_step']}, {r['largest_difference']:.2e})"
-            print(f"{name:18} {r['train_ms']:8.2f} {ratio} {r['optimizer_ms']:8.2f} {scale}  {same}")
+            print(f"{name:18} {r['train_ms']:8.2f} {ratio} {r['optimizer_ms']:8.2f} {scale} "
+                  f"{r['optimizer_median_step_ms']:8.2f}  {same}")
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"world": world, "device": name_of, "torch": torch.__version__, "args": vars(args),
