@@ -145,3 +145,25 @@ def test_runs_of_separate_families_merge_into_one_bench_json(tmp_path, fake_case
     part.write_text(json.dumps({**other, "commit": "0000000"}))
     run = subprocess.run(merge, capture_output=True, text=True)
     assert run.returncode != 0 and "commit '0000000'" in run.stderr
+
+
+def test_a_failing_baseline_loses_its_row_not_the_case():
+    x = torch.ones(16)
+
+    def broken():
+        raise RuntimeError("the peer's compiler failed")
+
+    case = _bench.Case("primitives", "c", lambda: _bench.Prepared({"torchkern": lambda: x * 2, "peer": broken,
+                                                                    "eager": lambda: x.mul(2)}), "cpu")
+    rows = _bench_runner.run_case(case, ceilings={}, quick=True)
+    by_impl = {row["impl"]: row for row in rows}
+    assert by_impl["peer"]["error"] == "RuntimeError: the peer's compiler failed"
+    assert by_impl["torchkern"]["baseline"] == "eager" and by_impl["torchkern"]["vs_best"] > 0
+    assert "peer FAILED: RuntimeError" in _bench_runner.format_rows(rows, 0)
+
+
+def test_a_failing_torchkern_impl_fails_the_case():
+    case = _bench.Case("primitives", "c", lambda: _bench.Prepared({"torchkern": lambda: 1 / 0,
+                                                                    "eager": lambda: None}), "cpu")
+    with pytest.raises(ZeroDivisionError):
+        _bench_runner.run_case(case, ceilings={}, quick=True)

@@ -78,15 +78,23 @@ def run_case(case: Case, *, ceilings: dict[str, float], quick: bool) -> list[dic
     timing = dict(warmup=1, min_time=0.05, min_samples=1, max_samples=20) if quick else dict(warmup=5, min_time=0.3)
     rows = []
     for impl, fn in prepared.impls.items():
-        seconds = _bench.time_call(fn, case.device, **timing)
+        try:
+            seconds = _bench.time_call(fn, case.device, **timing)
+        except Exception as exc:
+            if not _bench.is_baseline(impl):
+                raise
+            # a baseline that fails (a peer's torch.compile on this torch, say) loses its row, not the case's
+            rows.append(dict(family=case.family, case=case.name, impl=impl, error=f"{type(exc).__name__}: {exc}"))
+            continue
         rate = prepared.bytes / seconds if prepared.bytes else None
         rows.append(dict(family=case.family, case=case.name, impl=impl, seconds=seconds,
                          gbps=rate / 1e9 if rate else None, ceiling=prepared.ceiling,
                          floor_fraction=rate / ceilings[prepared.ceiling] if rate else None,
                          tflops=prepared.flops / seconds / 1e12 if prepared.flops else None, note=prepared.note))
-    baselines = [row for row in rows if _bench.is_baseline(row["impl"])]
+    timed = [row for row in rows if "error" not in row]
+    baselines = [row for row in timed if _bench.is_baseline(row["impl"])]
     best = min(baselines, key=lambda row: row["seconds"]) if baselines else None
-    for row in rows:
+    for row in timed:
         row["baseline"] = best["impl"] if best else None
         row["vs_best"] = best["seconds"] / row["seconds"] if best else None
     del prepared
@@ -106,7 +114,7 @@ def format_rows(rows: list[dict], indent: int, note: bool = True) -> str:
     lines = []
     for row in rows:
         if row.get("error"):
-            lines.append(f"{'':{indent}}FAILED: {row['error']}")
+            lines.append(f"{'':{indent}}{row['impl'] or ''}{' ' if row['impl'] else ''}FAILED: {row['error']}")
             continue
         fraction = row["floor_fraction"] or 0
         floor = f"{100 * fraction:.0f}% {row['ceiling'][0]}" if fraction >= 0.01 else ""
