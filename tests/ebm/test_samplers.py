@@ -7,6 +7,7 @@ statistics); on CUDA the same tests check the kernels.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import tempfile
 import time
@@ -91,30 +92,41 @@ def _steep_mlp(device, d=3):
     return energy
 
 
+def _sample_checked(sampler, *args, **kwargs):
+    """sample(), then check_finite(): on CUDA a call does not wait for its chains, and this reports them at once."""
+    out = sampler.sample(*args, **kwargs)
+    sampler.check_finite()
+    return out
+
+
+def _diverging(kind: str, device):
+    """An energy and a step size far too large for it: chains from N(0, I) starts overflow within 30 steps."""
+    if kind == "analytic":
+        return ebm.DoubleWellEnergy(2.0, 1.0), 0.3
+    if kind == "rosenbrock":  # a row-coupled energy: the one-warp-per-row kernel
+        return ebm.RosenbrockEnergy(1.0, 100.0), 0.05
+    if kind == "mlp":  # linear at large x: a bounded gradient, but steps that overflow within a few
+        return _steep_mlp(device), 1e35
+    return TorchDoubleWell(), 0.3
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("kind", ["analytic", "rosenbrock", "mlp", "generic"])
 def test_langevin_divergence_raises_naming_the_step(kind, device):
-    # A step size far too large: the chains overshoot, overflow and go NaN. sample() raises, naming the step at
+    # A step size far too large: the chains overshoot, overflow and go NaN. The sampler raises, naming the step at
     # which the first chain did (from the chain's own record, which the trajectory of the same seeded run confirms)
     # and what to try, instead of returning NaN states.
-    if kind == "analytic":
-        energy, step = ebm.DoubleWellEnergy(2.0, 1.0), 0.3
-    elif kind == "rosenbrock":  # a row-coupled energy: the one-warp-per-row kernel
-        energy, step = ebm.RosenbrockEnergy(1.0, 100.0), 0.05
-    elif kind == "mlp":  # linear at large x: a bounded gradient, but steps that overflow within a few
-        energy, step = _steep_mlp(device), 1e35
-    else:
-        energy, step = TorchDoubleWell(), 0.3
+    energy, step = _diverging(kind, device)
     x = randn(40, 3, device=device)
     sampler = ebm.LangevinDynamics(energy, step, precision="fp32")
     torch.manual_seed(3)
     with pytest.raises(FloatingPointError) as info:
-        sampler.sample(x, n_steps=30)
+        _sample_checked(sampler, x, n_steps=30)
     finite = sampler.finite_steps
     assert finite.shape == (40,) and finite.dtype == torch.int64 and (finite < 30).any()
     torch.manual_seed(3)
     with pytest.raises(FloatingPointError):
-        _, traj = sampler.sample(x, n_steps=30, return_trajectory=True)
+        _, traj = _sample_checked(sampler, x, n_steps=30, return_trajectory=True)
     assert torch.equal(sampler.finite_steps, finite)
     message = str(info.value)
     first = int(finite.min()) + 1
@@ -125,8 +137,57 @@ def test_langevin_divergence_raises_naming_the_step(kind, device):
     state = x.clone()
     torch.manual_seed(3)
     with pytest.raises(FloatingPointError):
-        sampler.sample(state, n_steps=30, inplace=True)
+        _sample_checked(sampler, state, n_steps=30, inplace=True)
     assert not torch.isfinite(state).all()
+    sampler.check_finite()  # reported once: nothing left to report
+    if device == "cpu":  # the counts are on the host: the call itself raises
+        with pytest.raises(FloatingPointError, match="chains went non-finite"):
+            sampler.sample(x, n_steps=30)
+
+
+@requires_cuda
+def test_cuda_divergence_reported_by_the_next_call():
+    # On CUDA a call returns without waiting for its chains; the next call (once its own chains are queued) raises
+    # for it, a call whose chains stayed finite raises nothing, and a sampler collected with a divergence unread warns.
+    energy, step = _diverging("analytic", "cuda")
+    x, calm = randn(40, 3, device="cuda"), torch.zeros(40, 3, device="cuda")  # one step from 0 stays finite
+    sampler = ebm.LangevinDynamics(energy, step, precision="fp32")
+    out = sampler.sample(x, n_steps=30)
+    diverged = sampler.finite_steps
+    assert not torch.isfinite(out).all()
+    with pytest.raises(FloatingPointError, match=r"the first at step \d+ of 30: .* \(reported by the next sample\(\) "
+                                                 r"call: on CUDA a call does not wait for its chains") as info:
+        sampler.sample(calm, n_steps=1)
+    assert f"{int((diverged < 30).sum())} of 40 chains went non-finite, the first at step " \
+           f"{int(diverged.min()) + 1} of 30" in str(info.value)
+    assert torch.isfinite(sampler.sample(calm, n_steps=1)).all()  # the call before it stayed finite: no error
+    sampler.check_finite()
+    sampler.sample(x, n_steps=30)
+    with pytest.warns(RuntimeWarning, match=r"chains went non-finite, .* \(found when the sampler was collected"):
+        del sampler
+        gc.collect()
+
+
+@requires_cuda
+@pytest.mark.parametrize("kind", ["analytic", "mlp", "hmc"])
+def test_cuda_check_does_not_wait(kind):
+    # A call queues its chains and their check and returns while the device is still busy with work queued before
+    # it (a spin kernel), without a synchronizing call (CUDA's sync debug mode raises on one); the next call waits at
+    # most for the previous call's check (an event), not for the device.
+    energy = mlp_energy([3, 16], "silu", "cuda", seed=1) if kind == "mlp" else ebm.DoubleWellEnergy(2.0, 1.0)
+    sampler = (ebm.HamiltonianMonteCarlo(energy, 0.05, 4) if kind == "hmc"
+               else ebm.LangevinDynamics(energy, 1e-3, precision="fp32"))
+    x = randn(256, 3, device="cuda")
+    _sample_checked(sampler, x, n_steps=2)  # a first call may synchronize (the MLP kernel's plan)
+    torch.cuda._sleep(1 << 28)  # ~0.1 s of device time
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sampler.sample(x, n_steps=10)
+        assert not torch.cuda.current_stream().query()
+        sampler.sample(x, n_steps=10)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sampler.check_finite()
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

@@ -9,12 +9,14 @@ import torch
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment: decorrelates consecutive shard seeds
 _SEED_MASK = (1 << 63) - 1
+_AVAILABLE = torch.distributed.is_available()  # fixed by the build
+_NO_CONTEXT = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 def world() -> tuple[int, int] | None:
     """(rank, world size) when torch.distributed is initialised with more than one rank, else None."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (_AVAILABLE and dist.is_initialized()):
         return None
     size = dist.get_world_size()
     return (dist.get_rank(), size) if size > 1 else None
@@ -44,10 +46,10 @@ def on_device(device: torch.device, side_stream: bool = True) -> contextlib.Abst
     on CPU. Entering it gives the side stream, else None. (A sampler call pays for this context: one group's is
     torch's own device guard, or none where the device is already current, not a generator-based context.)"""
     if device.type != "cuda":
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     if not side_stream:  # one group overlaps nothing: no stream switch, event waits or record_stream to pay
         current = device.index is None or device.index == torch.cuda.current_device()
-        return contextlib.nullcontext() if current else torch.cuda.device(device)
+        return _NO_CONTEXT if current else torch.cuda.device(device)
     return _side_stream(device)
 
 

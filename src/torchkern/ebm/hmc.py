@@ -7,7 +7,6 @@ u ~ U(0, 1]; else keep x. The target exp(-E) is left invariant exactly (no discr
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -16,7 +15,7 @@ from . import mlp, twins
 from .checks import integer, positive
 from .constants import MAX_LEAPFROG
 from .energies import AnalyticEnergy, Energy, _autograd_energy_and_score
-from .sampler import ChainSampler, divergence
+from .sampler import ChainSampler
 
 __all__ = ["HamiltonianMonteCarlo"]
 
@@ -49,11 +48,19 @@ class HamiltonianMonteCarlo(ChainSampler):
     [1, 2^20].
 
     A trajectory whose Hamiltonian goes non-finite on the way (a step size too large for the energy) is
-    rejected, so the chains stay finite; ``sample`` then warns (RuntimeWarning) naming the first such trajectory
-    and what to try, and ``finite_steps`` holds each chain's trajectories before its first divergent one
-    (``n_steps`` for a chain that had none). The check waits for the chains (one value read back from the
-    GPU); it is skipped while a CUDA graph is being captured.
+    rejected, so the chains stay finite; such a call is reported by a RuntimeWarning naming the first such
+    trajectory and what to try, and ``finite_steps`` holds each chain's trajectories before its first divergent one
+    in the last call (``n_steps`` for a chain that had none). The call itself warns on the CPU; on CUDA it does not
+    wait for its chains, and the next call or ``check_finite()`` warns for it (as ``LangevinDynamics`` raises).
     """
+
+    @staticmethod
+    def _divergence_message(count: int, total: int, first: int, n_steps: int, settings: tuple) -> str:
+        (step_size,) = settings
+        return (f"HamiltonianMonteCarlo: {count} of {total} chains had divergent trajectories (a non-finite energy on "
+                f"the leapfrog path; rejected, the chains stay finite), the first at trajectory {first} of {n_steps}: "
+                f"step_size={step_size:g} is too large for this energy; try a smaller step_size (such as "
+                f"{step_size / 10:g})")
 
     def __init__(self, energy, step_size: float, n_leapfrog_steps: int = 10, *, precision: str = "tf32",
                  devices: Sequence[torch.device | str | int] | None = None, gather: bool = True) -> None:
@@ -61,7 +68,6 @@ class HamiltonianMonteCarlo(ChainSampler):
         self.n_leapfrog_steps = integer("n_leapfrog_steps", n_leapfrog_steps, 1, MAX_LEAPFROG)
         super().__init__(energy, precision=precision, devices=devices, gather=gather)
         self.acceptance_rate: torch.Tensor | None = None
-        self.finite_steps: torch.Tensor | None = None
 
     def sample(self, x: torch.Tensor | None = None, n_samples: int | None = None, dim: int | None = None,
                n_steps: int = 100, thin: int = 1, return_trajectory: bool = False, *, return_energy: bool = False,
@@ -81,14 +87,7 @@ class HamiltonianMonteCarlo(ChainSampler):
                         device=device, dtype=dtype)
         self.acceptance_rate = out["accept_count"].to(out["x"].dtype) / max(n_steps, 1)
         self.finite_steps = out["finite_steps"]
-        found = divergence(self.finite_steps, n_steps)
-        if found is not None:
-            count, step = found
-            warnings.warn(f"HamiltonianMonteCarlo: {count} of {self.finite_steps.shape[0]} chains had divergent "
-                          f"trajectories (a non-finite energy on the leapfrog path; rejected, the chains stay "
-                          f"finite), the first at trajectory {step} of {n_steps}: step_size={self.step_size:g} is "
-                          f"too large for this energy; try a smaller step_size (such as {self.step_size / 10:g})",
-                          RuntimeWarning, stacklevel=2)
+        self._watch.watch(self.finite_steps, n_steps, (self.step_size,))
         extras = [out[k] for k in ("trajectory", "energy", "accepted") if want[k]]
         return (out["x"], *extras) if extras else out["x"]
 

@@ -14,7 +14,7 @@ from .._cuda_graph import capture, cuda_graph_flag, follow
 from . import mlp, twins
 from .energies import AnalyticEnergy, score
 from .checks import non_negative, positive, real
-from .sampler import ChainSampler, divergence, trace_energies
+from .sampler import ChainSampler, trace_energies
 
 __all__ = ["LangevinDynamics", "langevin_step"]
 
@@ -83,11 +83,24 @@ class LangevinDynamics(ChainSampler):
     and for a ``cuda_graph`` that is not a bool.
 
     A chain whose state goes non-finite (a step size too large for the energy: the update overshoots and
-    overflows) makes ``sample`` raise FloatingPointError naming the step at which the first one did and what to
-    try; ``finite_steps`` then holds each chain's steps before its first non-finite state (``n_steps`` for a chain
-    that stayed finite), and with ``inplace=True`` x holds the states reached. The check waits for the chains
-    (one value read back from the GPU); it is skipped while a CUDA graph is being captured.
+    overflows) is reported by FloatingPointError naming how many did, the step at which the first one did and what
+    to try; ``finite_steps`` holds each chain's steps before its first non-finite state in the last call
+    (``n_steps`` for a chain that stayed finite), and with ``inplace=True`` x holds the states reached. On the CPU
+    the call itself raises. On CUDA a call does not wait for its chains: it queues the check on the device, and the
+    next ``sample`` call raises for it (after queuing its own chains), or ``check_finite()`` does at once, waiting
+    for them; a sampler collected with a divergence unread warns. Nothing is checked while a CUDA graph is being
+    captured.
     """
+
+    _divergence_error = FloatingPointError
+
+    @staticmethod
+    def _divergence_message(count: int, total: int, first: int, n_steps: int, settings: tuple) -> str:
+        step_size, clamp = settings
+        bound = "" if clamp != (None, None) else ", or bound the states with clamp=(min, max)"
+        return (f"LangevinDynamics: {count} of {total} chains went non-finite, the first at step {first} of {n_steps}: "
+                f"step_size={step_size:g} is too large for this energy; try a smaller step_size (such as "
+                f"{step_size / 10:g}){bound}")
 
     def __init__(self, energy, step_size: float, noise_scale: float = 1.0, clamp: Clamp | None = None, *,
                  precision: str = "tf32", cuda_graph: bool = False,
@@ -98,7 +111,6 @@ class LangevinDynamics(ChainSampler):
         self.clamp = _clamp_bounds(clamp)
         super().__init__(energy, precision=precision, devices=devices, gather=gather)
         self.cuda_graph = cuda_graph_flag(cuda_graph, use_cuda_graph, "LangevinDynamics")
-        self.finite_steps: torch.Tensor | None = None
         # key -> [graph, static state, its FiniteSteps, stream of the last replay]
         self._graphs: dict[tuple, list] = {}
 
@@ -119,7 +131,8 @@ class LangevinDynamics(ChainSampler):
         and returns it (an ``MLPEnergy`` chain on one device runs in x's own storage). ``dim`` defaults to a
         GaussianEnergy's dimension; ``device`` to ``devices[0]``, else the energy's buffers' device, else the
         CPU. Raises ValueError for n_steps outside [0, 2^30], thin outside [1, 2^30], missing sizes or a bad
-        restart setting, FloatingPointError for chains that went non-finite (see the class).
+        restart setting, FloatingPointError for chains that went non-finite (on CUDA: in the previous call; see the
+        class).
         """
         fraction = real("restart_fraction", restart_fraction)
         if not 0 <= fraction <= 1:
@@ -131,20 +144,9 @@ class LangevinDynamics(ChainSampler):
         out = self._run(x, n_samples, dim, n_steps, thin, want, inplace=inplace, generator=generator,
                         device=device, dtype=dtype)
         self.finite_steps = out["finite_steps"]
-        self._check_finite(n_steps)
+        self._watch.watch(self.finite_steps, n_steps, (self.step_size, self.clamp))
         extras = [out[k] for k in ("trajectory", "energy") if want[k]]
         return (out["x"], *extras) if extras else out["x"]
-
-    def _check_finite(self, n_steps: int) -> None:
-        found = divergence(self.finite_steps, n_steps)
-        if found is None:
-            return
-        count, step = found
-        bound = "" if self.clamp != (None, None) else ", or bound the states with clamp=(min, max)"
-        raise FloatingPointError(
-            f"LangevinDynamics: {count} of {self.finite_steps.shape[0]} chains went non-finite, the first at step "
-            f"{step} of {n_steps}: step_size={self.step_size:g} is too large for this energy; try a smaller "
-            f"step_size (such as {self.step_size / 10:g}){bound}")
 
     # ----------------------------------------------------------------------- one chain group
 

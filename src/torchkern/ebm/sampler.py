@@ -1,10 +1,14 @@
 """What the chain samplers (``LangevinDynamics``, ``HamiltonianMonteCarlo``) share: argument checks, starting
-states, splitting chains across devices and ``torch.distributed`` ranks, in-place runs, and their outputs."""
+states, splitting chains across devices and ``torch.distributed`` ranks, in-place runs, their outputs, and the report
+of chains that went non-finite."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -28,19 +32,81 @@ def energy_values(energy, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([energy(part) for part in x.split(1 << 16)]) if x.shape[0] else x.new_empty(0)
 
 
-def divergence(finite_steps: torch.Tensor, n_steps: int) -> tuple[int, int] | None:
-    """(how many chains went non-finite, the first step at which one did, 1-based) from the chain ops'
-    ``finite_steps`` (each chain's steps before its first non-finite one, ``n_steps`` for a chain that stayed
-    finite); None when every chain stayed finite. Waits for the chains: one reduction read back from the device,
-    skipped while a CUDA graph is being captured (a capture cannot wait)."""
-    if n_steps == 0 or finite_steps.numel() == 0:
-        return None
-    if finite_steps.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    first = int(finite_steps.min())
-    if first >= n_steps:
-        return None
-    return int((finite_steps < n_steps).sum()), first + 1
+class _Check(NamedTuple):
+    first: torch.Tensor  # the smallest count (0-dim; on CUDA a pinned host copy, filled once ``done`` completes)
+    done: torch.cuda.Event | None
+    finite_steps: torch.Tensor
+    n_steps: int
+    settings: tuple  # what the message names of the sampler's settings at the call
+
+
+class DivergenceWatch:
+    """Reports a sample() call whose chains went non-finite, from the chain ops' ``finite_steps`` (each chain's steps
+    before its first non-finite one, ``n_steps`` for a chain that stayed finite), without making the call wait for its
+    chains.
+
+    On CUDA, ``watch`` queues the check behind the chains (their smallest count, copied to pinned host memory, and an
+    event) and reads the previous call's, which the device has finished or is about to: the wait is for work queued a
+    whole call earlier, with this call's chains queued behind it, so the device never idles for it. A call is thus
+    reported by the next one at the latest, or at once by ``wait`` (``check_finite``). On the CPU the counts are at
+    hand and the call itself reports. Nothing is checked while a CUDA graph is being captured. A report raises ``error``, or warns (RuntimeWarning) where ``error`` is None; one still unread when the
+    sampler is collected warns (nothing can be raised there). ``describe(count, total, first_step, n_steps,
+    settings)`` words it."""
+
+    def __init__(self, owner: object, describe: Callable[..., str], error: type[Exception] | None) -> None:
+        self._describe, self._error = describe, error
+        self._pending: _Check | None = None
+        weakref.finalize(owner, self._collected)
+
+    def watch(self, finite_steps: torch.Tensor, n_steps: int, settings: tuple) -> None:
+        """Check a call's chains: queued on CUDA (then the previous call's are read), at once on the CPU."""
+        deferred = finite_steps.is_cuda
+        if deferred and torch.cuda.is_current_stream_capturing():
+            return  # a capture cannot read back: nothing is checked (the previous call's check stays pending)
+        check = None
+        if n_steps and finite_steps.numel():
+            first, done = finite_steps.min(), None
+            if deferred:
+                first = first.to("cpu", non_blocking=True)  # a non-blocking copy to the host lands in pinned memory
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(finite_steps.device))
+            check = _Check(first, done, finite_steps, n_steps, settings)
+        previous, self._pending = self._pending, check if deferred else None
+        if previous is not None:
+            self._report(previous, " (reported by the next sample() call: on CUDA a call does not wait for its "
+                                   "chains; check_finite() waits and reports at once)")
+        if check is not None and not deferred:
+            self._report(check, "")
+
+    def wait(self) -> None:
+        """Wait for the last call's chains and report them now."""
+        check, self._pending = self._pending, None
+        if check is not None:
+            self._report(check, "")
+
+    def _report(self, check: _Check, when: str) -> None:
+        message = self._message(check)
+        if message is None:
+            return
+        if self._error is not None:
+            raise self._error(message + when)
+        warnings.warn(message + when, RuntimeWarning, stacklevel=4)  # the caller of sample() or check_finite()
+
+    def _message(self, check: _Check) -> str | None:
+        if check.done is not None:
+            check.done.synchronize()
+        first = int(check.first)
+        if first >= check.n_steps:
+            return None
+        count = int((check.finite_steps < check.n_steps).sum())
+        return self._describe(count, check.finite_steps.shape[0], first + 1, check.n_steps, check.settings)
+
+    def _collected(self) -> None:
+        check, self._pending = self._pending, None
+        message = None if check is None else self._message(check)
+        if message is not None:
+            warnings.warn(message + " (found when the sampler was collected: no later call or check_finite() read "
+                          "it)", RuntimeWarning)
 
 
 def trace_energies(energy, traj: torch.Tensor) -> torch.Tensor:
@@ -51,7 +117,15 @@ def trace_energies(energy, traj: torch.Tensor) -> torch.Tensor:
 
 class ChainSampler:
     """Base of the samplers: ``sample`` validates, builds the starting states, splits them across ``devices``
-    (and ranks), runs ``_chain`` on each group and gathers the outputs. Subclasses implement ``_chain``."""
+    (and ranks), runs ``_chain`` on each group, gathers the outputs and hands ``finite_steps`` to ``_watch``.
+    Subclasses implement ``_chain`` and word a divergence (``_divergence_message``, reported as
+    ``_divergence_error``, or as a warning where that is None)."""
+
+    _divergence_error: type[Exception] | None = None
+
+    @staticmethod
+    def _divergence_message(count: int, total: int, first: int, n_steps: int, settings: tuple) -> str:
+        raise NotImplementedError
 
     def __init__(self, energy, *, precision: str, devices: Sequence[torch.device | str | int] | None,
                  gather: bool) -> None:
@@ -65,6 +139,14 @@ class ChainSampler:
             raise ValueError("devices must name at least one device")
         self.gather = bool(gather)
         self._energies: dict[torch.device, object] = {}
+        self.finite_steps: torch.Tensor | None = None
+        self._watch = DivergenceWatch(self, type(self)._divergence_message, self._divergence_error)
+
+    def check_finite(self) -> None:
+        """Wait for the chains of the last ``sample`` call and report now whether one went non-finite, as ``sample``
+        does (``LangevinDynamics`` raises FloatingPointError, ``HamiltonianMonteCarlo`` warns). On CUDA, ``sample``
+        does not wait for its chains: their check is read by the next call at the latest, or here."""
+        self._watch.wait()
 
     def _chain(self, energy, x: torch.Tensor, n_steps: int, thin: int, want: dict, generator,
                inplace: bool) -> dict[str, torch.Tensor]:
@@ -94,21 +176,22 @@ class ChainSampler:
             dim = integer("dim", dim, 1)
         device = torch.device(device) if device is not None else self._default_device(x)
         dtype = dtype or (x.dtype if x is not None else torch.get_default_dtype())
-        run = dict(n_steps=n_steps, thin=thin, want=want)
+        run = dict(dim=dim, dtype=dtype, n_steps=n_steps, thin=thin, want=want)
         world = _dist.world()
-        # In place on one device: the chain group updates x itself (no copy when x already has the device and
-        # dtype); otherwise the result is copied into x at the end.
-        direct = inplace and world is None and len(self.devices or [device]) == 1
-        if world is None:
-            out = self._sample_devices(x, n_total, dim, device, dtype, generator, shard_base=0,
-                                       shard_total=len(self.devices or [device]), inplace=direct, **run)
+        devices = self.devices or [device]
+        if world is None and len(devices) == 1:
+            # One chain group on its device's current stream, with the caller's generator as given (so manual_seed
+            # reproduces it); in place, it updates x itself (no copy when x already has the device and dtype).
+            with _dist.on_device(devices[0], side_stream=False):
+                out = self._group(x, n_total, devices[0], generator, inplace=inplace, **run)
+        elif world is None:
+            out = self._sample_devices(x, n_total, devices, generator, shard_base=0, **run)
         else:
             rank, size = world
             sizes = _dist.share_sizes(n_total, size)
             local_x = None if x is None else x.tensor_split(size)[rank]
-            per_rank = len(self.devices or [device])
-            out = self._sample_devices(local_x, sizes[rank], dim, device, dtype, generator,
-                                       shard_base=rank * per_rank, shard_total=size * per_rank, inplace=False, **run)
+            out = self._sample_devices(local_x, sizes[rank], devices, generator, shard_base=rank * len(devices),
+                                       **run)
             if self.gather:
                 out = {k: _dist.all_gather_rows(v, sizes) for k, v in out.items()}
         if inplace and out["x"] is not x:
@@ -148,20 +231,16 @@ class ChainSampler:
         self._energies[device] = twin
         return twin
 
-    def _sample_devices(self, x, n, dim, device, dtype, generator, *, shard_base, shard_total, inplace, n_steps,
-                        thin, want):
-        devices = self.devices or [device]
-        run = dict(dim=dim, dtype=dtype, inplace=inplace, n_steps=n_steps, thin=thin, want=want)
-        if shard_total == 1:  # one chain group on its device's current stream, with the caller's generator as given
-            with _dist.on_device(devices[0], side_stream=False):  # (so manual_seed reproduces it)
-                return self._group(x, n, devices[0], generator, **run)
+    def _sample_devices(self, x, n, devices, generator, *, shard_base, **run):
+        """Groups on several devices (or ranks), each on its own stream with its own generator, gathered on
+        ``devices[0]``."""
         gens = _dist.shard_generators(devices, generator, shard_base)
         sizes = _dist.share_sizes(n, len(devices))
         xs = [None] * len(devices) if x is None else [x] if len(devices) == 1 else x.tensor_split(len(devices))
         outs = []
         for dev, x_i, n_i, gen in zip(devices, xs, sizes, gens):
             with _dist.on_device(dev, side_stream=len(devices) > 1) as stream:
-                outs.append((self._group(x_i, n_i, dev, gen, **run), stream))
+                outs.append((self._group(x_i, n_i, dev, gen, inplace=False, **run), stream))
         target = devices[0]
         parts: dict[str, list[torch.Tensor]] = {}
         for result, stream in outs:
