@@ -20,6 +20,15 @@
 #include "launchers.h"
 #include "matrix_inverse_root_newton/launchers.h"
 #include "matrix_inverse_root_newton/matrix_inverse_root_newton.h"
+// The host code of eigh's solvers and of the Newton root's large path: compiled here, in the family's one host
+// translation unit, since torch's headers are most of a host file's compile time.
+#include "eigh/eigh_block_method_host.h"
+#include "eigh/eigh_in_block_host.h"
+#include "eigh/eigh_prep_host.h"
+#include "eigh/eigh_syev_batched_host.h"
+#include "eigh/eigh_torch_host.h"
+#include "eigh/eigh_tridiagonal_host.h"
+#include "matrix_inverse_root_newton/matrix_inverse_root_newton_host.h"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
 #include "torchkern/launch.h"

@@ -11,7 +11,7 @@
 // the many rounds lost the 1e-5 residual in an emulation, and float64 products run on the tensor cores of sm_80+.
 // A matrix stops after the first sweep that leaves its off-diagonal norm <= tol ||A||_F (summed from the matrix
 // after the sweep: a sum of the tiles' norms as the sweep reaches them learns of convergence one sweep late); the
-// sweeps loop on the device (eigh_block_method.cpp), so the call returns without waiting for them.
+// sweeps loop on the device (eigh_block_method_host.h), so the call returns without waiting for them.
 #include <cuda_runtime.h>
 
 #include "eigh_block_round.cuh"

@@ -1,5 +1,5 @@
 // The in-block Jacobi solver's warm-start rotations (launchers.h: warm_rotate_launch) and its reach (in_block_fits);
-// the whole-matrix kernel is jacobi.cuh's (eigh_small_f32.cu, eigh_small_f64.cu), the host side eigh_in_block.cpp.
+// the whole-matrix kernel is jacobi.cuh's (eigh_small_f32.cu, eigh_small_f64.cu), the host side eigh_in_block_host.h.
 #include <type_traits>
 
 #include "jacobi.cuh"

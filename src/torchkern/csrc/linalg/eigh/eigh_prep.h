@@ -1,4 +1,4 @@
-// The solvers' way in and out on tensors (eigh_prep.cpp; the kernels: eigh_prep.cu, launchers.h's prep_launch and
+// The solvers' way in and out on tensors (eigh_prep_host.h; the kernels: eigh_prep.cu, launchers.h's prep_launch and
 // finish_launch): a few launches in place of some thirty ATen ops, whose host time left the GPU idle for about a
 // millisecond a call at 64 x 256^2.
 //

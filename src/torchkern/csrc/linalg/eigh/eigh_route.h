@@ -16,9 +16,9 @@ namespace eigh {
 enum class Solver {
   kInBlock,      // cyclic Jacobi, a matrix per thread block (jacobi.cuh)
   kBlockMethod,  // block Jacobi in float64 (eigh_block_method.cu)
-  kSyevBatched,  // cuSOLVER's batched solver (eigh_syev_batched.cpp)
+  kSyevBatched,  // cuSOLVER's batched solver (eigh_syev_batched_host.h)
   kTridiagonal,  // Householder reduction and inverse iteration, float32 (eigh_tridiagonal.cu)
-  kTorch,        // torch.linalg.eigh: syevd, one matrix after another (eigh_torch.cpp)
+  kTorch,        // torch.linalg.eigh: syevd, one matrix after another (eigh_torch_host.h)
 };
 
 // What the caller asked for: the op's `solver` argument.

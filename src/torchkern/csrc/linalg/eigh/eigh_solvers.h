@@ -17,11 +17,11 @@ namespace eigh {
 
 using Result = std::tuple<at::Tensor, at::Tensor>;
 
-Result solve_in_block(const at::Tensor& X, const at::Tensor& Q, double tol);      // eigh_in_block.cpp
-Result solve_block_method(const at::Tensor& X, const at::Tensor& Q, double tol);  // eigh_block_method.cpp
-Result solve_syev_batched(const at::Tensor& X, const at::Tensor& Q);              // eigh_syev_batched.cpp
-Result solve_tridiagonal(const at::Tensor& X, const at::Tensor& Q);               // eigh_tridiagonal.cpp
-Result solve_torch(const at::Tensor& X, const at::Tensor& Q);                     // eigh_torch.cpp
+Result solve_in_block(const at::Tensor& X, const at::Tensor& Q, double tol);      // eigh_in_block_host.h
+Result solve_block_method(const at::Tensor& X, const at::Tensor& Q, double tol);  // eigh_block_method_host.h
+Result solve_syev_batched(const at::Tensor& X, const at::Tensor& Q);              // eigh_syev_batched_host.h
+Result solve_tridiagonal(const at::Tensor& X, const at::Tensor& Q);               // eigh_tridiagonal_host.h
+Result solve_torch(const at::Tensor& X, const at::Tensor& Q);                     // eigh_torch_host.h
 
 // Whether the loaded cuSOLVER has cusolverDnXsyevBatched (eigh_route.h's Device; the others: launchers.h).
 bool syev_batched_available();

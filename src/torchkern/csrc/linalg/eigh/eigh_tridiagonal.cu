@@ -1,6 +1,6 @@
 // eigh's tridiagonal solver, the launchers (launchers.h) of its kernels (tridiagonal.cuh has them and the method):
 // the reduction on clusters of blocks, T's splitting and eigenvalues, its eigenvectors by inverse iteration, and the
-// panels' compact WY factors. The host side (eigh_tridiagonal.cpp) sorts and multiplies between them.
+// panels' compact WY factors. The host side (eigh_tridiagonal_host.h) sorts and multiplies between them.
 #include <cuda_runtime.h>
 
 #include "../cluster.cuh"

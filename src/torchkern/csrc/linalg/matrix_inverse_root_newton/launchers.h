@@ -1,6 +1,6 @@
 // The Newton inverse root's launchers (docs/design.md, "Kernel sources"): torch-free params and launchers of the
 // kernels in this folder, included by the .cu files that define them and by the host side
-// (matrix_inverse_root_newton.cpp, ../ops.cpp). Every launcher runs on the stream it is given and returns the CUDA
+// (matrix_inverse_root_newton_host.h, ../ops.cpp). Every launcher runs on the stream it is given and returns the CUDA
 // error of what it started.
 #pragma once
 

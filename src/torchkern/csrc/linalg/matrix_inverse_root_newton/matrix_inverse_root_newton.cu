@@ -17,7 +17,7 @@
 // update compute ||M - I||_inf, apply the stopping rule, advance the scaling (next step's a, b)
 // and count the matrices still active (spreading the rows over blocks matters: one block per
 // matrix left a batch of 16 matrices latency-bound on 16 SMs).
-// The host side (matrix_inverse_root_newton.cpp) runs the products and the loop that reads back, once an
+// The host side (matrix_inverse_root_newton_host.h) runs the products and the loop that reads back, once an
 // iteration, the count of matrices still going.
 // For n >= 64 both paths start from a Lanczos estimate of each matrix's smallest eigenvalue (the
 // first scaling in linalg/twins.py; small_matrix::smallest_ritz_value in the small kernel, the

@@ -1,4 +1,4 @@
-// The Newton inverse root's large path on tensors (matrix_inverse_root_newton.cpp), for ../ops.cpp.
+// The Newton inverse root's large path on tensors (matrix_inverse_root_newton_host.h), for ../ops.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -2,6 +2,9 @@
 // the compute type and V in double) runs the whole cyclic Jacobi on one block per matrix. The kernel flags non-finite
 // matrices, scales and symmetrizes itself, so a cold start is one launch; a warm start rotates the matrix into Q0's
 // basis first and the eigenvectors back after.
+// Part of linalg's one host translation unit (../ops.cpp includes it): torch's headers are parsed once.
+#pragma once
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/matmul.h>

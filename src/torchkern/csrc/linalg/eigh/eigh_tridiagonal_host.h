@@ -4,6 +4,9 @@
 // the reflections' compact WY form, panel by panel from the last, in float64 products (cuBLAS: float32 matmuls would
 // follow torch's TF32 flag), and the shared way out. Q0, when given, is only checked. The kernels: tridiagonal.cuh,
 // eigh_tridiagonal.cu.
+// Part of linalg's one host translation unit (../ops.cpp includes it): torch's headers are parsed once.
+#pragma once
+
 #include <ATen/ops/baddbmm.h>
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>

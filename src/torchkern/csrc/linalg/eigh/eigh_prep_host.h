@@ -1,5 +1,8 @@
 // The solvers' way in and out on tensors (eigh_prep.h): scratch and outputs allocated here, the kernels launched
 // through launchers.h.
+// Part of linalg's one host translation unit (../ops.cpp includes it): torch's headers are parsed once.
+#pragma once
+
 #include "eigh_prep.h"
 
 #include <ATen/ops/bmm.h>

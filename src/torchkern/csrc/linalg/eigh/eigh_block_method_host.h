@@ -1,6 +1,9 @@
 // eigh's block method, the host side (the method and its kernels: eigh_block_method.cu): the buffers, the way in and
 // out (eigh_prep.h), a warm start's rotation into Q0's basis, and the sweeps, which loop on the device in a CUDA graph
 // (launch_sweeps) so that the call returns without waiting for them.
+// Part of linalg's one host translation unit (../ops.cpp includes it): torch's headers are parsed once.
+#pragma once
+
 #include <ATen/ops/bmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>

@@ -13,6 +13,9 @@
 // too (this project's CI toolkit has no cusolverDn.h, cublas_api.h or cusparse.h). The interface used here is a few
 // opaque pointers and enums, declared below with the values of cusolver_common.h, cublas_api.h and
 // library_types.h.
+// Part of linalg's one host translation unit (../ops.cpp includes it): torch's headers are parsed once.
+#pragma once
+
 #include <ATen/ops/empty.h>
 #include <ATen/ops/eye.h>
 #include <ATen/ops/linalg_eigh.h>

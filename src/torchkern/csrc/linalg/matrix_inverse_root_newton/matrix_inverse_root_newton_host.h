@@ -3,6 +3,9 @@
 // the loop that stops once no matrix goes on. For n < kSyncCheckFromN the count of iteration k is read after
 // iteration k + 1 has been queued, so the GPU never waits for the host (the price: one extra, frozen, no-op iteration
 // at the end); from there an iteration costs milliseconds, so the host waits for each iteration's own count instead.
+// Part of linalg's one host translation unit (../ops.cpp includes it): torch's headers are parsed once.
+#pragma once
+
 #include "matrix_inverse_root_newton.h"
 
 #include <ATen/ops/bmm.h>

@@ -1,6 +1,9 @@
 // eigh through torch.linalg.eigh (cuSOLVER's syevd, one matrix after another) between the shared way in and out
 // (eigh_prep.h): the router sends it the shapes where it is the fastest (linalg/constants.py, EIGH_TORCH_*). Q0, when
 // given, is only checked.
+// Part of linalg's one host translation unit (../ops.cpp includes it): torch's headers are parsed once.
+#pragma once
+
 #include <ATen/ops/linalg_eigh.h>
 
 #include <tuple>
