@@ -137,9 +137,12 @@ class LangevinDynamics(ChainSampler):
         fraction = real("restart_fraction", restart_fraction)
         if not 0 <= fraction <= 1:
             raise ValueError(f"restart_fraction must be in [0, 1], got {restart_fraction}")
-        low, high = _clamp_bounds(restart_range, "restart_range")
-        if (low is None) != (high is None) or (low is not None and not (math.isfinite(low) and math.isfinite(high))):
-            raise ValueError(f"restart_range must be None or a finite pair (low, high), got {restart_range!r}")
+        low = high = None
+        if restart_range is not None:
+            low, high = _clamp_bounds(restart_range, "restart_range")
+            bounded = low is not None and high is not None and math.isfinite(low) and math.isfinite(high)
+            if not bounded and (low, high) != (None, None):
+                raise ValueError(f"restart_range must be None or a finite pair (low, high), got {restart_range!r}")
         want = dict(trajectory=bool(return_trajectory), energy=bool(return_energy), restart=(fraction, low, high))
         out = self._run(x, n_samples, dim, n_steps, thin, want, inplace=inplace, generator=generator,
                         device=device, dtype=dtype)
@@ -163,7 +166,8 @@ class LangevinDynamics(ChainSampler):
                     state, *args, self.step_size, self.noise_scale, lo, hi, n_steps, thin, want["trajectory"],
                     want["energy"], fraction, low, high, self._precision, layout, generator, None, start)
                 return {"x": state, "finite_steps": finite, "trajectory": traj, "energy": energies}
-        x = twins.restart_rows(x, fraction, low, high, generator)
+        if fraction > 0:
+            x = twins.restart_rows(x, fraction, low, high, generator)
         keep = want["trajectory"] or want["energy"]
         if isinstance(energy, AnalyticEnergy):
             state, traj, finite = torch.ops.torchkern.langevin_chain(x, energy.kind, energy.params, self.step_size,

@@ -33,7 +33,7 @@ def energy_values(energy, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Check(NamedTuple):
-    first: torch.Tensor  # the smallest count (0-dim; on CUDA a pinned host copy, filled once ``done`` completes)
+    first: int | torch.Tensor  # the smallest count (on CUDA a 0-dim pinned host copy, filled once ``done`` completes)
     done: torch.cuda.Event | None
     finite_steps: torch.Tensor
     n_steps: int
@@ -49,9 +49,9 @@ class DivergenceWatch:
     event) and reads the previous call's, which the device has finished or is about to: the wait is for work queued a
     whole call earlier, with this call's chains queued behind it, so the device never idles for it. A call is thus
     reported by the next one at the latest, or at once by ``wait`` (``check_finite``). On the CPU the counts are at
-    hand and the call itself reports. Nothing is checked while a CUDA graph is being captured. A report raises ``error``, or warns (RuntimeWarning) where ``error`` is None; one still unread when the
-    sampler is collected warns (nothing can be raised there). ``describe(count, total, first_step, n_steps,
-    settings)`` words it."""
+    hand and the call itself reports. Nothing is checked while a CUDA graph is being captured. A report raises
+    ``error``, or warns (RuntimeWarning) where ``error`` is None; one still unread when the sampler is collected
+    warns (nothing can be raised there). ``describe(count, total, first_step, n_steps, settings)`` words it."""
 
     def __init__(self, owner: object, describe: Callable[..., str], error: type[Exception] | None) -> None:
         self._describe, self._error = describe, error
@@ -65,12 +65,15 @@ class DivergenceWatch:
             return  # a capture cannot read back: nothing is checked (the previous call's check stays pending)
         check = None
         if n_steps and finite_steps.numel():
-            first, done = finite_steps.min(), None
             if deferred:
-                first = first.to("cpu", non_blocking=True)  # a non-blocking copy to the host lands in pinned memory
+                first = finite_steps.min().to("cpu", non_blocking=True)  # a non-blocking copy lands in pinned memory
                 done = torch.cuda.Event()
                 done.record(torch.cuda.current_stream(finite_steps.device))
-            check = _Check(first, done, finite_steps, n_steps, settings)
+                check = _Check(first, done, finite_steps, n_steps, settings)
+            else:
+                first = int(finite_steps.min())
+                if first < n_steps:
+                    check = _Check(first, None, finite_steps, n_steps, settings)
         previous, self._pending = self._pending, check if deferred else None
         if previous is not None:
             self._report(previous, " (reported by the next sample() call: on CUDA a call does not wait for its "
