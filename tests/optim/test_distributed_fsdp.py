@@ -1,4 +1,5 @@
-"""Shampoo and SOAP with FSDP2 (``fully_shard``: DTensor parameters) over 2 gloo processes, float64: preconditioned as
+"""Shampoo and SOAP with FSDP2 (``fully_shard``: DTensor parameters) over 2 processes (gloo on the CPU; NCCL, one GPU
+a rank, where there are two), float64: preconditioned as
 each rank's shard they equal a single-process run whose blocks are the shards, and as gathered full parameters the
 plain single-process run; a non-finite gradient on one rank skips the step on both; DCP checkpoints continue
 exactly; K-FAC refuses DTensor parameters, naming what to use instead."""
@@ -33,12 +34,19 @@ OPTIMIZERS = {
 }
 
 
+def _device() -> torch.device:
+    """The rank's GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", dist.get_rank())
+    return torch.device("cpu")
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     layers = []
     for k in WIDTHS:
         layers += [nn.Linear(k, 2 * k), nn.Tanh()]
-    return nn.Sequential(*layers[:-1]).double()
+    return nn.Sequential(*layers[:-1]).double().to(_device())
 
 
 def _sharded() -> nn.Module:
@@ -46,7 +54,7 @@ def _sharded() -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
-    fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    fully_shard(model, mesh=init_device_mesh(_device().type, (dist.get_world_size(),)))
     return model
 
 
@@ -58,8 +66,8 @@ def _blockwise(model: nn.Module) -> list[dict]:
 
 def _batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64),
-             torch.randn(BATCH, 2 * WIDTHS[-1], generator=g, dtype=torch.float64)) for _ in range(STEPS)]
+    return [(torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64).to(_device()),
+             torch.randn(BATCH, 2 * WIDTHS[-1], generator=g, dtype=torch.float64).to(_device())) for _ in range(STEPS)]
 
 
 def _train_single(model, opt, batches, world: int) -> None:
@@ -154,5 +162,6 @@ def _run(rank: int, world: int, root: str) -> None:
     _checkpoint(rank, world, root)
 
 
-def test_fsdp2_two_ranks(tmp_path):
-    spawn(_run, 2, (str(tmp_path),))
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.cuda)])
+def test_fsdp2_two_ranks(tmp_path, backend):
+    spawn(_run, 2, (str(tmp_path),), backend=backend)
