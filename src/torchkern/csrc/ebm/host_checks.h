@@ -1,4 +1,4 @@
-// Host checks that several of the family's ops share (ops.cpp, mlp_chain/mlp_ops.cpp), in the words of
+// Host checks that several of the family's ops share (ops.cpp, mlp_chain/mlp_ops_host.h), in the words of
 // ebm/twins.py: an analytic energy's arguments, the Langevin step's, the run arguments of every chain op
 // (langevin_chain, hmc_chain_, mlp_langevin_chain_, mlp_hmc_chain_), HMC's, and the MLP chains' `start`.
 #pragma once

@@ -1,6 +1,7 @@
 // The ebm family's host side: for the analytic and Gaussian energies, the Langevin step and chain and the analytic
 // HMC chain, the argument checks (the words of ebm/twins.py), the device guard, allocation, the Philox counters and
-// the launchers of the .cu files (launchers.h); the MLP ops' host side is mlp_chain/mlp_ops.cpp. And the
+// the launchers of the .cu files (launchers.h); the MLP ops' host side is mlp_chain/mlp_ops_host.h, compiled here:
+// one host translation unit per family, since torch's headers are most of a host file's compile time. And the
 // registration of every ebm op for CUDA tensors.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -22,6 +23,7 @@
 #include "host_checks.h"
 #include "launchers.h"
 #include "mlp_chain/mlp_ops.h"
+#include "mlp_chain/mlp_ops_host.h"
 #include "torchkern/checks.h"
 #include "torchkern/dispatch.h"
 #include "torchkern/launch.h"

@@ -1,4 +1,4 @@
-// The fused MLP-energy chain: what the host side of its ops (mlp_ops.cpp: mlp_energy_and_score,
+// The fused MLP-energy chain: what the host side of its ops (mlp_ops_host.h: mlp_energy_and_score,
 // mlp_langevin_chain_, mlp_hmc_chain_) shares with the kernel (mlp_chain_kernel.cuh, one instantiation per operand
 // precision in mlp_chain_{bf16,tf32,fp32}.cu, compiled in parallel): the parameters, the geometry and the
 // launchers. Torch-free, read by nvcc and the host compiler.

@@ -1,4 +1,4 @@
-// The fused MLP-energy ops' host functions (mlp_ops.cpp), for ../ops.cpp's registration.
+// The fused MLP-energy ops' host functions (mlp_ops_host.h), for ../ops.cpp's registration.
 #pragma once
 
 #include <ATen/core/Tensor.h>

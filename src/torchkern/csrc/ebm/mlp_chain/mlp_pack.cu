@@ -1,4 +1,4 @@
-// The fused MLP chain's weight packing (mlp_ops.cpp `pack`): the network's float32 layers copied into the kernel's
+// The fused MLP chain's weight packing (mlp_ops_host.h `pack`): the network's float32 layers copied into the kernel's
 // padded geometry (widths rounded up to kAlign, zeros in the padding; streamed weights as the stages' image) and
 // rounded as the products read them, in ONE launch. Packing by a zeroed buffer and a copy per tensor takes ten
 // launches (the op's host time 0.21 against 0.06 ms on an H200 host).

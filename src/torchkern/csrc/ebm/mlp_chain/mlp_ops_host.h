@@ -7,6 +7,9 @@
 // N(0, I). Philox draws: t for step t's noise (the langevin_step counters), n_steps and n_steps + 1 for the
 // restarts. mlp_hmc_chain_: trajectory t draws its momenta at 2t (the langevin_step layout) and its acceptance
 // uniform at 2t + 1 (group = row); n_leapfrog + 1 gradient evaluations (half kick, drifts and kicks, half kick).
+// Part of ebm's one host translation unit (../ops.cpp includes it): torch's headers are parsed once.
+#pragma once
+
 #include "mlp_ops.h"
 
 #include <ATen/core/Tensor.h>
