@@ -23,19 +23,24 @@ __device__ __forceinline__ void with_storage(DType dtype, F&& f) {
   }
 }
 
+// f(k, c, j) for each of the lane's columns j = 4 (lane + 32 k) + c, unrolled (v[k][c] holds column j).
+template <int kChunks, typename F>
+__device__ __forceinline__ void for_lane_columns(int lane, F&& f) {
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) f(k, c, 4 * (lane + 32 * k) + c);
+  }
+}
+
 // The lane's columns of a row of `dtype` at `row` (d columns): read into v (0 past d) ...
 template <int kChunks, typename C>
 __device__ __forceinline__ void load_row(C (&v)[kChunks][4], const void* row, int d, int lane, DType dtype) {
   with_storage<C>(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int j = 4 * (lane + 32 * k) + c;
-        v[k][c] = j < d ? to_opmath(static_cast<const T*>(row)[j]) : C(0);
-      }
-    }
+    for_lane_columns<kChunks>(lane, [&](int k, int c, int j) {
+      v[k][c] = j < d ? to_opmath(static_cast<const T*>(row)[j]) : C(0);
+    });
   });
 }
 
@@ -44,14 +49,9 @@ template <int kChunks, typename C>
 __device__ __forceinline__ void store_row(void* row, const C (&v)[kChunks][4], int d, int lane, DType dtype) {
   with_storage<C>(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-#pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int j = 4 * (lane + 32 * k) + c;
-        if (j < d) static_cast<T*>(row)[j] = from_opmath<T>(v[k][c]);
-      }
-    }
+    for_lane_columns<kChunks>(lane, [&](int k, int c, int j) {
+      if (j < d) static_cast<T*>(row)[j] = from_opmath<T>(v[k][c]);
+    });
   });
 }
 
