@@ -123,7 +123,7 @@ cudaError_t langevin_chain_launch(const LangevinChainParams& p, cudaStream_t str
       default: {
         const int need = (p.d + 127) / 128;
         const int chunks = need <= 1 ? 1 : need <= 2 ? 2 : need <= 4 ? 4 : kMaxRowChunks;
-        chain::launch_rows<C>(p.kind, chunks, p.dtype, p.x, p.x, p.traj, a, p.philox, stream);
+        chain::launch_rows<T>(p.kind, chunks, xin, xout, tp, a, p.philox, stream);
       }
     }
     return cudaGetLastError();

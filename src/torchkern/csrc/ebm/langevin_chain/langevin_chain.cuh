@@ -28,11 +28,10 @@ struct ChainArgs {
   StepParams<C> s;
 };
 
-// Launches the one-warp-per-row chain for Rosenbrock or Ackley (langevin_chain_rows.cu) on x, out and traj of
-// `dtype`, computing in C (float64 for float64, else float32); chunks = 4-column groups per lane, one of 1, 2, 4,
-// kMaxRowChunks.
-template <typename C>
-void launch_rows(int kind, int chunks, DType dtype, const void* x, void* out, void* traj, const ChainArgs<C>& a,
+// Launches the one-warp-per-row chain for Rosenbrock or Ackley (langevin_chain_rows.cu);
+// chunks = 4-column groups per lane, one of 1, 2, 4, kMaxRowChunks.
+template <typename T>
+void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainArgs<opmath_t<T>>& a,
                  const PhiloxState& philox, cudaStream_t stream);
 
 }  // namespace chain

@@ -1,7 +1,5 @@
 // langevin_chain for row-coupled energies (Rosenbrock, Ackley): one warp owns a row (see
-// langevin_chain.cu for the layout and the noise contract). float32, float16 and bfloat16 states share the float
-// kernels: the dtype, a run-time argument, picks the conversions of the row's reads and writes (to_opmath /
-// from_opmath either way), each a loop of its own outside the step's update, so the kernels to compile are halved.
+// langevin_chain.cu for the layout and the noise contract).
 #include "langevin_chain.cuh"
 #include "torchkern/reduce.cuh"
 
@@ -9,59 +7,13 @@ namespace torchkern {
 namespace chain {
 namespace {
 
-// Calls f(Type<T>{}) with T the storage type of `dtype` among those that compute in C.
-template <typename C, typename F>
-__device__ __forceinline__ void with_storage(DType dtype, F&& f) {
-  if constexpr (sizeof(C) == 8) {
-    f(Type<double>{});
-  } else if (dtype == DType::kFloat16) {
-    f(Type<__half>{});
-  } else if (dtype == DType::kBFloat16) {
-    f(Type<__nv_bfloat16>{});
-  } else {
-    f(Type<float>{});
-  }
-}
-
-// f(k, c, j) for each of the lane's columns j = 4 (lane + 32 k) + c, unrolled (v[k][c] holds column j).
-template <int kChunks, typename F>
-__device__ __forceinline__ void for_lane_columns(int lane, F&& f) {
-#pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-#pragma unroll
-    for (int c = 0; c < 4; ++c) f(k, c, 4 * (lane + 32 * k) + c);
-  }
-}
-
-// The lane's columns of a row of `dtype` at `row` (d columns): read into v (0 past d) ...
-template <int kChunks, typename C>
-__device__ __forceinline__ void load_row(C (&v)[kChunks][4], const void* row, int d, int lane, DType dtype) {
-  with_storage<C>(dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    for_lane_columns<kChunks>(lane, [&](int k, int c, int j) {
-      v[k][c] = j < d ? to_opmath(static_cast<const T*>(row)[j]) : C(0);
-    });
-  });
-}
-
-// ... and written from v.
-template <int kChunks, typename C>
-__device__ __forceinline__ void store_row(void* row, const C (&v)[kChunks][4], int d, int lane, DType dtype) {
-  with_storage<C>(dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    for_lane_columns<kChunks>(lane, [&](int k, int c, int j) {
-      if (j < d) static_cast<T*>(row)[j] = from_opmath<T>(v[k][c]);
-    });
-  });
-}
-
-template <int kKind, int kChunks, typename C>
+template <int kKind, int kChunks, typename T>
 __global__ void __launch_bounds__(kThreads)
-chain_row_kernel(const void* __restrict__ x,  // [B, d] of dtype
-                 void* __restrict__ out,      // [B, d] of dtype
-                 void* __restrict__ traj,     // [B, kept, d] of dtype
-                 DType dtype, ChainArgs<C> a, PhiloxState philox) {
-  const int64_t elem = dtype == DType::kFloat64 ? 8 : dtype == DType::kFloat32 ? 4 : 2;  // bytes
+chain_row_kernel(const T* __restrict__ x,  // [B, d]
+                 T* __restrict__ out,      // [B, d]
+                 T* __restrict__ traj,     // [B, kept, d]
+                 ChainArgs<opmath_t<T>> a, PhiloxState philox) {
+  using C = opmath_t<T>;
   const int lane = threadIdx.x & 31;
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (r >= a.batch) return;  // whole warps leave together
@@ -70,7 +22,14 @@ chain_row_kernel(const void* __restrict__ x,  // [B, d] of dtype
   const bool groups_aligned = d % 4 == 0;  // then each chunk is one Philox group
   const PhiloxKey key = a.noise ? PhiloxKey{} : unpack_key(philox);
   C v[kChunks][4];
-  load_row(v, static_cast<const char*>(x) + row_base * elem, d, lane, dtype);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = 4 * (lane + 32 * k) + c;
+      v[k][c] = j < d ? to_opmath(x[row_base + j]) : C(0);
+    }
+  }
   bool noted = false;  // this lane recorded a non-finite state of the row
 #pragma unroll 1
   for (int t = 0; t < a.n_steps; ++t) {
@@ -129,46 +88,56 @@ chain_row_kernel(const void* __restrict__ x,  // [B, d] of dtype
         }
         v[k][c] = langevin_update(v[k][c], grad[k][c], eps, a.s, a.clamp);
         finite = finite && isfinite(v[k][c]);
+        if (keep) traj[(r * a.kept + slot) * d + j] = from_opmath<T>(v[k][c]);
       }
     }
-    if (keep) store_row(static_cast<char*>(traj) + (r * a.kept + slot) * d * elem, v, d, lane, dtype);
     if (!finite && !noted) {  // diverged: rare
       note_non_finite(a.finite_steps, r, t);
       noted = true;
     }
   }
-  store_row(static_cast<char*>(out) + row_base * elem, v, d, lane, dtype);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int j = 4 * (lane + 32 * k) + c;
+      if (j < d) out[row_base + j] = from_opmath<T>(v[k][c]);
+    }
+  }
 }
 
 }  // namespace
 
-template <int kKind, typename C>
-static void launch_row(int chunks, DType dtype, const void* x, void* out, void* traj, const ChainArgs<C>& a,
+template <int kKind, typename T>
+static void launch_row(int chunks, const T* x, T* out, T* traj, const ChainArgs<opmath_t<T>>& a,
                        const PhiloxState& philox, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>((a.batch + kWarps - 1) / kWarps);
   switch (chunks) {
-    case 1: chain_row_kernel<kKind, 1, C><<<grid, kThreads, 0, stream>>>(x, out, traj, dtype, a, philox); break;
-    case 2: chain_row_kernel<kKind, 2, C><<<grid, kThreads, 0, stream>>>(x, out, traj, dtype, a, philox); break;
-    case 4: chain_row_kernel<kKind, 4, C><<<grid, kThreads, 0, stream>>>(x, out, traj, dtype, a, philox); break;
-    default:
-      chain_row_kernel<kKind, kMaxRowChunks, C><<<grid, kThreads, 0, stream>>>(x, out, traj, dtype, a, philox);
+    case 1: chain_row_kernel<kKind, 1, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    case 2: chain_row_kernel<kKind, 2, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    case 4: chain_row_kernel<kKind, 4, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox); break;
+    default: chain_row_kernel<kKind, kMaxRowChunks, T><<<grid, kThreads, 0, stream>>>(x, out, traj, a, philox);
   }
 }
 
-template <typename C>
-void launch_rows(int kind, int chunks, DType dtype, const void* x, void* out, void* traj, const ChainArgs<C>& a,
+template <typename T>
+void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainArgs<opmath_t<T>>& a,
                  const PhiloxState& philox, cudaStream_t stream) {
   if (kind == kRosenbrock) {
-    launch_row<kRosenbrock, C>(chunks, dtype, x, out, traj, a, philox, stream);
+    launch_row<kRosenbrock, T>(chunks, x, out, traj, a, philox, stream);
   } else {
-    launch_row<kAckley, C>(chunks, dtype, x, out, traj, a, philox, stream);
+    launch_row<kAckley, T>(chunks, x, out, traj, a, philox, stream);
   }
 }
 
-template void launch_rows<float>(int, int, DType, const void*, void*, void*, const ChainArgs<float>&,
-                                 const PhiloxState&, cudaStream_t);
-template void launch_rows<double>(int, int, DType, const void*, void*, void*, const ChainArgs<double>&,
-                                  const PhiloxState&, cudaStream_t);
+#define TORCHKERN_INSTANTIATE_ROWS(T)                                                                          \
+  template void launch_rows<T>(int, int, const T*, T*, T*, const ChainArgs<opmath_t<T>>&, const PhiloxState&, \
+                               cudaStream_t);
+TORCHKERN_INSTANTIATE_ROWS(float)
+TORCHKERN_INSTANTIATE_ROWS(double)
+TORCHKERN_INSTANTIATE_ROWS(__half)
+TORCHKERN_INSTANTIATE_ROWS(__nv_bfloat16)
+#undef TORCHKERN_INSTANTIATE_ROWS
 
 }  // namespace chain
 }  // namespace torchkern
