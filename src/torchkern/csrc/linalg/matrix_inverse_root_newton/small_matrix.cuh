@@ -662,40 +662,13 @@ __device__ __forceinline__ C product(C* dst, const C* A, const C* B, int kmax, i
 // Buffers: X, M, P (3 NMAX x LD). A matrix with a non-finite entry: root NaN, err NaN, iters 0.
 // Pairs: block 2b + r works on matrix b; all of the above runs redundantly in both blocks except
 // the products, which split their tiles (sym_gemm_pair), and the output, which splits its rows.
-// The storage dtypes that compute in C share C's kernel: float32, float16 and bfloat16 storage compute in float, and
-// the dtype, a runtime argument, picks only the conversions of the first read and the last write (a third of the
-// instantiations to compile; the conversions are to_opmath / from_opmath either way).
-template <typename C>
-__device__ __forceinline__ C load_storage(const void* base, int64_t i, DType dtype) {
-  if constexpr (sizeof(C) == 8) {
-    return static_cast<const double*>(base)[i];
-  } else {
-    if (dtype == DType::kFloat16) return to_opmath(static_cast<const __half*>(base)[i]);
-    if (dtype == DType::kBFloat16) return to_opmath(static_cast<const __nv_bfloat16*>(base)[i]);
-    return static_cast<const float*>(base)[i];
-  }
-}
-
-template <typename C>
-__device__ __forceinline__ void store_storage(void* base, int64_t i, DType dtype, C v) {
-  if constexpr (sizeof(C) == 8) {
-    static_cast<double*>(base)[i] = v;
-  } else if (dtype == DType::kFloat16) {
-    static_cast<__half*>(base)[i] = from_opmath<__half>(v);
-  } else if (dtype == DType::kBFloat16) {
-    static_cast<__nv_bfloat16*>(base)[i] = from_opmath<__nv_bfloat16>(v);
-  } else {
-    static_cast<float*>(base)[i] = v;
-  }
-}
-
-template <typename Cfg, typename C>
+template <typename Cfg, typename T, typename C>
 __global__ void __launch_bounds__(Cfg::THREADS)
-newton_small_kernel(const void* __restrict__ G,  // [B, n, n] of dtype
-                    void* __restrict__ out,      // [B, n, n] of dtype
-                    C* __restrict__ err_out,     // [B]
+newton_small_kernel(const T* __restrict__ G,  // [B, n, n]
+                    T* __restrict__ out,      // [B, n, n]
+                    C* __restrict__ err_out,  // [B]
                     int* __restrict__ iters_out,  // [B]
-                    DType dtype, int n, int p, C eps, int max_iters, C tol) {
+                    int n, int p, C eps, int max_iters, C tol) {
   constexpr int NMAX = Cfg::NMAX, LD = Cfg::LD, THREADS = Cfg::THREADS;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   C* X = reinterpret_cast<C*>(smem_raw);
@@ -704,7 +677,7 @@ newton_small_kernel(const void* __restrict__ G,  // [B, n, n] of dtype
   __shared__ C scratch[THREADS / 32];
   __shared__ double scratch_sq[THREADS / 32];
   const int64_t b = blockIdx.x / Cfg::CLUSTER;
-  const int64_t base = b * n * n;
+  const T* g = G + b * n * n;
   const int tid = threadIdx.x;
 
   // zero all three buffers (the padding must stay zero), then load A = (G + G^T) / 2 + eps I into M
@@ -716,7 +689,7 @@ newton_small_kernel(const void* __restrict__ G,  // [B, n, n] of dtype
   bool finite = true;
   for (int i = tid; i < n * n; i += THREADS) {
     const int r = i / n, c = i - r * n;
-    const C v = load_storage<C>(G, base + i, dtype);
+    const C v = to_opmath(g[i]);
     finite &= isfinite(v);
     P[r * LD + c] = v;
   }
@@ -733,9 +706,10 @@ newton_small_kernel(const void* __restrict__ G,  // [B, n, n] of dtype
   }
   const C nonfinite = block_reduce<THREADS, C, false>(finite ? C(0) : C(1), scratch);
   sq = block_reduce<THREADS, double, false>(sq, scratch_sq);
+  T* o = out + b * n * n;
   const int rank = Cfg::CLUSTER == 1 ? 0 : cluster_rank();  // this block's share of the output
   if (nonfinite > C(0)) {  // both blocks of a pair return here, before any barrier
-    for (int i = tid + rank * THREADS; i < n * n; i += Cfg::CLUSTER * THREADS) store_storage(out, base + i, dtype, C(NAN));
+    for (int i = tid + rank * THREADS; i < n * n; i += Cfg::CLUSTER * THREADS) o[i] = from_opmath<T>(C(NAN));
     if (tid == 0 && rank == 0) err_out[b] = C(NAN), iters_out[b] = 0;
     return;
   }
@@ -790,16 +764,16 @@ newton_small_kernel(const void* __restrict__ G,  // [B, n, n] of dtype
   }
   for (int i = tid + rank * THREADS; i < n * n; i += Cfg::CLUSTER * THREADS) {
     const int r = i / n, c = i - r * n;
-    store_storage(out, base + i, dtype, X[r * LD + c]);
+    o[i] = from_opmath<T>(X[r * LD + c]);
   }
   if (tid == 0 && rank == 0) err_out[b] = err, iters_out[b] = it;
 }
 
 // The kernel for Cfg, with its shared memory opted in (once per device), and its launch config.
-template <typename Cfg, typename C>
+template <typename Cfg, typename T, typename C>
 struct SmallLaunch : ClusterLaunch {
   static constexpr size_t smem = Cfg::template smem_bytes<C>();
-  static constexpr auto kernel = newton_small_kernel<Cfg, C>;
+  static constexpr auto kernel = newton_small_kernel<Cfg, T, C>;
 
   SmallLaunch(int64_t batch, cudaStream_t stream)
       : ClusterLaunch(static_cast<unsigned>(batch * Cfg::CLUSTER), Cfg::THREADS, Cfg::CLUSTER, smem, stream,
@@ -809,24 +783,24 @@ struct SmallLaunch : ClusterLaunch {
   }
 };
 
-template <typename Cfg, typename C>
+template <typename Cfg, typename T, typename C>
 cudaError_t newton_small_run(const newton::SmallParams& p, bool* launched, cudaStream_t stream) {
-  using Launch = SmallLaunch<Cfg, C>;
+  using Launch = SmallLaunch<Cfg, T, C>;
   *launched = Launch::smem + sizeof(C) * 32 <= smem_optin_bytes();
   if (!*launched) return cudaSuccess;
   const Launch launch(p.batch, stream);
-  TORCHKERN_RETURN_IF_ERROR(cudaLaunchKernelEx(&launch.config, Launch::kernel, p.G, p.out, static_cast<C*>(p.err),
-                                               p.iters, p.dtype, p.n, p.p, static_cast<C>(p.eps), p.max_iters,
-                                               static_cast<C>(p.tol)));
+  TORCHKERN_RETURN_IF_ERROR(cudaLaunchKernelEx(&launch.config, Launch::kernel, static_cast<const T*>(p.G),
+                                               static_cast<T*>(p.out), static_cast<C*>(p.err), p.iters, p.n, p.p,
+                                               static_cast<C>(p.eps), p.max_iters, static_cast<C>(p.tol)));
   return cudaGetLastError();
 }
 
 // Whether a batch of `batch` matrices should run as pairs: the device and the kernel's build are
 // sm_90 or newer (a build from older PTX would trap), and every pair fits on the GPU at once
 // (with more matrices than that, one block per matrix already fills it).
-template <typename Cfg, typename C>
+template <typename Cfg, typename T, typename C>
 bool pairs_fit(int64_t batch) {
-  using Launch = SmallLaunch<Cfg, C>;
+  using Launch = SmallLaunch<Cfg, T, C>;
   static int cache[kCachedDevices] = {};
   const int pairs = per_device(cache, [](int device) {  // (a failed query leaves its error for the launcher)
     cudaFuncAttributes attributes;
@@ -848,28 +822,30 @@ using Cfg64 = Config<64, 4, 1>;
 using Cfg128 = Config<128, 8, 2>;
 using Cfg128Pair = Config<128, 8, 2, 2>;
 
-// The launcher for compute type C (float for float/half/bf16 storage, double for double): *launched false (and
+// The launcher for storage type T computing in C (float for float/half/bf16, double for double): *launched false (and
 // nothing launched) where the large path takes the call.
-template <typename C>
+template <typename T, typename C>
 cudaError_t newton_small_dispatch(const newton::SmallParams& p, bool* launched, cudaStream_t stream) {
   const auto run = [&](auto config) {
     using Cfg = decltype(config);
-    return newton_small_run<Cfg, C>(p, launched, stream);
+    return newton_small_run<Cfg, T, C>(p, launched, stream);
   };
   *launched = false;
   if (p.n <= 16) return run(Cfg16{});
   if (p.n <= 32) return run(Cfg32{});
   if (p.n <= 64) return run(Cfg64{});
   if constexpr (sizeof(C) == 4) {
-    if (p.n <= 128) return pairs_fit<Cfg128Pair, C>(p.batch) ? run(Cfg128Pair{}) : run(Cfg128{});
+    if (p.n <= 128) return pairs_fit<Cfg128Pair, T, C>(p.batch) ? run(Cfg128Pair{}) : run(Cfg128{});
   }
   return cudaSuccess;  // float64 above 64 (3 x 128^2 doubles do not fit) and everything above 128: the large path
 }
 
 }  // namespace small_matrix
 
-// The instantiations, one file per compute type (matrix_inverse_root_newton_small_{f32,f64}.cu, the first with the
+// The instantiations, one file each (matrix_inverse_root_newton_small_{f32,f64,f16,bf16}.cu, the first with the
 // launcher).
 cudaError_t newton_small_f64(const newton::SmallParams& p, bool* launched, cudaStream_t stream);
+cudaError_t newton_small_f16(const newton::SmallParams& p, bool* launched, cudaStream_t stream);
+cudaError_t newton_small_bf16(const newton::SmallParams& p, bool* launched, cudaStream_t stream);
 
 }  // namespace torchkern
