@@ -19,7 +19,7 @@ from ebm_testing import TorchDoubleWell, gaussian, mlp_energy
 from testing import devices, randn, requires_cuda
 
 from torchkern import ebm
-from torchkern.ebm import constants as ebm_constants, mlp as ebm_mlp
+from torchkern.ebm import constants as ebm_constants, mlp as ebm_mlp, twins
 
 
 # --------------------------------------------------------------------------- arguments
@@ -189,6 +189,19 @@ def test_cuda_check_does_not_wait(kind):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     sampler.check_finite()
+
+
+@pytest.mark.parametrize("device", devices(second_gpu=False))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_finite_rows_is_isfinite_all(device, dtype):
+    # The twins' per-step test, on the values that matter: the largest finite ones (whose sum overflows), infinities
+    # of either sign, NaN, and a row of finite values around them.
+    big = torch.finfo(dtype).max
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[1.0, -2.0, 0.0], [big, big, -big], [inf, 0.0, 1.0], [1.0, -inf, 1.0], [nan, 1.0, 1.0],
+                      [0.0, 0.0, nan]], dtype=dtype, device=device)
+    assert torch.equal(twins.finite_rows(x), torch.isfinite(x).all(1))
+    assert twins.finite_rows(x).tolist() == [True, True, False, False, False, False]
 
 
 @pytest.mark.parametrize("device", devices(second_gpu=False))

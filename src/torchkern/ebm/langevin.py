@@ -207,7 +207,7 @@ class LangevinDynamics(ChainSampler):
     def _step(self, energy, state: torch.Tensor, generator, track: twins.FiniteSteps) -> None:
         grad = torch.neg(score(energy, state))
         torch.ops.torchkern.langevin_step_(state, grad, self.step_size, self.noise_scale, *self.clamp, generator)
-        track.update(torch.isfinite(state).all(1))
+        track.update(twins.finite_rows(state))
 
     def _graphed_step(self, energy, state: torch.Tensor, generator):
         """A replayable CUDA graph of one step on a static buffer (captured once per shape, dtype, device)."""
