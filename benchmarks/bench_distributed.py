@@ -16,10 +16,11 @@ Per optimizer: ``--warmup`` steps (CUDA graph captures, first refreshes), then `
 SOAP's 10 and Shampoo's 20 steps between refreshes, so the refreshes are amortized): the median over ``--repeats``
 of the wall time per training step (forward, backward with DDP's all-reduce, optimizer step; synchronized at the
 ends), and the optimizer's time per step (CUDA events around ``step()``: its kernels and collectives, and any idle
-gap while the host queues them; ``opt_med``: the median step's, a step without a refresh). Then ``--check-steps`` steps with the ranks' parameters compared after each (a
-bitwise checksum of every parameter, all-gathered; at the end the parameters themselves): ``identical`` in the
-output, or the first step and the largest difference. ``--baseline``: a 1-rank run's JSON, for the optimizer's time
-on these ranks against one rank (the refreshes split; the every-step work is each rank's whole).
+gap while the host queues them; ``opt_med``: the median step's, a step without a refresh). Then ``--check-steps``
+steps with the ranks' parameters compared after each (a bitwise checksum of every parameter, all-gathered; at the
+end the parameters themselves): ``identical`` in the output, or the first step and the largest difference.
+``--baseline``: a 1-rank run's JSON, for the optimizer's time on these ranks against one rank (the refreshes split;
+the every-step work is each rank's whole).
 
 ``--device cpu`` (gloo, with ``--dim 64 --seq 16 --steps 20`` or so) checks the script without a GPU.
 """
@@ -199,7 +200,8 @@ def main() -> None:
         name_of = torch.cuda.get_device_name(device) if cuda else "cpu"
         print(f"\n{world} rank(s) of {name_of}, torch {torch.__version__}; {args.blocks} blocks d={args.dim}, "
               f"B={args.batch} per rank, T={args.seq}; ms per step (median of {args.repeats} x {args.steps})")
-        print(f"{'optimizer':18} {'train':>8} {'/adamw':>7} {'opt':>8} {'opt/1rank':>9} {'opt_med':>8}  ranks identical")
+        print(f"{'optimizer':18} {'train':>8} {'/adamw':>7} {'opt':>8} {'opt/1rank':>9} {'opt_med':>8}  "
+              "ranks identical")
         for name, r in results.items():
             ratio = f"{r['train_ms'] / adamw:7.2f}" if adamw else f"{'':7}"
             scale = f"{r['optimizer_ms'] / base[name]['optimizer_ms']:9.2f}" if name in base else f"{'':9}"
