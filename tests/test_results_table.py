@@ -67,3 +67,20 @@ def test_update_replaces_only_the_marked_block(table, tmp_path):
     md.write_text("# no markers\n")
     with pytest.raises(SystemExit, match="no block between"):
         table.main([str(bench), "--update", str(md)])
+
+
+def test_named_peer_column_where_the_family_has_peers(table):
+    rows = (case("optim", "soap/train", {"torchkern": 2e-3, "adamw": 1e-3, "heavyball_soap": 6e-3})
+            + case("per_sample", "dp/mlp", {"torchkern": 1e-3, "torch_func": 2e-3, "opacus_hooks": 4e-3,
+                                            "opacus_ghost": 3e-3})
+            + case("primitives", "mul/large", {"torchkern": 1e-3, "eager": 1e-3}))
+    rows.append(dict(family="optim", case="soap/train", impl="meta_shampoo", error="RuntimeError: no"))
+    text = table.tables(report(rows))
+    lines = text.splitlines()
+    assert "Named peer:" in " ".join(lines[:4])
+    soap = next(line for line in lines if line.startswith("| soap/train"))
+    assert soap == "| soap/train | 2.00 ms | adamw | 1.00 ms | **0.50×** | heavyball_soap 3.00× |"
+    dp = next(line for line in lines if line.startswith("| dp/mlp"))
+    assert dp.endswith("| opacus_ghost 3.00× |")  # the fastest of the peers
+    mul = next(line for line in lines if line.startswith("| mul/large"))
+    assert mul.count("|") == 6  # a family without peers has no peer column
