@@ -83,15 +83,13 @@ class _StepTimer:
             step()
             self.host += time.perf_counter() - t
 
-    def total_ms(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return sum(s.elapsed_time(e) for s, e in self.pairs)
-        return self.host * 1e3
-
-    def median_ms(self) -> float:
-        """The median step's time (a step without a refresh: the every-step work); nan on the CPU."""
-        return statistics.median(s.elapsed_time(e) for s, e in self.pairs) if self.cuda else float("nan")
+    def total_and_median_ms(self) -> tuple[float, float]:
+        """All steps' time, and the median step's (a step without a refresh: the every-step work; nan on the CPU)."""
+        if not self.cuda:
+            return self.host * 1e3, float("nan")
+        torch.cuda.synchronize()
+        steps = [s.elapsed_time(e) for s, e in self.pairs]
+        return sum(steps), statistics.median(steps)
 
 
 def _sync(device: torch.device) -> None:
@@ -139,8 +137,9 @@ def _run(name: str, make, args, device: torch.device, x: torch.Tensor, y: torch.
             train_step(timer)
         _sync(device)
         times.append((time.perf_counter() - t) * 1e3 / args.steps)
-        opt_ms.append(timer.total_ms() / args.steps)
-        median_ms.append(timer.median_ms())
+        total, median = timer.total_and_median_ms()
+        opt_ms.append(total / args.steps)
+        median_ms.append(median)
     mismatch = None
     for step in range(args.check_steps):
         train_step()

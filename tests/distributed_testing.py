@@ -109,6 +109,13 @@ def spawn(fn, world: int = 2, args: tuple = (), backend: str = "gloo") -> None:
         pytest.fail("\n".join(errors), pytrace=False)
 
 
+def rank_device() -> torch.device:
+    """This rank's GPU under NCCL (``spawn`` puts rank r on GPU r), else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", dist.get_rank())
+    return torch.device("cpu")
+
+
 def gathered(t: torch.Tensor) -> list[torch.Tensor]:
     """``t`` of every rank, in rank order."""
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]

@@ -114,7 +114,8 @@ def format_rows(rows: list[dict], indent: int, note: bool = True) -> str:
     lines = []
     for row in rows:
         if row.get("error"):
-            lines.append(f"{'':{indent}}{row['impl'] or ''}{' ' if row['impl'] else ''}FAILED: {row['error']}")
+            label = f"{row['impl']} " if row["impl"] else ""  # a baseline's own failure, or the whole case's
+            lines.append(f"{'':{indent}}{label}FAILED: {row['error']}")
             continue
         fraction = row["floor_fraction"] or 0
         floor = f"{100 * fraction:.0f}% {row['ceiling'][0]}" if fraction >= 0.01 else ""

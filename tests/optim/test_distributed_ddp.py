@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distributed_testing import flat, gathered, spawn, train
+from distributed_testing import flat, gathered, rank_device, spawn, train
 from torchkern.optim import KFAC, SOAP, Shampoo
 from torchkern.optim.distributed import Distributed
 
@@ -31,28 +31,22 @@ OPTIMIZERS = {
 }
 
 
-def _device() -> torch.device:
-    """The rank's GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", dist.get_rank())
-    return torch.device("cpu")
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                         nn.Linear(16, 3)).double().to(_device())
+                         nn.Linear(16, 3)).double().to(rank_device())
 
 
 def _ddp() -> DistributedDataParallel:
-    device = _device()
+    device = rank_device()
     return DistributedDataParallel(_model(), device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, 6, generator=g, dtype=torch.float64).to(_device()),
-             torch.randn(BATCH, 3, generator=g, dtype=torch.float64).to(_device())) for _ in range(STEPS)]
+    device = rank_device()
+    return [(torch.randn(BATCH, 6, generator=g, dtype=torch.float64).to(device),
+             torch.randn(BATCH, 3, generator=g, dtype=torch.float64).to(device)) for _ in range(STEPS)]
 
 
 # Rounding-level changes of the gradients (DDP's average against one backward of the whole batch) move these two
@@ -80,7 +74,7 @@ def _parity(rank: int, world: int) -> None:
         d = opt._distribution
         assert d.world == world and d.refreshed > 0 and d.received > 0, (name, d.refreshed, d.received)
         costs = gathered(torch.tensor([d.refreshed_cost, d.refreshed + d.received], dtype=torch.float64,
-                                      device=_device()))
+                                      device=rank_device()))
         total, largest = sum(c[0].item() for c in costs), max(cost for _, cost in d.owners().values())
         assert abs(d.refreshed_cost - total / world) <= largest, (name, d.refreshed_cost, total)
         assert len({c[1].item() for c in costs}) == 1  # every rank saw every unit
@@ -112,7 +106,7 @@ def _not_replicas(rank: int, world: int) -> None:
         with pytest.raises(RuntimeError, match="gradients differ across the 2 ranks"):
             opt.step()
     # different models: their sizes differ, before any fingerprint is gathered
-    model = nn.Linear(6, 3 + rank).double().to(_device())
+    model = nn.Linear(6, 3 + rank).double().to(rank_device())
     opt = OPTIMIZERS["shampoo"](model)
     nn.functional.mse_loss(model(x[rows]), y[rows, :1].expand(-1, 3 + rank)).backward()
     with pytest.raises(RuntimeError, match="hold different parameters"):

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from distributed_testing import spawn, train
+from distributed_testing import rank_device, spawn, train
 from torchkern.optim import KFAC, SOAP, Shampoo
 from torchkern.optim.distributed import Distributed
 
@@ -34,19 +34,12 @@ OPTIMIZERS = {
 }
 
 
-def _device() -> torch.device:
-    """The rank's GPU under NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", dist.get_rank())
-    return torch.device("cpu")
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     layers = []
     for k in WIDTHS:
         layers += [nn.Linear(k, 2 * k), nn.Tanh()]
-    return nn.Sequential(*layers[:-1]).double().to(_device())
+    return nn.Sequential(*layers[:-1]).double().to(rank_device())
 
 
 def _sharded() -> nn.Module:
@@ -54,7 +47,7 @@ def _sharded() -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
-    fully_shard(model, mesh=init_device_mesh(_device().type, (dist.get_world_size(),)))
+    fully_shard(model, mesh=init_device_mesh(rank_device().type, (dist.get_world_size(),)))
     return model
 
 
@@ -66,8 +59,9 @@ def _blockwise(model: nn.Module) -> list[dict]:
 
 def _batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64).to(_device()),
-             torch.randn(BATCH, 2 * WIDTHS[-1], generator=g, dtype=torch.float64).to(_device())) for _ in range(STEPS)]
+    device = rank_device()
+    return [(torch.randn(BATCH, WIDTHS[0], generator=g, dtype=torch.float64).to(device),
+             torch.randn(BATCH, 2 * WIDTHS[-1], generator=g, dtype=torch.float64).to(device)) for _ in range(STEPS)]
 
 
 def _train_single(model, opt, batches, world: int) -> None:
