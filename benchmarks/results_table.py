@@ -2,7 +2,8 @@
 
 One table per family, one row per case: torchkern's time, the strongest baseline's name and time, the speed-up
 (the baseline's time over torchkern's), the fastest named peer's speed-up where the family has peers, the floor
-reached where the family has one, and the case's own note; a note several cases share follows the table once. The caption names the device, torch and the commit timed.
+reached where the family has one, and the case's own note; a note several cases share follows the table once. The
+caption names the device, torch and the commit timed.
 
     python benchmarks/results_table.py gpu-out/bench.json                 # print the tables
     python benchmarks/results_table.py gpu-out/bench.json --update benchmarks/RESULTS.md
