@@ -4,14 +4,18 @@ For each row a new cache directory: the first `import` in a fresh process builds
 median of later fresh processes loads it from the cache (warm). Times are measured inside each process from after
 `import torch` to after the import, so the interpreter's and torch's own start-up (seconds on some hosts, and
 noisy) stay out; "torch" is the median of `import torch` alone. "built" names the families the cold import
-compiled (a family builds with the families it imports). Run it on the GPU host: `python benchmarks/import_time.py`
+compiled (a family builds with the families it imports). The package's bytecode is compiled first, as ``pip install``
+does: run from a source tree where ``PYTHONDONTWRITEBYTECODE`` is set, every import would otherwise compile
+torchkern's Python anew, which no installed copy does. Run it on the GPU host: `python benchmarks/import_time.py`
 (every row), or name rows: `python benchmarks/import_time.py all --warm 3`.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -54,6 +58,7 @@ def main() -> None:
     unknown = [row for row in args.rows if row not in ROWS]
     if unknown:
         parser.error(f"unknown row {unknown[0]!r}: choose from {', '.join(ROWS)}")
+    compileall.compile_dir(os.path.dirname(importlib.util.find_spec("torchkern").origin), quiet=1)
     print(f"{os.cpu_count()} CPUs, MAX_JOBS={os.environ.get('MAX_JOBS', 'unset')}, "
           f"TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', 'unset')}")
     print(f"{'import':<12} {'cold s':>8} {'warm s':>8} {'torch s':>8}  built (cold)")
