@@ -886,8 +886,9 @@ def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
 
 
 def _sq_any(g: torch.Tensor) -> torch.Tensor:
-    # reshape, not flatten(1): a 0-d parameter's gradients are (B,)
-    return g.reshape(g.shape[0], -1).to(opmath_dtype(g.dtype)).square().sum(1)
+    # reshape, not flatten(1): a 0-d parameter's gradients are (B,); rows, (B, numel) already, need no view
+    rows = g if g.dim() == 2 else g.reshape(g.shape[0], -1)
+    return rows.to(opmath_dtype(g.dtype)).square().sum(1)
 
 
 def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor | None, object, list]:
@@ -1025,7 +1026,7 @@ def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: to
             sqs, states, runs = _sq_terms(run, keep=True, writer=writer)
             sq = sum_terms(sqs) if sqs else torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         result = sq.clamp_(min=0).sqrt_()
-        c = (max_norm / result).clamp_(max=1.0)  # a zero norm: max_norm / 0 = inf -> 1
+        c = result.reciprocal().mul_(max_norm).clamp_(max=1.0)  # a zero norm: max_norm / 0 = inf -> 1
         if mask is not None:
             c.mul_(mask)
         if run is None:

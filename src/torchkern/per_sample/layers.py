@@ -62,10 +62,9 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x if x.dim() <= 3 else x.flatten(1, -2)
 
 
-def _scaled(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """t scaled by the clip factors c (B,) along dim 0, in c's dtype (float32 for a low-precision t: rounding c,
-    or each product, to bfloat16 would scale a clipped gradient by up to 1 + 2^-9, past the clipping bound)."""
-    return t * c.view(-1, *([1] * (t.dim() - 1)))
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(B, T, d) -> (B T, d); 2-D stays as it is (no view op: each costs host time)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
 
 
 def _sq(t: torch.Tensor) -> torch.Tensor:
@@ -77,10 +76,10 @@ class Writer:
     the parameter's shape, float32 or float64): overwriting it (``beta=0``, NaN in the old contents never
     propagates) or adding to it (``beta=1``). One writer serves one set of clip factors c."""
 
-    __slots__ = ("views", "beta", "_rows")
+    __slots__ = ("views", "beta", "_rows", "_columns")
 
     def __init__(self, views: dict[str, torch.Tensor], beta: int):
-        self.views, self.beta, self._rows = views, beta, {}
+        self.views, self.beta, self._rows, self._columns = views, beta, {}, {}
 
     def row_factors(self, c: torch.Tensor, positions: int) -> torch.Tensor:
         """c repeated for each of a sample's ``positions`` rows, (B positions,): made once per count, not per
@@ -89,6 +88,15 @@ class Writer:
         if rows is None:
             rows = self._rows[positions] = c.unsqueeze(1).expand(c.shape[0], positions).reshape(-1)
         return rows
+
+    def scaled(self, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """t scaled by the clip factors c (B,) along dim 0, in c's dtype (float32 for a low-precision t: rounding c,
+        or each product, to bfloat16 would scale a clipped gradient by up to 1 + 2^-9, past the clipping bound).
+        c's broadcastable view is made once per rank, not per layer."""
+        column = self._columns.get(t.dim())
+        if column is None:
+            column = self._columns[t.dim()] = c.view(-1, *([1] * (t.dim() - 1)))
+        return t * column
 
     def where(self, name: str) -> tuple[torch.Tensor, int, int] | None:
         """(the flat buffer, start, end) of the accumulator of ``name`` where it is a slice of a flat buffer, else
@@ -102,7 +110,8 @@ class Writer:
 
     def put(self, name: str, value: torch.Tensor) -> None:
         view = self.views[name]
-        value = value.reshape(view.shape)
+        if value.shape != view.shape:
+            value = value.reshape(view.shape)
         if self.beta == 0:
             view.copy_(value)
         else:
@@ -199,14 +208,14 @@ class LinearRule(Rule):
         # sum_i c_i g_i^T a_i = (c * g)^T a = g^T (c * a): one GEMM over the B T rows, on a scaled copy of the
         # operand with fewer features (cuBLAS cannot scale along the reduction dim; the copy costs a fraction
         # of the GEMM)
-        g2, a2 = g.reshape(-1, g.shape[-1]), a.reshape(-1, a.shape[-1])
+        g2t = _rows(g).T
         if a.shape[-1] < g.shape[-1]:
-            writer.mm(names["weight"], g2.T, _scaled(a, c).reshape(a2.shape))
+            writer.mm(names["weight"], g2t, _rows(writer.scaled(a, c)))
         else:
-            writer.mm(names["weight"], _scaled(g, c).reshape(g2.shape).T, a2)
+            writer.mm(names["weight"], _rows(writer.scaled(g, c)).T, _rows(a))
         if "bias" in names:
-            if g2.dtype == c.dtype:  # sum_i c_i sum_t g_it: a GEMV over the rows, each row's factor its sample's
-                writer.mv(names["bias"], g2.T, c if g.dim() == 2 else writer.row_factors(c, g.shape[1]))
+            if g.dtype == c.dtype:  # sum_i c_i sum_t g_it: a GEMV over the rows, each row's factor its sample's
+                writer.mv(names["bias"], g2t, c if g.dim() == 2 else writer.row_factors(c, g.shape[1]))
             else:  # low precision: each sample's rows summed in c's dtype first
                 writer.mv(names["bias"], (g if g.dim() == 2 else g.sum(1, dtype=c.dtype)).T, c)
 
@@ -237,8 +246,8 @@ class EmbeddingRule(Rule):
 
     @staticmethod
     def _inputs(module, x, g):
-        idx = x.reshape(x.shape[0], -1)
-        return idx, g.reshape(idx.shape[0], idx.shape[1], g.shape[-1])
+        idx = x if x.dim() == 2 else x.reshape(x.shape[0], -1)
+        return idx, g if g.dim() == 3 else g.reshape(idx.shape[0], idx.shape[1], g.shape[-1])
 
     @staticmethod
     def _masked(module, idx, g):
@@ -260,7 +269,7 @@ class EmbeddingRule(Rule):
     def clip(self, module, state, c, names, writer):
         idx, g = state
         pad = -1 if module.padding_idx is None else module.padding_idx
-        grad = torch.ops.aten.embedding_dense_backward(_scaled(g, c), idx, module.num_embeddings, pad, False)
+        grad = torch.ops.aten.embedding_dense_backward(writer.scaled(g, c), idx, module.num_embeddings, pad, False)
         writer.put(names["weight"], grad)
 
     def grads(self, module, x, g, names):
@@ -326,6 +335,8 @@ class LayerNormRule(_AffineNormRule):
         return F.layer_norm(x.to(ct), module.normalized_shape, None, None, module.eps)
 
     def _reduce(self, module, t):
+        if t.dim() == len(module.normalized_shape) + 2:  # one dim of positions: no view op
+            return t.sum(1)
         return t.reshape(t.shape[0], -1, *module.normalized_shape).sum(1)
 
 
@@ -346,6 +357,8 @@ class GroupNormRule(_AffineNormRule):
         return F.group_norm(x.to(ct), module.num_groups, None, None, module.eps)
 
     def _reduce(self, module, t):
+        if t.dim() > 2:  # the spatial dims of a contiguous t, summed as one (no view op)
+            return t.sum(tuple(range(2, t.dim())))
         return t.reshape(t.shape[0], t.shape[1], -1).sum(2)
 
 
@@ -376,7 +389,9 @@ class ConvRule(Rule):
         if any(padding):
             xp = F.pad(xp, [p for p in reversed(padding) for _ in range(2)])
         for i in range(self.dims):  # windows of each spatial dim as a new last dim, every d-th element of them
-            xp = xp.unfold(2 + i, (k[i] - 1) * d[i] + 1, s[i])[..., ::d[i]]
+            xp = xp.unfold(2 + i, (k[i] - 1) * d[i] + 1, s[i])
+            if d[i] > 1:
+                xp = xp[..., ::d[i]]
         b, c = xp.shape[:2]
         out = xp.shape[2:2 + self.dims]
         # (b, C, *out, *K) -> (b, C, *K, *out): channels, then kernel offsets, then positions, as F.unfold orders them
@@ -391,7 +406,7 @@ class ConvRule(Rule):
         d_in = module.in_channels // groups * math.prod(module.kernel_size)
         d_out, positions = c_out // groups, math.prod(g.shape[2:])
         ct = opmath_dtype(g.dtype)
-        g3 = g.reshape(batch, c_out, positions)
+        g3 = g if g.dim() == 3 else g.reshape(batch, c_out, positions)
         rows = {"bias": g3.sum(2, dtype=ct)} if "bias" in names else {}
         if "weight" not in names:
             return None, None, rows
@@ -406,17 +421,26 @@ class ConvRule(Rule):
         gram_bytes = 3 * groups * positions * positions * ct.itemsize if gram else 0
         step = batch if grads else max(1, CHUNK_BYTES // (unfold_bytes + gram_bytes + w_bytes))
         sqs, ws = [], []
+        single = groups == 1  # no group dim: fewer view ops (each costs host time)
         for i in range(0, batch, step):
-            u = self._unfold(module, xp[i:i + step].to(g.dtype), padding)
+            whole = step >= batch
+            u = self._unfold(module, (xp if whole else xp[i:i + step]).to(g.dtype), padding)
             b = u.shape[0]
-            a = u.view(b, groups, d_in, positions).transpose(2, 3)  # (b, G, L, d_in)
-            gg = g3[i:i + step].reshape(b, groups, d_out, positions)
+            gg = g3 if whole else g3[i:i + step]
+            if single:  # (b, L, d_in), (b, d_out, L)
+                a = u.transpose(1, 2)
+            else:  # (b, G, L, d_in), (b, G, d_out, L)
+                a = u.view(b, groups, d_in, positions).transpose(2, 3)
+                gg = gg.reshape(b, groups, d_out, positions)
             if gram:  # one Linear problem per (sample, group)
+                if single:
+                    sqs.append(ops.linear_grad_sq_norms(a, gg.transpose(1, 2)))
+                    continue
                 a3 = a.reshape(b * groups, positions, d_in)
                 gl = gg.transpose(2, 3).reshape(b * groups, positions, d_out)
                 sqs.append(ops.linear_grad_sq_norms(a3, gl).view(b, groups).sum(1))
             else:
-                w = torch.matmul(gg.to(ct), a.to(ct))  # (b, G, d_out, d_in): per-sample weight gradients
+                w = torch.matmul(gg.to(ct), a.to(ct))  # (b, [G,] d_out, d_in): per-sample weight gradients
                 if kept:
                     ws.append(w.reshape(b, -1))
                 else:
@@ -431,9 +455,9 @@ class ConvRule(Rule):
         g, xp, padding = state
         xp = xp.to(g.dtype)
         if xp.numel() < g.numel():
-            xp = _scaled(xp, c)
+            xp = writer.scaled(xp, c)
         else:
-            g = _scaled(g, c)
+            g = writer.scaled(g, c)
         xp, g = xp.to(c.dtype), g.to(c.dtype)
         weight_grad = torch.nn.grad.conv1d_weight if self.dims == 1 else torch.nn.grad.conv2d_weight
         writer.put(names["weight"], weight_grad(xp, module.weight.shape, g, module.stride, padding, module.dilation,
