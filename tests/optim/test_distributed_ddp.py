@@ -1,7 +1,9 @@
 """Shampoo, SOAP and K-FAC under DistributedDataParallel over 2 processes (gloo on the CPU; NCCL where 2 GPUs are
 visible), float64: after several steps on rank-local minibatches every rank's parameters equal a single-process run
-on the concatenated batch, each rank computes its share of the refreshes (by cost), a bfloat16 exchange keeps the
-ranks identical, and ranks that do not hold one model raise instead of mixing their results."""
+on the concatenated batch, and so does Shampoo's and SOAP's state dict; each rank steps and refreshes its share of
+the blocks (K-FAC: of the refreshes, by cost); a new param group moves blocks between ranks with their state; a
+bfloat16 exchange keeps the ranks identical; ranks that do not hold one model raise instead of mixing their
+results."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distributed_testing import flat, gathered, rank_device, spawn, train
 from torchkern.optim import KFAC, SOAP, Shampoo
-from torchkern.optim.distributed import Distributed
+from torchkern.optim.distributed import Distributed, assign_blocks
 
 pytestmark = pytest.mark.slow  # spawns processes
 
@@ -65,19 +67,78 @@ def _parity(rank: int, world: int) -> None:
         params = flat(model.module)
         if name not in NOT_CONTINUOUS:
             single = _model()
-            train(single, make(single, distributed=None), batches, slice(None))
+            single_opt = make(single, distributed=None)
+            train(single, single_opt, batches, slice(None))
             expected = flat(single)
             err = (params - expected).abs().max().item()
             assert err <= 1e-10 * expected.abs().max().item(), (name, rank, err)
         assert all((p - params).abs().max().item() <= 1e-12 for p in gathered(params)), name
-        # each rank computed about its share of the refreshes: within one unit of an even split by cost
         d = opt._distribution
         assert d.world == world and d.refreshed > 0 and d.received > 0, (name, d.refreshed, d.received)
-        costs = gathered(torch.tensor([d.refreshed_cost, d.refreshed + d.received], dtype=torch.float64,
-                                      device=rank_device()))
-        total, largest = sum(c[0].item() for c in costs), max(cost for _, cost in d.owners().values())
-        assert abs(d.refreshed_cost - total / world) <= largest, (name, d.refreshed_cost, total)
-        assert len({c[1].item() for c in costs}) == 1  # every rank saw every unit
+        if name == "kfac":  # each rank computed about its share of the refreshes: within one unit of an even split
+            costs = gathered(torch.tensor([d.refreshed_cost, d.refreshed + d.received], dtype=torch.float64,
+                                          device=rank_device()))
+            total, largest = sum(c[0].item() for c in costs), max(cost for _, cost in d.owners().values())
+            assert abs(d.refreshed_cost - total / world) <= largest, (name, d.refreshed_cost, total)
+            assert len({c[1].item() for c in costs}) == 1  # every rank saw every unit
+            continue
+        # each block stepped on one rank at every step, every rank its share; the state dict is the single process's
+        counts = [c.tolist() for c in gathered(torch.tensor([d.stepped, d.refreshed], device=rank_device()))]
+        blocks = sum(len(owners) for owners in d.block_owners().values())
+        assert sum(c[0] for c in counts) == STEPS * blocks, (name, counts, blocks)
+        assert all(0 < c[0] < STEPS * blocks and c[1] > 0 for c in counts), (name, counts)
+        if name not in NOT_CONTINUOUS:
+            _same_state(opt.state_dict(), single_opt.state_dict(), name)
+        if name == "soap" and rank_device().type == "cuda":  # the owned blocks' step replayed, the exchange outside
+            assert opt._graph.replays > 0, opt._graph.errors
+
+
+def _same_state(got: dict, want: dict, name: str) -> None:
+    """Two state dicts hold the same entries, their tensors equal to 1e-10 of each entry's largest value."""
+    assert got["state"].keys() == want["state"].keys(), name
+    for pid, entry in want["state"].items():
+        assert got["state"][pid].keys() == entry.keys(), (name, pid)
+        for key, value in entry.items():
+            for a, b in zip(*((v if isinstance(v, list) else [v]) for v in (got["state"][pid][key], value))):
+                if isinstance(b, torch.Tensor):
+                    err = (a - b).abs().max().item() if b.numel() else 0.0
+                    assert err <= 1e-10 * max(b.abs().max().item() if b.numel() else 0.0, 1e-300), (name, key, err)
+                else:
+                    assert a == b, (name, pid, key, a, b)
+
+
+def _new_group(rank: int, world: int) -> None:
+    """A param group added mid-run changes the blocks' owners (the first layer's blocks move from rank 0 to rank 1):
+    each moved block's state comes from its old owner, and the run goes on as the single-process one does."""
+    batches = _batches()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    for name in ("shampoo", "soap"):
+        runs = []
+        for distributed in (True, False):
+            model = _ddp() if distributed else _model()
+            module = model.module if distributed else model
+            opt = OPTIMIZERS[name](nn.ModuleList([module[0], module[4]]),
+                                   **({} if distributed else {"distributed": None}))
+            part = rows if distributed else slice(None)
+            train(model, opt, batches[:3], part)
+            opt.add_param_group({"params": list(module[2].parameters())})  # trained from the fourth step on
+            train(model, opt, batches[3:], part)
+            runs.append(flat(module))
+        err = (runs[0] - runs[1]).abs().max().item()
+        assert err <= 1e-10 * runs[1].abs().max().item(), (name, rank, err)
+
+
+def test_assign_blocks_balances_and_keeps_shapes_together():
+    # 8 blocks of one shape and 4 of another on 2 ranks: each shape on one rank where that balances as well
+    costs, classes = [3.0] * 8 + [6.0] * 4, ["a"] * 8 + ["b"] * 4
+    assert assign_blocks(costs, classes, 2) == [0] * 8 + [1] * 4
+    # one class larger than an even share spills over; every rank within one block of it
+    costs, classes = [5.0] * 7 + [1.0, 2.0, 3.0], ["a"] * 7 + ["b", "c", "d"]
+    for world in (2, 3, 4):
+        owners = assign_blocks(costs, classes, world)
+        loads = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world)]
+        assert max(abs(load - sum(costs) / world) for load in loads) <= max(costs), (world, loads)
+        assert owners == assign_blocks(costs, classes, world)
 
 
 def _bfloat16_exchange(rank: int, world: int) -> None:
@@ -120,7 +181,8 @@ def _not_replicas(rank: int, world: int) -> None:
     assert torch.equal(flat(model), flat(single))
 
 
-CASES = {"parity": _parity, "bfloat16_exchange": _bfloat16_exchange, "not_replicas": _not_replicas}
+CASES = {"parity": _parity, "new_group": _new_group, "bfloat16_exchange": _bfloat16_exchange,
+         "not_replicas": _not_replicas}
 
 
 def _run(rank: int, world: int) -> None:

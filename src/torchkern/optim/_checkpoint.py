@@ -11,7 +11,10 @@ drops keys beside "state" and "param_groups"); :func:`loadable` puts it back bes
 State of DTensor parameters preconditioned as local shards differs from rank to rank; DCP would keep one rank's copy
 of a plain tensor that every rank saves under one key, so each such parameter's state sits under the key
 ``"rank<r>"`` of the rank that holds it: a checkpoint then loads into a run with the same ranks and sharding.
-Replicated state (DDP, gathered DTensors) is the single-process state on every rank and loads into any world size.
+Replicated parameters (DDP, gathered DTensors): Shampoo's and SOAP's blocks are split across the ranks, each block's
+state current on its owner only; the hook first brings it to every rank (``Distribution.bring_state``, a collective),
+so the state dict is the single-process one on every rank and loads into any world size, where each rank uses the
+part it owns.
 """
 
 from __future__ import annotations
@@ -40,10 +43,12 @@ def _rank_key() -> str:
 
 
 def state_dict_hook(optimizer, state_dict: dict) -> dict:
-    """``Optimizer.state_dict``'s post hook: placeholders for the entries not made yet and local-shard state under its
-    rank's key (module docstring). The optimizer's own state is not
-    changed (the state dict shares its per-parameter dicts)."""
+    """``Optimizer.state_dict``'s post hook: split blocks' state from their owners, placeholders for the entries not
+    made yet and local-shard state under its rank's key (module docstring). The optimizer's own state is not
+    changed but for its blocks owned elsewhere, which take their owners' values (the state dict shares its
+    per-parameter dicts)."""
     dist = optimizer._distribution
+    dist.bring_state()
     state = state_dict["state"]
     local = dist.shards.local_state()
     sharded = set()

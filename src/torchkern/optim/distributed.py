@@ -2,17 +2,27 @@
 (:class:`Distributed`) and what it does (docs/design.md, "Multi-GPU").
 
 Replicated parameters (``DistributedDataParallel``: every rank holds the same parameters and, once DDP has averaged
-them, the same gradients). Every rank keeps the whole optimizer state and runs the every-step work (statistics,
-preconditioning, the update), which stays identical across ranks. The refreshes, the O(n^3) work amortized over
-several steps, are split: each refresh unit (Shampoo: one factor's inverse root, with its basis under
-``root_method="qr"``; SOAP: one block's two bases and the moments carried into them; K-FAC: one factor's
-eigendecomposition) belongs to one rank, which computes it, and every rank receives the step's results in one
-``all_gather`` (one per state dtype and device). Units are assigned once per set of parameters, identically on
-every rank: by cost (n^3 per factor side), largest first, each to the least-loaded rank. K-FAC's factor
-contributions come from each rank's own batch; they are averaged over the ranks (one ``all_reduce`` per factor
-update) before they fold in, so every rank preconditions with the global batch's statistics. At the first step the
-ranks compare fingerprints of their parameters and gradients (one small ``all_gather``): a split needs them equal,
-and a process group whose ranks train different models raises instead of mixing their results.
+them, the same gradients).
+
+* Shampoo and SOAP split their matrix blocks: each block has one owner rank (:func:`assign_blocks`: once per set of
+  parameters, identically on every rank, balanced by a cost model of the every-step products and the amortized
+  refresh, whole classes of one block shape to one rank where that balances as well, since a batch of half the
+  blocks takes well over half the time), which alone runs its every-step work (statistics, preconditioning or Adam
+  in the eigenbasis) and its refreshes. A rank's buckets hold its own blocks; a block's state is current on its
+  owner only. Each step the owners' preconditioned directions travel in one ``all_gather_into_tensor`` per dtype
+  and device (:class:`Directions`), and every rank applies every parameter's update, so the parameters stay
+  identical. The 1-D parameters' steps (AdamW, Shampoo's grafting moments) are replicated: they are cheap.
+  ``state_dict()`` first brings every block's state from its owner to every rank (one collective: every rank calls
+  it), so a state dict is the single-process one and loads into any world size.
+* K-FAC keeps its whole state on every rank. Its factor contributions come from each rank's own batch; they are
+  averaged over the ranks (one ``all_reduce`` per factor update) before they fold in, so every rank preconditions
+  with the global batch's statistics. Its refreshes are split: each factor's eigendecomposition belongs to one rank
+  (:func:`assign`: by cost, n^3, largest first, each to the least-loaded rank), which computes it, and every rank
+  receives the step's results in one ``all_gather`` per dtype and device (:class:`Refresh`).
+
+At the first step the ranks compare fingerprints of their parameters and gradients (one small ``all_gather``): a
+split needs them equal, and a process group whose ranks train different models raises instead of mixing their
+results.
 
 DTensor parameters (``fully_shard``, FSDP2): see :mod:`torchkern.optim._shards`.
 """
@@ -20,18 +30,27 @@ DTensor parameters (``fully_shard``, FSDP2): see :mod:`torchkern.optim._shards`.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from . import _checkpoint
-from ._blocks import block_grid, has_factors
+from ._blocks import assemble, block_grid, has_factors
+from ._buckets import work
 from ._shards import Shards, is_dtensor
+from ._update import apply_updates
 
 # Fingerprints of parameters or gradients (sums and sums of magnitudes) count as equal across ranks within this
 # relative difference: averaged gradients are bitwise equal (DDP's all-reduce gives every rank the same result), while
 # different data or models differ at O(1); this leaves room for a backend whose reduction rounds per rank.
 _FINGERPRINT_RTOL = 1e-6
+
+# What a block's refresh costs per n^3 of its factors, in multiply-adds of its every-step products (``work``): on an
+# H200, SOAP's refresh of a 4-block d=512 transformer takes 42 ms for 2.5e10 (sum of n^3), its step 1.1 ms for 5.4e10
+# multiply-adds (both latency-bound: float64 Cholesky QR panels, launches); Shampoo's Newton roots are alike.
+_REFRESH_WEIGHT = 80.0
 
 
 @dataclass(frozen=True)
@@ -44,15 +63,15 @@ class Distributed:
             ``DistributedDataParallel`` model's own group for K-FAC, else the default group, whenever
             ``torch.distributed`` is initialized with more than one rank at the first step; otherwise the optimizer
             runs as a single process does, bitwise.
-        communication_dtype: the dtype the refreshes' results travel in. None (the default): the state's own, so
-            every rank ends each step with the single-process result; ``torch.bfloat16`` halves float32's traffic and
-            rounds the results (roots, bases, moments) to bfloat16 on every rank alike (ranks stay identical; the
-            run is no longer the single-process one). K-FAC's factor averages always travel in the factors' dtype.
+        communication_dtype: the dtype the exchanged results travel in (Shampoo's and SOAP's preconditioned
+            directions, K-FAC's eigendecompositions). None (the default): their own, so every rank ends each step
+            with the single-process result; ``torch.bfloat16`` halves float32's traffic and rounds them to bfloat16
+            on every rank alike, the owner included (ranks stay identical; the run is no longer the single-process
+            one). K-FAC's factor averages always travel in the factors' dtype.
         gather_dtensors: DTensor (FSDP2) parameters are preconditioned as each rank's local shard (False, the
             default: blocks within the shard, no communication but one flag per step) or as the full parameter,
-            gathered on every rank each step (True: the single-process blocks and state on every rank, the refreshes
-            split as for replicated parameters; costs an all-gather of parameters and gradients per step and the
-            full state's memory on every rank).
+            gathered on every rank each step (True: the single-process blocks, split as for replicated parameters;
+            costs an all-gather of parameters and gradients per step and the full state's memory on every rank).
     """
 
     process_group: object = None
@@ -100,6 +119,32 @@ def assign(costs: list[float], world: int) -> list[int]:
     return owners
 
 
+def assign_blocks(costs: list[float], classes: list, world: int) -> list[int]:
+    """Owners (ranks) of blocks with ``costs``, keeping each class (a block shape) on one rank where that balances:
+    the classes, largest total first, each fill the least-loaded rank up to an even share (a block goes there while
+    the rank stays within half that block's cost of the share; at least one), the rest the next least-loaded rank.
+    Every rank stays within about one block of an even share; ties go to the lowest rank and the earlier block, so
+    every rank computes the same assignment."""
+    target = sum(costs) / world
+    members: dict = {}
+    for j, c in enumerate(classes):
+        members.setdefault(c, []).append(j)
+    order = sorted(members.values(), key=lambda idx: (-sum(costs[j] for j in idx), idx[0]))
+    loads = [0.0] * world
+    owners = [0] * len(costs)
+    for idx in order:
+        left = sorted(idx, key=lambda j: (-costs[j], j))
+        while left:
+            rank = min(range(world), key=lambda r: (loads[r], r))
+            take = 0
+            while take < len(left) and (take == 0 or loads[rank] + costs[left[take]] / 2 <= target):
+                owners[left[take]] = rank
+                loads[rank] += costs[left[take]]
+                take += 1
+            left = left[take:]
+    return owners
+
+
 def attach(optimizer: torch.optim.Optimizer, kind: str) -> "Distribution":
     """The optimizer's :class:`Distribution` (made in its ``_init_caches``) from the ``distributed`` argument its
     constructor stored as ``_distributed`` (and K-FAC's DDP group as ``_ddp_group``). An unpickled or deep-copied
@@ -117,15 +162,18 @@ def attach(optimizer: torch.optim.Optimizer, kind: str) -> "Distribution":
 
 class Distribution:
     """One optimizer's use of ``torch.distributed`` (its ``_distribution``): the process group, resolved at the first
-    step; the refresh units' owners (:meth:`refresh`); K-FAC's factor averages (:meth:`average`); DTensor
+    step; Shampoo's and SOAP's block owners (:meth:`block_owners`) and the exchange of their directions
+    (:meth:`directions`); K-FAC's factor averages (:meth:`average`) and refresh owners (:meth:`refresh`); DTensor
     parameters (:meth:`local`, :mod:`._shards`); state dict hooks (:mod:`._checkpoint`).
 
-    ``kind`` names the optimizer's refresh units: "factors" (Shampoo: a block's factor), "blocks" (SOAP: a block's
-    two sides) or "layers" (K-FAC: a layer's factor A or G). ``ddp_group``: a DistributedDataParallel model's
-    process group (K-FAC), the default when ``config`` names none.
+    ``kind``: "blocks" (SOAP) or "factors" (Shampoo), whose matrix blocks are split, or "layers" (K-FAC: a layer's
+    factors A and G, whose refreshes are split). ``ddp_group``: a DistributedDataParallel model's process group (K-FAC), the default when
+    ``config`` names none.
 
-    Counters (tests, benchmarks): ``refreshed`` units this rank computed and their ``refreshed_cost`` (n^3 per
-    factor side), ``received`` units whose results came from other ranks."""
+    Counters (tests, benchmarks), counted under a split only: ``stepped`` blocks whose every-step work this rank ran
+    (a block per step), ``refreshed`` refresh units this rank computed (SOAP's blocks, Shampoo's factors, K-FAC's
+    factors) and, for K-FAC, their ``refreshed_cost`` (n^3), ``received`` units whose results came from other ranks
+    (blocks' directions, K-FAC's factors)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, kind: str, config: Distributed | None,
                  ddp_group: object = None):
@@ -133,16 +181,18 @@ class Distribution:
         self._ddp_group = ddp_group
         self._resolved = False
         self._group, self.rank, self.world = None, 0, 1
-        self._owners: tuple | None = None  # (signature of the parameters, {unit key: owner})
+        self._owners: tuple | None = None  # K-FAC: (signature of the layers, {unit key: (owner, cost)})
+        self._blocks: tuple | None = None  # Shampoo, SOAP: (signature, per group and param its blocks' owners)
+        self._directions: Directions | None = None
         self._verified = False
         self.shards = Shards(self, gather=config is not None and config.gather_dtensors)
-        self.refreshed = self.refreshed_cost = self.received = 0
+        self.stepped = self.refreshed = self.refreshed_cost = self.received = 0
         optimizer.register_state_dict_post_hook(_checkpoint.state_dict_hook)
 
     # ------------------------------------------------------------------ the group
 
     def group(self):
-        """The process group whose ranks split the refreshes, or None (one process, world size 1, or
+        """The process group whose ranks split the work, or None (one process, world size 1, or
         ``distributed=None``). Resolved once, at the first call (a step)."""
         if not self._resolved:
             self._resolved = True
@@ -157,8 +207,8 @@ class Distribution:
         return self._group
 
     def splits(self) -> bool:
-        """Whether this step's refreshes are split across ranks: a group, and the state replicated on every rank
-        (no parameter preconditioned as its rank's own shard)."""
+        """Whether this step's work is split across ranks: a group, and the parameters replicated on every rank
+        (none preconditioned as its rank's own shard)."""
         return self.group() is not None and not self.shards.local_state()
 
     # ------------------------------------------------------------------ per step
@@ -233,52 +283,106 @@ class Distribution:
                 out[i] = part.view(tensors[i].shape)
         return out
 
-    # ------------------------------------------------------------------ refreshes
+    # ------------------------------------------------------------------ Shampoo's and SOAP's blocks
+
+    def block_owners(self) -> dict | None:
+        """Under a split (Shampoo, SOAP): ``{id(param): the owner of each of its blocks}`` for the matrix parameters
+        in the param groups now; None without a split. The assignment is made anew (and the ranks' blocks compared)
+        only when the parameters or their block sizes change; then every block's state first comes from its old
+        owner to every rank, and the optimizer's bucket plans, built from the old owners' blocks, are dropped."""
+        if not self.splits():
+            return None
+        opt = self.optimizer
+        signature = tuple(tuple((tuple(p.shape), g["max_preconditioner_dim"]) for p in g["params"])
+                          for g in opt.param_groups)
+        if self._blocks is None or self._blocks[0] != signature:
+            if self._blocks is not None:
+                self.bring_state()
+                opt._plans.clear()
+            costs, classes, where = [], [], []  # where: (group, param index) of each block
+            for gi, g in enumerate(opt.param_groups):
+                for pi, p in enumerate(g["params"]):
+                    if has_factors(p.shape):
+                        rows, cols = block_grid(p.shape, g["max_preconditioner_dim"])
+                        for r in rows:
+                            for c in cols:
+                                refresh = _REFRESH_WEIGHT * (float(r) ** 3 + float(c) ** 3)
+                                costs.append(work(r, c) + refresh / g["precondition_frequency"])
+                                classes.append((r, c))
+                                where.append((gi, pi))
+            self._check_units(len(costs), sum(costs))
+            owned = assign_blocks(costs, classes, self.world)
+            table = [[() for _ in g["params"]] for g in opt.param_groups]
+            for (gi, pi), owner in zip(where, owned):
+                table[gi][pi] += (owner,)
+            self._blocks = (signature, table)
+            self._directions = None
+        table = self._blocks[1]
+        return {id(p): own for g, row in zip(opt.param_groups, table) for p, own in zip(g["params"], row) if own}
+
+    def directions(self, params: list) -> "Directions":
+        """The exchange of this step's directions of the blocks of ``params`` [(param, row block sizes, column block
+        sizes, dtype of the directions)] (:class:`Directions`), kept while they are the same."""
+        key = tuple((id(p), rows, cols, dtype, p.device) for p, rows, cols, dtype in params)
+        if self._directions is None or self._directions.key != key:
+            self._directions = Directions(self, key, self.block_owners())
+        return self._directions
+
+    def count(self, owners: dict, params: list, directions: "Directions | None") -> None:
+        """The counters of a split step of ``params`` (those with gradients): this rank's blocks among them, and the
+        blocks whose directions come from other ranks."""
+        self.stepped += sum(owner == self.rank for p in params for owner in owners.get(id(p), ()))
+        self.received += directions.others if directions is not None else 0
+
+    def bring_state(self) -> None:
+        """Every block's state (the list entries of a parameter's state: one tensor per block) from its owner to every
+        rank: one all_gather per dtype and device (a collective: every rank calls it). Without a split or before
+        the first assignment, nothing."""
+        if self._blocks is None or not self.splits():
+            return
+        opt = self.optimizer
+        items, sinks = [], []  # (owner, tensor on the owner, shape, dtype, device); the tensor to write, or None
+        for g, row in zip(opt.param_groups, self._blocks[1]):
+            for p, own in zip(g["params"], row):
+                state = opt.state.get(p)
+                if not own or not state:
+                    continue
+                for key in sorted(k for k, v in state.items() if isinstance(v, list) and len(v) == len(own)):
+                    for i, t in enumerate(state[key]):
+                        items.append((own[i], t if own[i] == self.rank else None, tuple(t.shape), t.dtype, t.device))
+                        sinks.append(None if own[i] == self.rank else t)
+        received = _gather(self, items, None)
+        pairs = [(t, r) for t, r in zip(sinks, received) if t is not None]
+        if pairs:
+            torch._foreach_copy_([t for t, _ in pairs], [r for _, r in pairs])
+
+    # ------------------------------------------------------------------ K-FAC's refreshes
 
     def refresh(self) -> "Refresh":
-        """A step's refresh bookkeeping: the units this rank computes and the exchange of every rank's results."""
+        """K-FAC: a step's refresh bookkeeping: the units this rank computes and the exchange of every rank's
+        results."""
         return Refresh(self, self.splits())
 
     def owners(self) -> dict:
-        """{unit key: (owner, cost)} for the optimizer's parameters as they are now: assigned anew (and the ranks'
-        units compared) only when the parameters or their block sizes changed."""
-        signature, units = self._units()
+        """K-FAC: {unit key: (owner, cost)} for its layers as they are now: assigned anew (and the ranks' units
+        compared) only when the layers changed."""
+        opt = self.optimizer
+        signature = tuple(id(layer.weight) for layer in opt._layers)
         if self._owners is None or self._owners[0] != signature:
+            units = []
+            for layer in opt._layers:
+                w = layer.weight
+                n_in = w.numel() // w.shape[0] + (layer.bias is not None)
+                units += [((id(w), "A"), float(n_in) ** 3), ((id(w), "G"), float(w.shape[0]) ** 3)]
             keys = [key for key, _ in units]
             costs = [cost for _, cost in units]
             self._check_units(len(units), sum(costs))
             self._owners = (signature, dict(zip(keys, zip(assign(costs, self.world), costs))))
         return self._owners[1]
 
-    def _units(self) -> tuple[tuple, list]:
-        """The signature of the optimizer's parameters (what the assignment depends on) and its refresh units
-        ``(key, cost)``, in the order of the param groups."""
-        opt = self.optimizer
-        units = []
-        if self.kind == "layers":
-            signature = tuple(id(layer.weight) for layer in opt._layers)
-            for layer in opt._layers:
-                w = layer.weight
-                n_in = w.numel() // w.shape[0] + (layer.bias is not None)
-                units += [((id(w), "A"), float(n_in) ** 3), ((id(w), "G"), float(w.shape[0]) ** 3)]
-            return signature, units
-        signature = tuple((id(p), tuple(p.shape), g["max_preconditioner_dim"]) for g in opt.param_groups
-                          for p in g["params"])
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if not has_factors(p.shape):
-                    continue
-                rows, cols = block_grid(p.shape, g["max_preconditioner_dim"])
-                for i, (r, c) in enumerate((r, c) for r in rows for c in cols):
-                    if self.kind == "blocks":
-                        units.append(((id(p), i), float(r) ** 3 + float(c) ** 3))
-                    else:
-                        units += [((id(p), "L", i), float(r) ** 3), ((id(p), "R", i), float(c) ** 3)]
-        return signature, units
-
     def _check_units(self, count: int, cost: float) -> None:
-        """RuntimeError unless every rank counts the same units and cost (parameters and their elements, or refresh
-        units and their cost)."""
+        """RuntimeError unless every rank counts the same units and cost (parameters and their elements, or blocks or
+        refresh units and their cost)."""
         device = next(p.device for g in self.optimizer.param_groups for p in g["params"])
         mine = torch.tensor([float(count), cost], dtype=torch.float64, device=device)
         every = [torch.empty_like(mine) for _ in range(self.world)]
@@ -289,27 +393,104 @@ class Distribution:
                                f"whose ranks replicate one model")
 
 
+class Directions:
+    """A step's preconditioned directions of matrix blocks (Shampoo, SOAP), each computed by its block's owner, brought
+    to every rank. Per dtype and device one send buffer (this rank's blocks packed, padded to the largest rank's
+    share, in ``communication_dtype`` where one is set) and one receive buffer of every rank's, both kept while the
+    blocks are the same, so that a step replayed as a CUDA graph writes its blocks (:meth:`put`) into the same
+    memory, and the collective (:meth:`gather`) runs outside the graph. ``key``: [(id(param), rows, cols, dtype,
+    device)] (:meth:`Distribution.directions`); ``serial`` names the buffers in a StepGraph key."""
+
+    _serials = itertools.count()
+
+    def __init__(self, distribution: Distribution, key: tuple, owners: dict):
+        self.key = key
+        self.serial = next(Directions._serials)
+        self._dist = distribution
+        wire = distribution.config.communication_dtype
+        items, blocks = [], []  # (owner, shape, dtype, device) per block; (id(param), block index, item index)
+        self._cols: dict[int, int] = {}  # id(param) -> its grid's column count
+        for pid, rows, cols, dtype, device in key:
+            self._cols[pid] = len(cols)
+            for i, shape in enumerate((r, c) for r in rows for c in cols):
+                blocks.append((pid, i, len(items)))
+                items.append((owners[pid][i], shape, dtype, device))
+        self._lanes = []  # (send, received, received in the directions' dtype or None)
+        received_views, send_views = [None] * len(items), {}
+        for (dtype, device), width, placed in _layout(items, distribution.world):
+            send = torch.zeros(width, dtype=wire or dtype, device=device)
+            received = torch.zeros(distribution.world * width, dtype=send.dtype, device=device)
+            values = received if send.dtype == dtype else torch.zeros(received.shape, dtype=dtype, device=device)
+            self._lanes.append((send, received, None if values is received else values))
+            for n, owner, offset in placed:
+                shape = items[n][1]
+                start = owner * width + offset
+                received_views[n] = values[start:start + math.prod(shape)].view(shape)
+                if owner == distribution.rank:
+                    send_views[n] = send[offset:offset + math.prod(shape)].view(shape)
+        self._send = {(pid, i): send_views[n] for pid, i, n in blocks if n in send_views}  # this rank's blocks
+        self._received: dict[int, list] = {}  # id(param) -> its blocks' directions, views of the receive buffers
+        for pid, _, n in blocks:
+            self._received.setdefault(pid, []).append(received_views[n])
+        self.mine = len(self._send)  # blocks this rank computes
+        self.others = len(blocks) - self.mine
+
+    def put(self, directions: dict) -> None:
+        """This rank's blocks' directions ``{id(param): [its blocks' directions, None where another rank's]}`` into
+        the send buffers (one copy; graph-safe)."""
+        dsts, srcs = [], []
+        for pid, parts in directions.items():
+            for i, d in enumerate(parts):
+                if d is not None:
+                    dsts.append(self._send[(pid, i)])
+                    srcs.append(d)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    def gather(self) -> None:
+        """Every rank's directions to every rank: one all_gather_into_tensor per dtype and device."""
+        for send, received, values in self._lanes:
+            torch.distributed.all_gather_into_tensor(received, send, group=self._dist._group)
+            if values is not None:
+                values.copy_(received)
+
+    def finish(self, groups: list, scalars, ok: dict, zero_when_skipped) -> None:
+        """After the step's kernels (outside a CUDA graph): :meth:`gather`, then the update of every parameter of
+        ``groups`` [(group index, group, params, ...)] whose blocks this exchange carries (``apply_updates``;
+        ``zero_when_skipped(group)``: whether the directions are zero on a skipped step)."""
+        self.gather()
+        for gi, group, params, *_ in groups:
+            items = [(p, assemble(self._received[id(p)], self._cols[id(p)])) for p in params
+                     if id(p) in self._received]
+            if items:
+                apply_updates(items, gi, group, scalars, ok, zero_when_skipped(group))
+
+
 class Refresh:
-    """One refresh of the units due at a step. Its ``blocks``, ``factors`` and ``factor`` register each due unit, in an
-    order every rank shares, with the state entries that hold its results ("slots": ``(container, key, shape, dtype,
-    device, assign)``, the entry ``container[key]``, written in place (shape, dtype and device None: the entry's own)
-    or, with ``assign``, replaced by a new tensor), and say which units this rank computes; :meth:`exchange` then
-    brings every unit's results to every rank. Without a split every unit is this rank's and nothing is
-    exchanged."""
+    """K-FAC's refresh of the units due at a step. Its ``factor`` registers each due unit, in an order every rank
+    shares, with the state entries that hold its results ("slots": ``(container, key, shape, dtype, device)``, the
+    entry ``container[key]``, replaced by a new tensor on the ranks that receive it), and says whether this rank
+    computes it; :meth:`exchange` then brings every unit's results to every rank. Without a split every unit is
+    this rank's and nothing is exchanged."""
 
     def __init__(self, distribution: Distribution, split: bool):
         self._dist = distribution
         self._split = split
         self._owners: dict | None = None  # the distribution's owners, read at the first claim (a step with refreshes)
         self._units: list[tuple[int, list]] = []  # (owner, slots)
-        self._buckets: list = []  # buckets whose entries the exchange writes (their cached operands go stale)
-        self._param_of: dict | None = None  # id(state) -> parameter, for Shampoo's factors
 
-    def _claim(self, key, slots: list) -> bool:
+    def factor(self, weight: torch.Tensor, state: dict, key: str) -> bool:
+        """Whether this rank decomposes the layer's factor ``key`` ("A" or "G"); otherwise its eigenvectors and
+        eigenvalues (state "Q" + key, "d" + key) arrive with :meth:`exchange`, as new tensors."""
+        if not self._split:
+            return True
         if self._owners is None:
             self._owners = self._dist.owners()
-        owner, cost = self._owners[key]
-        self._units.append((owner, slots))
+        S = state[key]
+        n = S.shape[0]
+        owner, cost = self._owners[(id(weight), key)]
+        self._units.append((owner, [(state, "Q" + key, (n, n), S.dtype, S.device),
+                                    (state, "d" + key, (n,), S.dtype, S.device)]))
         if owner == self._dist.rank:
             self._dist.refreshed += 1
             self._dist.refreshed_cost += cost
@@ -317,104 +498,64 @@ class Refresh:
         self._dist.received += 1
         return False
 
-    def blocks(self, bucket, due: list[int]) -> list[int]:
-        """SOAP: the blocks ``due`` (indices into ``bucket``) this rank refreshes; the others' bases and moments
-        arrive with :meth:`exchange`."""
-        if not self._split:
-            return due
-        mine = []
-        for j in due:
-            slots = [(bucket.views[name], j, None, None, None, False)
-                     for name in ("QL", "QR", "exp_avg", "exp_avg_sq")]
-            if self._claim(bucket.keys[j], slots):
-                mine.append(j)
-        if due:
-            self._buckets.append(bucket)
-        return mine
-
-    def factors(self, due: list) -> list:
-        """Shampoo: the factors ``due`` [(state, side, block index, basis or None, first)] whose roots this rank
-        computes; the others' roots (and bases) arrive with :meth:`exchange`."""
-        if not self._split:
-            return due
-        if self._param_of is None:
-            self._param_of = {id(state): p for p, state in self._dist.optimizer.state.items()}
-        param_of = self._param_of
-        mine = []
-        for item in due:
-            state, side, i, q, _ = item
-            slots = [(state[side + "_root"], i, None, None, None, False)]
-            if q is not None:
-                slots.append((state[side + "_basis"], i, None, None, None, False))
-            if self._claim((id(param_of[id(state)]), side, i), slots):
-                mine.append(item)
-        return mine
-
-    def factor(self, weight: torch.Tensor, state: dict, key: str) -> bool:
-        """K-FAC: whether this rank decomposes the layer's factor ``key`` ("A" or "G"); otherwise its eigenvectors
-        and eigenvalues (state "Q" + key, "d" + key) arrive with :meth:`exchange`, as new tensors."""
-        if not self._split:
-            return True
-        S = state[key]
-        n = S.shape[0]
-        return self._claim((id(weight), key), [(state, "Q" + key, (n, n), S.dtype, S.device, True),
-                                               (state, "d" + key, (n,), S.dtype, S.device, True)])
-
     def exchange(self) -> None:
-        """Every unit's results from its owner to every rank: per dtype and device, each rank's results packed into
-        one buffer (padded to the largest rank's) and one all_gather. With a ``communication_dtype`` that rounds,
-        the owner takes the rounded results too, so the ranks stay identical."""
+        """Every unit's results from its owner to every rank (:func:`_gather`). With a ``communication_dtype`` that
+        rounds, the owner takes the rounded results too, so the ranks stay identical."""
         if not self._units:
             return
         dist = self._dist
-        comm = dist.config.communication_dtype
-        lanes: dict[tuple, list] = {}  # (dtype, device) -> [(owner, slot, tensor or None)]
-        for owner, slots in self._units:
-            for container, key, shape, dtype, device, replace in slots:
-                if not replace or owner == dist.rank:  # an entry this rank holds (a receiver's may not exist yet)
-                    t = container[key]
-                    shape, dtype, device = tuple(t.shape), t.dtype, t.device
-                else:
-                    t = None
-                lanes.setdefault((dtype, device), []).append((owner, (container, key, shape, replace), t))
-        for (dtype, device), items in lanes.items():
-            wire = comm or dtype
-            sizes = [0] * dist.world
-            for owner, (_, _, shape, _), _ in items:
-                sizes[owner] += _numel(shape)
-            width = max(sizes)
-            if width == 0:
-                continue
-            send = torch.zeros(width, dtype=wire, device=device)
-            mine = [t.reshape(-1) for owner, _, t in items if owner == dist.rank]
-            if mine:
-                send[:sizes[dist.rank]].copy_(torch.cat(mine))
-            received = torch.empty(dist.world * width, dtype=wire, device=device)
-            torch.distributed.all_gather_into_tensor(received, send, group=dist._group)
-            offsets = [r * width for r in range(dist.world)]
-            dsts, srcs = [], []
-            for owner, (container, key, shape, replace), t in items:
-                n = _numel(shape)
-                src = received[offsets[owner]:offsets[owner] + n].view(shape)
-                offsets[owner] += n
-                if owner == dist.rank and wire == dtype:
-                    continue  # its own results, exact
-                if replace:
-                    container[key] = src.to(dtype, copy=True)
-                else:
-                    dsts.append(container[key])
-                    srcs.append(src)
-            if dsts:
-                torch._foreach_copy_(dsts, srcs)
-        for bucket in self._buckets:
-            bucket.forget_operands()
+        wire = dist.config.communication_dtype
+        items, slots = [], []
+        for owner, unit in self._units:
+            for container, key, shape, dtype, device in unit:
+                items.append((owner, container[key] if owner == dist.rank else None, shape, dtype, device))
+                slots.append((owner, container, key, dtype))
+        for (owner, container, key, dtype), value in zip(slots, _gather(dist, items, wire)):
+            if owner != dist.rank or value.dtype != dtype:  # its own results are exact unless rounded
+                container[key] = value.to(dtype, copy=True)
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _layout(items: list, world: int) -> list:
+    """Where each of ``items`` [(owner, shape, dtype, device, ...)] travels: per dtype and device, each owner's items
+    packed in order into a segment of the lane's width (the largest owner's total): [((dtype, device), width,
+    [(item index, owner, offset in the owner's segment)])], lanes of width 0 left out."""
+    lanes: dict[tuple, list] = {}
+    for n, item in enumerate(items):
+        lanes.setdefault((item[2], item[3]), []).append(n)
+    out = []
+    for lane, idx in lanes.items():
+        sizes = [0] * world
+        placed = []
+        for n in idx:
+            owner = items[n][0]
+            placed.append((n, owner, sizes[owner]))
+            sizes[owner] += math.prod(items[n][1])
+        if max(sizes) > 0:
+            out.append((lane, max(sizes), placed))
+    return out
+
+
+def _gather(dist: Distribution, items: list, wire: torch.dtype | None) -> list[torch.Tensor]:
+    """Each item's tensor from its owner to every rank: ``items`` [(owner, the tensor on its owner, else None, shape,
+    dtype, device)], in an order every rank shares, packed per :func:`_layout` (in ``wire`` where given), one
+    all_gather_into_tensor per lane. Returns each item's value as received (views of the receive buffers)."""
+    out = [None] * len(items)
+    layout = _layout([(owner, shape, dtype, device) for owner, _, shape, dtype, device in items], dist.world)
+    for (dtype, device), width, placed in layout:
+        send = torch.zeros(width, dtype=wire or dtype, device=device)
+        mine = [items[n][1].reshape(-1) for n, owner, _ in placed if owner == dist.rank]
+        if mine:
+            send[:sum(t.numel() for t in mine)].copy_(torch.cat(mine))
+        received = torch.empty(dist.world * width, dtype=send.dtype, device=device)
+        torch.distributed.all_gather_into_tensor(received, send, group=dist._group)
+        for n, owner, offset in placed:
+            shape = items[n][2]
+            out[n] = received[owner * width + offset:owner * width + offset + math.prod(shape)].view(shape)
+    for n, value in enumerate(out):
+        if value is None:  # an empty tensor, in a lane of width 0
+            _, _, shape, dtype, device = items[n]
+            out[n] = torch.zeros(shape, dtype=wire or dtype, device=device)
+    return out
 
 
 def _by_dtype_and_device(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:

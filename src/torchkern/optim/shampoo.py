@@ -157,10 +157,11 @@ class Shampoo(GuardedOptimizer):
             a copy of the gradients and the update's intermediates; above 2^25 gradient elements steps stay eager.
             False: every step eager.
         distributed: how the optimizer uses ``torch.distributed``
-            (:class:`torchkern.optim.distributed.Distributed`; None: not at all). The default splits the root
-            updates across the ranks of the default process group whenever one of several ranks is initialized
-            (replicated parameters, as under ``DistributedDataParallel``), and steps DTensor (FSDP2) parameters as
-            each rank's local shard (docs/design.md, "Multi-GPU").
+            (:class:`torchkern.optim.distributed.Distributed`; None: not at all). The default splits the matrix
+            blocks (their statistics, preconditioning and roots) across the ranks of the default process group
+            whenever one of several ranks is initialized (replicated parameters, as under
+            ``DistributedDataParallel``; then ``state_dict()`` is a collective, called on every rank), and steps
+            DTensor (FSDP2) parameters as each rank's local shard (docs/design.md, "Multi-GPU").
         skip_limits: when steps skipped for non-finite gradients mean divergence (:class:`SkipLimits`: by
             default 10 in a row or more than 20 of the last 100): the next step raises
             :class:`DivergenceError` naming the parameters and statistics that diverged and what to try. None: skip
@@ -227,6 +228,7 @@ class Shampoo(GuardedOptimizer):
         self._scalars = UpdateScalars()
         self._steps = DeviceSteps()  # the grafting op's step counts
         self._graph = StepGraph(self._name)
+        self._exchange = None  # a split step's directions (distributed.Directions)
         self._distribution = attach(self, "factors")  # torch.distributed (distributed.py)
 
     # ------------------------------------------------------------------ state
@@ -294,6 +296,7 @@ class Shampoo(GuardedOptimizer):
             return
         ok, skip = self._guard.check([p.grad for p in stepped], functools.partial(self._undo, stepped))
         self._scalars.refresh(self.param_groups)
+        owners = self._distribution.block_owners()  # under a split, each block's rank (distributed.py); else None
         groups = []  # (group index, group, params with gradients, whether each is preconditioned at this step)
         roots_due: dict[tuple, list] = defaultdict(list)  # the factors whose roots this step updates, by size
         for gi, group in enumerate(self.param_groups):
@@ -306,16 +309,26 @@ class Shampoo(GuardedOptimizer):
                 t = state["step"] + 1  # this step's number
                 preconditioned.append("L" in state and t >= start)
                 if "L" in state and t >= start and (t - start) % group["precondition_frequency"] == 0:
-                    self._roots_due(state, group, roots_due)
+                    self._roots_due(state, group, roots_due, None if owners is None else owners[id(p)])
             groups.append((gi, group, params, preconditioned))
+        exchange = self._exchange = None  # (read by _graph_key)
+        if owners is not None:  # the owners' directions of the preconditioned blocks travel
+            exchange = self._exchange = self._distribution.directions(
+                [(p, *self._block_sizes(p, group), opmath_dtype(p.dtype)) for _, group, params, pre in groups
+                 for p, is_pre in zip(params, pre) if is_pre])
+            self._distribution.count(owners, stepped, exchange)
+            self._distribution.refreshed += sum(len(due) for due in roots_due.values())
         key = None if roots_due else self._graph_key(groups, stepped)
-        self._graph.run(key, stepped, lambda: self._update(groups, roots_due, ok, skip))
+        self._graph.run(key, stepped, lambda: self._update(groups, roots_due, ok, skip, owners, exchange))
+        if exchange is not None:  # outside the graph: the collective, and every rank's update of every block
+            exchange.finish(groups, self._scalars, ok, lambda group: group["grafting"] is not None)
         for p in stepped:
             self.state[p]["step"] += 1
         self._guard.settle(wait=False)
 
-    def _roots_due(self, state: dict, group: dict, roots_due: dict) -> None:
-        """Queue the roots of one parameter's factors (its state entries, views of the buckets once they exist)."""
+    def _roots_due(self, state: dict, group: dict, roots_due: dict, owners: tuple | None) -> None:
+        """Queue the roots of one parameter's factors (its state entries, views of the buckets once they exist); under
+        a split (``owners``: each block's rank) those of this rank's blocks."""
         qr = group["root_method"] == "qr"
         first = qr and "L_basis" not in state  # no basis yet (also after loading another method's state)
         if first:  # placeholders that this update's eigendecomposition fills (a skipped step leaves them I)
@@ -324,6 +337,8 @@ class Shampoo(GuardedOptimizer):
         for side in ("L", "R"):
             bases = state[side + "_basis"] if qr else [None] * len(state[side])
             for i, q in enumerate(bases):
+                if owners is not None and owners[i] != self._distribution.rank:
+                    continue
                 key = (state[side][i].shape[-1], state[side][i].dtype, state[side][i].device, group["root_method"],
                        group["eps"], group["relative_eps"])
                 roots_due[key].append((state, side, i, q, first))
@@ -334,14 +349,16 @@ class Shampoo(GuardedOptimizer):
         are never replayed (the caller's)."""
         if any(group["grafting"] is None and group["betas"][0] > 0 for _, group, _, _ in groups):
             return None
-        return update_key(stepped, self._steps.version,
+        return update_key(stepped, (self._steps.version, self._exchange and self._exchange.serial),
                           [(gi, group, params, self._plans.get(gi), preconditioned)
                            for gi, group, params, preconditioned in groups])
 
-    def _update(self, groups: list, roots_due: dict, ok: dict, skip: dict) -> None:
+    def _update(self, groups: list, roots_due: dict, ok: dict, skip: dict, owners: dict | None, exchange) -> None:
         """The step's kernels (``StepGraph``'s body when no roots are due): grafting, statistics, the roots due,
         preconditioning and the parameter update for ``groups`` [(group index, group, params, preconditioned)].
-        Changes no host state but caches (plans, step counts on the device) and the roots' bookkeeping."""
+        Changes no host state but caches (plans, step counts on the device) and the roots' bookkeeping. Under a
+        split (``owners``: each block's rank) the statistics and preconditioning of this rank's blocks only, whose
+        directions go to ``exchange`` (:class:`.distributed.Directions`) instead of into the update."""
         buckets_of: dict[int, object] = {}  # param group index -> its plan of buckets this step
         work = []  # (param, group, state, filtered grad M, graft direction D or None, its norm, preconditioned)
         for gi, group, params, preconditioned in groups:
@@ -381,7 +398,9 @@ class Shampoo(GuardedOptimizer):
                 state = self.state[p]
                 if "L" in state:
                     rows, cols = self._block_sizes(p, group)
-                    entries += [(p, state, i, blk) for i, blk in enumerate(blocks(as_matrix(g), rows, cols))]
+                    mine = owners[id(p)] if owners is not None else None
+                    entries += [(p, state, i, blk) for i, blk in enumerate(blocks(as_matrix(g), rows, cols))
+                                if mine is None or mine[i] == self._distribution.rank]
                 work.append((p, group, state, m, d, dn, pre))
             if entries:
                 plan = cached_plan(self._plans, gi, entries,
@@ -392,20 +411,17 @@ class Shampoo(GuardedOptimizer):
                 buckets_of[gi] = plan
 
         # roots per factor size, of the unpadded factors (views of the buckets' storage): rare, and exact
-        refresh = self._distribution.refresh()  # each rank's share of the roots (distributed.py)
         for key, due in roots_due.items():
-            due = refresh.factors(due)
-            if not due:
-                continue
             items = [(state[side][i], state[side + "_root"][i], q, first) for state, side, i, q, first in due]
             self._update_roots(key, items, ok[key[2]])
-        refresh.exchange()
         if roots_due:
             for plan in buckets_of.values():
                 for bucket in plan.buckets:
                     bucket.forget_operands()
 
-        directions = self._directions(work, buckets_of)
+        directions, parts = self._directions(work, buckets_of, owners is not None)
+        if exchange is not None:
+            exchange.put(parts)
         for gi, group, _, _ in groups:
             items = [(p, directions[id(p)]) for p in group["params"] if id(p) in directions]
             if items:  # with grafting every direction is zero on a skipped step (the grafting op's are)
@@ -519,8 +535,10 @@ class Shampoo(GuardedOptimizer):
                                                                                            non_blocking=True)
         return values.new_zeros(k).index_copy_(0, where, values)
 
-    def _directions(self, work: list, buckets_of: dict) -> dict:
-        """The update direction of every parameter, by id(param): each bucket's blocks preconditioned in one batch."""
+    def _directions(self, work: list, buckets_of: dict, split: bool) -> tuple[dict, dict]:
+        """The update direction of every parameter, by id(param): each bucket's blocks preconditioned in one batch.
+        Under a ``split``, the preconditioned parameters' instead in the second dict, a list of their blocks'
+        directions with None for another rank's blocks (those this rank's buckets do not hold)."""
         out, slots = {}, {}  # slots: (id(param), block index) -> (bucket, index in it)
         for plan in buckets_of.values():
             for bucket in plan.buckets:
@@ -538,6 +556,9 @@ class Shampoo(GuardedOptimizer):
             dn = dn if len(m_blocks) == 1 else None  # the grafting norm is the whole parameter's
             where = []
             for i, (mb, db) in enumerate(zip(m_blocks, d_blocks)):
+                if (id(p), i) not in slots:  # another rank's block
+                    where.append(None)
+                    continue
                 bucket, j = slots[(id(p), i)]
                 buckets[id(bucket)] = bucket
                 per_bucket[id(bucket)].append((j, mb, db, dn))
@@ -547,9 +568,14 @@ class Shampoo(GuardedOptimizer):
         for key, items in per_bucket.items():
             bucket = buckets[key]
             results[key] = bucket.precondition(items, self._graft_norms)
+        parts = {}
         for p, cols, where in assembled:
-            out[id(p)] = assemble([bucket.block(results[id(bucket)], j) for bucket, j in where], len(cols))
-        return out
+            done = [None if w is None else w[0].block(results[id(w[0])], w[1]) for w in where]
+            if split:
+                parts[id(p)] = done
+            else:
+                out[id(p)] = assemble(done, len(cols))
+        return out, parts
 
 
 class _Bucket(Storage):

@@ -88,10 +88,11 @@ class SOAP(GuardedOptimizer):
             parameters have gradients captures anew. Memory: a copy of the gradients and the update's
             intermediates; above 2^25 gradient elements steps stay eager. False: every step eager.
         distributed: how the optimizer uses ``torch.distributed``
-            (:class:`torchkern.optim.distributed.Distributed`; None: not at all). The default splits the refreshes
-            across the ranks of the default process group whenever one of several ranks is initialized (replicated
-            parameters, as under ``DistributedDataParallel``), and steps DTensor (FSDP2) parameters as each rank's
-            local shard (docs/design.md, "Multi-GPU").
+            (:class:`torchkern.optim.distributed.Distributed`; None: not at all). The default splits the matrix
+            blocks (their every-step work and refreshes) across the ranks of the default process group whenever one
+            of several ranks is initialized (replicated parameters, as under ``DistributedDataParallel``; then
+            ``state_dict()`` is a collective, called on every rank), and steps DTensor (FSDP2) parameters as each
+            rank's local shard (docs/design.md, "Multi-GPU").
         skip_limits: when steps skipped for non-finite gradients mean divergence (:class:`SkipLimits`: by
             default 10 in a row or more than 20 of the last 100): the next step raises
             :class:`DivergenceError` naming the parameters and statistics that diverged and what to try. None: skip
@@ -143,6 +144,7 @@ class SOAP(GuardedOptimizer):
         self._flat_steps = DeviceSteps()  # the 1-D params' step counts
         self._scalars = UpdateScalars()
         self._graph = StepGraph(self._name)
+        self._exchange = None  # a split step's directions (distributed.Directions)
         self._distribution = attach(self, "blocks")  # torch.distributed (distributed.py)
 
     # ------------------------------------------------------------------ state
@@ -207,6 +209,7 @@ class SOAP(GuardedOptimizer):
         undo_entries = [(p, not self.state[p]) for p in stepped]
         ok, skip = self._guard.check([p.grad for p in stepped], functools.partial(self._undo, undo_entries))
         self._scalars.refresh(self.param_groups)
+        owners = self._distribution.block_owners()  # under a split, each block's rank (distributed.py); else None
         groups, counted = [], []  # (group index, group, params with gradients); params whose step counts
         for gi, group in enumerate(self.param_groups):
             params = [p for p in group["params"] if p.grad is not None]
@@ -216,11 +219,19 @@ class SOAP(GuardedOptimizer):
                     state = self._init_state(p, group)
                     if "L" not in state or "QL" in state:  # a matrix's first step only sets its statistics up
                         counted.append(state)
-        self._graph.run(self._graph_key(groups, stepped), stepped, lambda: self._update(groups, ok, skip))
+        exchange = self._exchange = None  # (read by _graph_key)
+        if owners is not None:  # the owners' directions of the blocks past their first step travel
+            exchange = self._exchange = self._distribution.directions(
+                [(p, *block_grid(p.shape, group["max_preconditioner_dim"]), opmath_dtype(p.dtype))
+                 for _, group, params in groups for p in params if "QL" in self.state[p]])
+            self._distribution.count(owners, stepped, exchange)
+        self._graph.run(self._graph_key(groups, stepped), stepped,
+                        lambda: self._update(groups, ok, skip, owners, exchange))
+        if exchange is not None:  # outside the graph: the collective, and every rank's update of every block
+            exchange.finish(groups, self._scalars, ok, lambda group: True)
         for state in counted:
             state["step"] += 1
         stepped_ids = {id(p) for p in stepped}
-        refresh = self._distribution.refresh()  # each rank's share of the refreshes (distributed.py)
         for gi, group, _ in groups:  # bases due after this step's update, of the buckets that took it
             plan = self._plans.get(gi)
             for bucket in plan.buckets if plan is not None else ():
@@ -228,10 +239,10 @@ class SOAP(GuardedOptimizer):
                     continue
                 freq = group["precondition_frequency"]
                 due = [j for j, state in enumerate(bucket.states) if state["step"] % freq == 0]
-                due = refresh.blocks(bucket, due)
                 if due:
+                    if owners is not None:
+                        self._distribution.refreshed += len(due)
                     bucket.refresh(due, group["refresh"], ok[bucket.device])
-        refresh.exchange()
         self._guard.settle(wait=False)
 
     def _graph_key(self, groups: list, stepped: list):
@@ -239,17 +250,20 @@ class SOAP(GuardedOptimizer):
         on a matrix's first step (it takes eigendecompositions)."""
         if any("L" in self.state[p] and "QL" not in self.state[p] for _, _, params in groups for p in params):
             return None
-        return update_key(stepped, self._flat_steps.version,
+        return update_key(stepped, (self._flat_steps.version, self._exchange and self._exchange.serial),
                           [(gi, group, params, self._plans.get(gi), [None] * len(params))
                            for gi, group, params in groups])
 
-    def _update(self, groups: list, ok: dict, skip: dict) -> None:
+    def _update(self, groups: list, ok: dict, skip: dict, owners: dict | None, exchange) -> None:
         """The step's kernels (``StepGraph``'s body): statistics, Adam in the eigenbases and the parameter update for
         the params with gradients ``groups`` [(group index, group, params)], and a matrix's first statistics and
-        bases. Changes no host state but caches (plans, step counts on the device)."""
+        bases. Changes no host state but caches (plans, step counts on the device). Under a split (``owners``:
+        each block's rank) only this rank's blocks, whose directions go to ``exchange``
+        (:class:`.distributed.Directions`) instead of into the update."""
         for gi, group, params in groups:
             beta1, beta2 = group["betas"]
             flat, first, regular = [], [], []  # 1-D params; blocks of a first step; blocks of an Adam step
+            starting = []  # matrix params at their first step
             for p in params:
                 state = self.state[p]
                 dtype = opmath_dtype(p.dtype)
@@ -257,9 +271,13 @@ class SOAP(GuardedOptimizer):
                 if "L" not in state:  # 1-D (or empty): AdamW from the first step
                     flat.append((p, g, state))
                     continue
+                if "QL" not in state:
+                    starting.append(p)
                 rows, cols = block_grid(p.shape, group["max_preconditioner_dim"])
+                mine = owners[id(p)] if owners is not None else None
                 for i, blk in enumerate(blocks(as_matrix(g), rows, cols)):
-                    (first if "QL" not in state else regular).append((p, state, i, blk))
+                    if mine is None or mine[i] == self._distribution.rank:
+                        (first if "QL" not in state else regular).append((p, state, i, blk))
             directions: dict[int, list] = {}
             if regular:
                 plan = cached_plan(self._plans, gi, regular,
@@ -271,6 +289,11 @@ class SOAP(GuardedOptimizer):
                         directions.setdefault(id(p), [None] * len(state["L"]))[i] = bucket.block(N, j)
             if first:
                 self._first_step(first, group, ok)
+            if owners is not None and starting:
+                _other_bases(starting, self.state)
+            if exchange is not None:  # the update follows the exchange (_step_local)
+                exchange.put(directions)
+                directions = {}
             items = []
             flat_directions = self._adamw_flat(gi, flat, beta1, beta2, group["eps"], skip) if flat else {}
             for p in params:
@@ -327,6 +350,19 @@ class SOAP(GuardedOptimizer):
             for (p, _, _), d in zip(items, out):
                 directions[id(p)] = d
         return directions
+
+
+def _other_bases(params: list, state: dict) -> None:
+    """Under a split, after a matrix's first step: identity placeholders for the bases of the blocks another rank
+    owns (and computed), so that every rank holds the same state entries."""
+    for p in params:
+        s = state[p]
+        for name, side in (("QL", "L"), ("QR", "R")):
+            bases = s.setdefault(name, [None] * len(s[side]))
+            for i, q in enumerate(bases):
+                if q is None:
+                    f = s[side][i]
+                    bases[i] = torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
 
 
 # ----------------------------------------------------------------------------- buckets
