@@ -8,7 +8,9 @@ that every rank ends every step with the same parameters. Run with torchrun, one
 The model is a stack of 4 pre-LayerNorm transformer blocks (``torchkern._models.TransformerBlock``, d = 512, 8
 heads) on each rank's own batch (B = 16 sequences of T = 256 per rank: the global batch grows with the ranks), an MSE
 loss against a fixed random target. Optimizers: torch's AdamW (default foreach and fused), torchkern's SOAP and
-Shampoo at their defaults (the refreshes split across the ranks), and Meta's DistributedShampoo with its DDP
+Shampoo at their defaults (each matrix block owned by one rank, which runs its every-step work and its refreshes;
+the preconditioned directions all-gathered every step, the 1-D parameters' steps on every rank), and Meta's
+DistributedShampoo with its DDP
 distributor (``distributed_shampoo`` on PYTHONPATH: facebookresearch/optimizers' source tree; skipped with a line
 where it is not importable) at torchkern Shampoo's settings (``torchkern.optim.bench.meta_shampoo``).
 
@@ -19,8 +21,9 @@ ends), and the optimizer's time per step (CUDA events around ``step()``: its ker
 gap while the host queues them; ``opt_med``: the median step's, a step without a refresh). Then ``--check-steps``
 steps with the ranks' parameters compared after each (a bitwise checksum of every parameter, all-gathered; at the
 end the parameters themselves): ``identical`` in the output, or the first step and the largest difference.
-``--baseline``: a 1-rank run's JSON, for the optimizer's time on these ranks against one rank (the refreshes split;
-the every-step work is each rank's whole).
+``--baseline``: a 1-rank run's JSON, for the optimizer's time on these ranks against one rank (``opt/1rank``; the
+bar for 2 ranks is 0.6). torchkern's optimizers also report, per rank, the blocks each stepped (a block per step),
+the refresh units each computed (SOAP's blocks, Shampoo's factors) and the blocks whose directions it received.
 
 ``--device cpu`` (gloo, with ``--dim 64 --seq 16 --steps 20`` or so) checks the script without a GPU.
 """
@@ -154,7 +157,10 @@ def _run(name: str, make, args, device: torch.device, x: torch.Tensor, y: torch.
            "largest_difference": largest}
     d = getattr(opt, "_distribution", None)
     if d is not None:
-        out.update(refreshed_units=d.refreshed, received_units=d.received, refreshed_cost=d.refreshed_cost)
+        counts = torch.tensor([d.stepped, d.refreshed, d.received], dtype=torch.int64, device=device)
+        per_rank = [c.tolist() for c in _gathered(counts)]
+        out.update({key: [c[i] for c in per_rank] for i, key in
+                    enumerate(("stepped_blocks", "refreshed_units", "received_blocks"))})
     return out
 
 

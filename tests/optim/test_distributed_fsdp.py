@@ -100,10 +100,11 @@ def _parity(rank: int, world: int) -> None:
             opt = make(model.parameters(), distributed=Distributed(gather_dtensors=gather))
             train(model, opt, batches, _rows(rank, world))
             _close(_full(model), _full(single), (name, gather, rank))
-            # a shard's state is the rank's own; gathered, every rank holds the whole and the refreshes are split
+            # a shard's state is the rank's own; gathered, every rank holds the whole and the blocks are split
             w = next(model.parameters())
             assert opt.state[w]["L"][0].shape == ((2 * WIDTHS[0],) * 2 if gather else (WIDTHS[0],) * 2)
-            assert (opt._distribution.refreshed > 0 and opt._distribution.received > 0) == gather
+            d = opt._distribution
+            assert (d.stepped > 0 and d.refreshed > 0 and d.received > 0) == gather, (d.stepped, d.received)
 
 
 def _skip_on_every_rank(rank: int, world: int) -> None:

@@ -9,11 +9,13 @@ them, the same gradients).
   refresh, whole classes of one block shape to one rank where that balances as well, since a batch of half the
   blocks takes well over half the time), which alone runs its every-step work (statistics, preconditioning or Adam
   in the eigenbasis) and its refreshes. A rank's buckets hold its own blocks; a block's state is current on its
-  owner only. Each step the owners' preconditioned directions travel in one ``all_gather_into_tensor`` per dtype
+  owner only. Each step the owners' preconditioned directions travel in one all_gather of flat buffers per dtype
   and device (:class:`Directions`), and every rank applies every parameter's update, so the parameters stay
-  identical. The 1-D parameters' steps (AdamW, Shampoo's grafting moments) are replicated: they are cheap.
-  ``state_dict()`` first brings every block's state from its owner to every rank (one collective: every rank calls
-  it), so a state dict is the single-process one and loads into any world size.
+  identical. Elementwise work stays on every rank, being cheap: the 1-D parameters' AdamW steps, Shampoo's grafting
+  moments and filtered gradients. A step replayed as a CUDA graph writes the directions into the send buffer; the
+  collective and the update run after it. ``state_dict()`` first brings every block's state from its owner to
+  every rank (one collective: every rank calls it), so a state dict is the single-process one and loads into any
+  world size; so does a new assignment (the param groups changed) before the blocks move.
 * K-FAC keeps its whole state on every rank. Its factor contributions come from each rank's own batch; they are
   averaged over the ranks (one ``all_reduce`` per factor update) before they fold in, so every rank preconditions
   with the global batch's statistics. Its refreshes are split: each factor's eigendecomposition belongs to one rank
@@ -395,10 +397,12 @@ class Distribution:
 
 class Directions:
     """A step's preconditioned directions of matrix blocks (Shampoo, SOAP), each computed by its block's owner, brought
-    to every rank. Per dtype and device one send buffer (this rank's blocks packed, padded to the largest rank's
+    to every rank. Per dtype and device one send buffer (this rank's directions packed, padded to the largest rank's
     share, in ``communication_dtype`` where one is set) and one receive buffer of every rank's, both kept while the
     blocks are the same, so that a step replayed as a CUDA graph writes its blocks (:meth:`put`) into the same
-    memory, and the collective (:meth:`gather`) runs outside the graph. ``key``: [(id(param), rows, cols, dtype,
+    memory, and the collective (:meth:`gather`) runs outside the graph. A parameter whose blocks have one owner
+    travels as its whole matrix (its blocks written into their places), so that the update reads it as it arrives;
+    one split between owners travels block by block and is assembled. ``key``: [(id(param), rows, cols, dtype,
     device)] (:meth:`Distribution.directions`); ``serial`` names the buffers in a StepGraph key."""
 
     _serials = itertools.count()
@@ -408,32 +412,39 @@ class Directions:
         self.serial = next(Directions._serials)
         self._dist = distribution
         wire = distribution.config.communication_dtype
-        items, blocks = [], []  # (owner, shape, dtype, device) per block; (id(param), block index, item index)
-        self._cols: dict[int, int] = {}  # id(param) -> its grid's column count
+        items = []  # (owner, shape, dtype, device) of each piece: a whole parameter's matrix or one block
+        pieces = []  # per parameter: (id(param), rows, cols, its pieces' item indices)
         for pid, rows, cols, dtype, device in key:
-            self._cols[pid] = len(cols)
-            for i, shape in enumerate((r, c) for r in rows for c in cols):
-                blocks.append((pid, i, len(items)))
-                items.append((owners[pid][i], shape, dtype, device))
+            own = owners[pid]
+            shapes = [(sum(rows), sum(cols))] if len(set(own)) == 1 else [(r, c) for r in rows for c in cols]
+            pieces.append((pid, rows, cols, list(range(len(items), len(items) + len(shapes)))))
+            items += [(owner, shape, dtype, device) for owner, shape in zip(own, shapes)]
         self._lanes = []  # (send, received, received in the directions' dtype or None)
-        received_views, send_views = [None] * len(items), {}
+        received, sent = [None] * len(items), {}  # each piece's view of the receive buffer; this rank's of the send
         for (dtype, device), width, placed in _layout(items, distribution.world):
             send = torch.zeros(width, dtype=wire or dtype, device=device)
-            received = torch.zeros(distribution.world * width, dtype=send.dtype, device=device)
-            values = received if send.dtype == dtype else torch.zeros(received.shape, dtype=dtype, device=device)
-            self._lanes.append((send, received, None if values is received else values))
+            buffer = torch.zeros(distribution.world * width, dtype=send.dtype, device=device)
+            values = buffer if send.dtype == dtype else torch.zeros(buffer.shape, dtype=dtype, device=device)
+            self._lanes.append((send, buffer, None if values is buffer else values))
             for n, owner, offset in placed:
                 shape = items[n][1]
                 start = owner * width + offset
-                received_views[n] = values[start:start + math.prod(shape)].view(shape)
+                received[n] = values[start:start + math.prod(shape)].view(shape)
                 if owner == distribution.rank:
-                    send_views[n] = send[offset:offset + math.prod(shape)].view(shape)
-        self._send = {(pid, i): send_views[n] for pid, i, n in blocks if n in send_views}  # this rank's blocks
-        self._received: dict[int, list] = {}  # id(param) -> its blocks' directions, views of the receive buffers
-        for pid, _, n in blocks:
-            self._received.setdefault(pid, []).append(received_views[n])
-        self.mine = len(self._send)  # blocks this rank computes
-        self.others = len(blocks) - self.mine
+                    sent[n] = send[offset:offset + math.prod(shape)].view(shape)
+        self._send: dict[tuple, torch.Tensor] = {}  # (id(param), block index) -> where this rank writes that block
+        self._received: dict[int, tuple] = {}  # id(param) -> (its pieces as received, its grid's column count)
+        self.mine = self.others = 0  # blocks this rank computes; blocks that other ranks do
+        for pid, rows, cols, idx in pieces:
+            blocks = [(r0, c0, r, c) for r0, r in zip(_starts(rows), rows) for c0, c in zip(_starts(cols), cols)]
+            for i, (r0, c0, r, c) in enumerate(blocks):
+                n = idx[0] if len(idx) == 1 else idx[i]
+                if n in sent:
+                    self._send[(pid, i)] = sent[n][r0:r0 + r, c0:c0 + c] if len(idx) == 1 else sent[n]
+                    self.mine += 1
+                else:
+                    self.others += 1
+            self._received[pid] = ([received[n] for n in idx], len(cols))
 
     def put(self, directions: dict) -> None:
         """This rank's blocks' directions ``{id(param): [its blocks' directions, None where another rank's]}`` into
@@ -448,11 +459,11 @@ class Directions:
             torch._foreach_copy_(dsts, srcs)
 
     def gather(self) -> None:
-        """Every rank's directions to every rank: one all_gather_into_tensor per dtype and device."""
-        for send, received, values in self._lanes:
-            torch.distributed.all_gather_into_tensor(received, send, group=self._dist._group)
+        """Every rank's directions to every rank: one all_gather per dtype and device."""
+        for send, buffer, values in self._lanes:
+            _all_gather(buffer, send, self._dist._group)
             if values is not None:
-                values.copy_(received)
+                values.copy_(buffer)
 
     def finish(self, groups: list, scalars, ok: dict, zero_when_skipped) -> None:
         """After the step's kernels (outside a CUDA graph): :meth:`gather`, then the update of every parameter of
@@ -460,8 +471,7 @@ class Directions:
         ``zero_when_skipped(group)``: whether the directions are zero on a skipped step)."""
         self.gather()
         for gi, group, params, *_ in groups:
-            items = [(p, assemble(self._received[id(p)], self._cols[id(p)])) for p in params
-                     if id(p) in self._received]
+            items = [(p, assemble(*self._received[id(p)])) for p in params if id(p) in self._received]
             if items:
                 apply_updates(items, gi, group, scalars, ok, zero_when_skipped(group))
 
@@ -515,6 +525,11 @@ class Refresh:
                 container[key] = value.to(dtype, copy=True)
 
 
+def _starts(sizes: tuple) -> list[int]:
+    """The offsets of consecutive ``sizes``."""
+    return [sum(sizes[:i]) for i in range(len(sizes))]
+
+
 def _layout(items: list, world: int) -> list:
     """Where each of ``items`` [(owner, shape, dtype, device, ...)] travels: per dtype and device, each owner's items
     packed in order into a segment of the lane's width (the largest owner's total): [((dtype, device), width,
@@ -538,7 +553,7 @@ def _layout(items: list, world: int) -> list:
 def _gather(dist: Distribution, items: list, wire: torch.dtype | None) -> list[torch.Tensor]:
     """Each item's tensor from its owner to every rank: ``items`` [(owner, the tensor on its owner, else None, shape,
     dtype, device)], in an order every rank shares, packed per :func:`_layout` (in ``wire`` where given), one
-    all_gather_into_tensor per lane. Returns each item's value as received (views of the receive buffers)."""
+    all_gather per lane. Returns each item's value as received (views of the receive buffers)."""
     out = [None] * len(items)
     layout = _layout([(owner, shape, dtype, device) for owner, _, shape, dtype, device in items], dist.world)
     for (dtype, device), width, placed in layout:
@@ -547,7 +562,7 @@ def _gather(dist: Distribution, items: list, wire: torch.dtype | None) -> list[t
         if mine:
             send[:sum(t.numel() for t in mine)].copy_(torch.cat(mine))
         received = torch.empty(dist.world * width, dtype=send.dtype, device=device)
-        torch.distributed.all_gather_into_tensor(received, send, group=dist._group)
+        _all_gather(received, send, dist._group)
         for n, owner, offset in placed:
             shape = items[n][2]
             out[n] = received[owner * width + offset:owner * width + offset + math.prod(shape)].view(shape)
@@ -556,6 +571,13 @@ def _gather(dist: Distribution, items: list, wire: torch.dtype | None) -> list[t
             _, _, shape, dtype, device = items[n]
             out[n] = torch.zeros(shape, dtype=wire or dtype, device=device)
     return out
+
+
+def _all_gather(output: torch.Tensor, tensor: torch.Tensor, group) -> None:
+    """Every rank's ``tensor`` into ``output``, in rank order: ``all_gather_single``, the name torch gives
+    ``all_gather_into_tensor`` since it deprecated that one (kept where the new name is missing)."""
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(output, tensor, group=group)
 
 
 def _by_dtype_and_device(tensors: list[torch.Tensor]) -> dict[tuple, list[int]]:
