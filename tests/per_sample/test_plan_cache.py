@@ -83,3 +83,27 @@ def test_layout_follows_a_parameter_reshaped_in_place():
     model.weight.data, model.bias.data = randn(3, 4, dtype=torch.float64), randn(3, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"trainable parameters \(or their devices, dtypes or shapes\) or max_norm"):
         clip_and_accumulate(model, mse_sum, x, y[:, :3], 0.5)
+
+
+def test_parameter_aliases_follow_the_parameters():
+    """The leaf alias a layer's call sees in place of its weight is kept across calls and stays right: an in-place
+    update (an optimizer's) shows through it, and ``p.data = ...`` (new storage, same shape) gets a new one; the
+    clipped gradients are those of the current weights after each."""
+    model = mlp().double()
+    x, y = randn(6, 10, dtype=torch.float64), randn(6, 3, dtype=torch.float64)
+    seen = []
+    # runs after the swap; the first call's batch-dim probe (a forward on one sample) sees the weight itself
+    model[0].register_forward_pre_hook(lambda m, args: seen.append(m.weight) if m.weight is not weight else None)
+    weight = model[0].weight
+    for _ in range(2):
+        clip_and_accumulate(model, mse_sum, x, y, 0.5)
+    assert len(seen) == 2 and seen[0] is seen[1]
+    with torch.no_grad():
+        weight.mul_(3.0)
+    clip_and_accumulate(model, mse_sum, x, y, 0.5)
+    assert seen[2] is seen[0]
+    assert_grads_clipped(model, x, y, 0.5, 6)
+    weight.data = randn(16, 10, dtype=torch.float64)
+    clip_and_accumulate(model, mse_sum, x, y, 0.5)
+    assert seen[3] is not seen[0]
+    assert_grads_clipped(model, x, y, 0.5, 6)

@@ -16,7 +16,7 @@ when a later in-place op such as ``ReLU(inplace=True)`` changes it). The backwar
 ``torch.autograd.grad`` of the summed per-sample losses with respect to those edges.
 
 Parameter uses, checked in every call. While a unit runs, its parameters (a torch.func unit: every trainable
-parameter below it too) are swapped for fresh leaf aliases of the same storage, so a use inside the unit's call
+parameter below it too) are swapped for leaf aliases of the same storage (kept across calls), so a use inside the unit's call
 reaches an alias and any other use reaches the parameter itself (or, inside an enclosing torch.func unit but
 outside the call of the unit that owns the parameter, that enclosing unit's alias). The backward also asks for
 the gradients of the parameters and of those enclosing aliases: all of them must come back None (unreachable:
@@ -88,7 +88,7 @@ class _Unit:
     (module, local name, qualified name) slots its calls swap for aliases: its own parameters first, then (a
     torch.func unit) every trainable parameter below it."""
 
-    __slots__ = ("name", "module", "rule", "names", "above", "slots")
+    __slots__ = ("name", "module", "rule", "names", "above", "slots", "_aliases")
 
     def __init__(self, name: str, module: nn.Module, rule: Rule | None, names: dict[str, str]):
         self.name, self.module, self.rule, self.names, self.above = name, module, rule, names, ()
@@ -98,6 +98,21 @@ class _Unit:
             for prefix, m in module.named_modules() if prefix
             for local, p in m._parameters.items() if p is not None and p.requires_grad)
         self.slots = own + below
+        self._aliases: list[tuple | None] = [None] * len(self.slots)
+
+    def alias(self, k: int, p: torch.Tensor) -> torch.Tensor:
+        """A leaf alias of slot ``k``'s parameter ``p``: the one of the last call while it still mirrors ``p``
+        (same storage, offset, shape, strides and dtype; ``p.data = ...`` makes a new one), which spares a detach
+        per parameter and call."""
+        cached = self._aliases[k]
+        if cached is not None:
+            prm, alias = cached
+            if (prm is p and alias.data_ptr() == p.data_ptr() and alias.dtype == p.dtype and alias.shape == p.shape
+                    and alias.stride() == p.stride() and alias.device == p.device):
+                return alias
+        alias = p.detach().requires_grad_()
+        self._aliases[k] = (p, alias)
+        return alias
 
     def describe(self) -> str:
         return f"{self.name or '<root>'} ({type(self.module).__name__})"
@@ -238,15 +253,16 @@ class _Call:
 
 
 def _swap_in(unit: _Unit, stack: list, autocast: bool) -> Callable:
-    """Forward pre-hook: the unit's parameter slots get fresh leaf aliases (under ``autocast``, views: autocast
-    caches no cast of a view, so a step under a long-lived autocast context leaves nothing behind)."""
+    """Forward pre-hook: the unit's parameter slots get leaf aliases (:meth:`_Unit.alias`; under ``autocast``,
+    fresh views: autocast caches no cast of a view, so a step under a long-lived autocast context leaves nothing
+    behind, not even a cast of weights an optimizer has updated since)."""
     def hook(module, args):
         saved, aliases = [], []
-        for mod, local, _ in unit.slots:
+        for k, (mod, local, _) in enumerate(unit.slots):
             current = mod._parameters[local]
             saved.append(current)
-            alias = current.detach()[...] if autocast else current.detach()
-            mod._parameters[local] = alias.requires_grad_()
+            alias = current.detach()[...].requires_grad_() if autocast else unit.alias(k, current)
+            mod._parameters[local] = alias
             aliases.append(alias)
         stack.append((unit, saved, aliases))
 
