@@ -131,10 +131,10 @@ class StepGraph:
 
 def update_key(stepped: list, version, groups: list):
     """A ``StepGraph`` key of an optimizer update, or None where it cannot be replayed: not one CUDA device, the
-    fused grafting op not compiled, or a group with ``cuda_graph`` off. ``version``: what names the storage
-    of the update's own buffers (the optimizer's ``DeviceSteps`` version and, under a split, the serial of the
-    directions' exchange buffers, which the graph writes and a collective outside it reads); ``groups``: (group index, group, params with gradients, the group's bucket plan or
-    None, one hashable per param that the update also depends on)."""
+    fused grafting op not compiled, or a group with ``cuda_graph`` off. ``version``: what names the update's own
+    buffers (the optimizer's ``DeviceSteps`` version and, under a split, the serial of the directions' exchange
+    buffers, which the graph writes and a collective after it reads); ``groups``: (group index, group, params with
+    gradients, the group's bucket plan or None, one hashable per param that the update also depends on)."""
     if not stepped[0].is_cuda or not has_cuda_kernel("shampoo_graft"):
         return None
     key = [version]

@@ -169,8 +169,8 @@ class Distribution:
     parameters (:meth:`local`, :mod:`._shards`); state dict hooks (:mod:`._checkpoint`).
 
     ``kind``: "blocks" (SOAP) or "factors" (Shampoo), whose matrix blocks are split, or "layers" (K-FAC: a layer's
-    factors A and G, whose refreshes are split). ``ddp_group``: a DistributedDataParallel model's process group (K-FAC), the default when
-    ``config`` names none.
+    factors A and G, whose refreshes are split). ``ddp_group``: a DistributedDataParallel model's process group
+    (K-FAC), the default when ``config`` names none.
 
     Counters (tests, benchmarks), counted under a split only: ``stepped`` blocks whose every-step work this rank ran
     (a block per step), ``refreshed`` refresh units this rank computed (SOAP's blocks, Shampoo's factors, K-FAC's
