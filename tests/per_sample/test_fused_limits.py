@@ -4,6 +4,8 @@ batch (the one-sample probe); "fused" raises naming the layer, "auto" gives torc
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,8 @@ from torch import nn
 from torchkern.per_sample import bench, layers
 from torchkern.per_sample import clip_and_accumulate, per_sample_grad_norms, per_sample_gradients
 from testing import devices, randn
-from per_sample_testing import mse_sum, Head, func_reference, explicit_clip, assert_auto_is_right, forward_counter
+from per_sample_testing import (mse_sum, Head, func_reference, explicit_clip, assert_auto_is_right, forward_counter,
+                                assert_grads_clipped)
 
 
 class _Tied(nn.Module):
@@ -397,3 +400,45 @@ def test_the_probe_leaves_buffers_as_they_were(device):
         plain(x)
     assert model.calls.item() == model.steps.item() == 3
     torch.testing.assert_close(model.ema, plain.ema, rtol=0, atol=0)
+
+
+class _MayRaise(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.fail = False
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.fail:
+            raise RuntimeError("model error")
+        return self.b(h)
+
+
+def test_recording_leaves_the_modules_as_they_were():
+    """The recording's forward wrappers, hooks and parameter aliases are gone after a call, also after one whose
+    forward raised; a layer with hooks of its own is recorded through hooks after them, as right as one without."""
+    torch.manual_seed(0)
+    model = _MayRaise().double()
+    x, y = randn(5, 4, dtype=torch.float64), randn(5, 3, dtype=torch.float64)
+    params = list(model.parameters())
+
+    def assert_clean(own_hooks):
+        for m in (model.a, model.b):
+            assert "forward" not in m.__dict__
+            assert len(m._forward_pre_hooks) == len(m._forward_hooks) == own_hooks
+        assert list(model.parameters()) == params and all(map(operator.is_, model.parameters(), params))
+
+    clip_and_accumulate(model, mse_sum, x, y, 0.5, method="fused")
+    assert_clean(0)
+    model.fail = True
+    with pytest.raises(RuntimeError, match="model error"):
+        clip_and_accumulate(model, mse_sum, x, y, 0.5, method="fused")
+    assert_clean(0)
+    model.fail = False
+    for m in (model.a, model.b):
+        m.register_forward_pre_hook(lambda mod, args: None)
+        m.register_forward_hook(lambda mod, args, out: None)
+    clip_and_accumulate(model, mse_sum, x, y, 0.5, method="fused")
+    assert_clean(1)
+    assert_grads_clipped(model, x, y, 0.5, 5)

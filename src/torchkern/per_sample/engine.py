@@ -53,8 +53,8 @@ which is right for all of them; ``method="fused"`` raises ValueError saying whic
 
 BatchNorm in training mode mixes the samples of a batch: every path raises ValueError.
 
-Per-call overhead: the module scan is cached per model and revalidated by identity on every call; hooks live
-only for the forward; the batch-dim probe, where it runs, costs about a forward's host time; a ``"mean"`` loss is
+Per-call overhead: the module scan is cached per model and revalidated by identity on every call; hooks (on a
+rule layer without hooks of its own, a wrapper of its forward) live only for the forward; the batch-dim probe, where it runs, costs about a forward's host time; a ``"mean"`` loss is
 scaled through the backward's seed; the per-sample gradients that rules materialize (norm layers, biases, kept
 Linear and convolution weights) are concatenated where their accumulators are neighbours, for one square-sum and
 one GEMV per group instead of a few launches per parameter; nothing waits for the device.
@@ -107,8 +107,7 @@ class _Unit:
         cached = self._aliases[k]
         if cached is not None:
             prm, alias = cached
-            if (prm is p and alias.data_ptr() == p.data_ptr() and alias.dtype == p.dtype and alias.shape == p.shape
-                    and alias.stride() == p.stride() and alias.device == p.device):
+            if prm is p and alias.is_set_to(p) and alias.dtype == p.dtype:
                 return alias
         alias = p.detach().requires_grad_()
         self._aliases[k] = (p, alias)
@@ -310,24 +309,62 @@ def _sizer(unit: _Unit, calls: list) -> Callable:
 _HOOK = "torchkern.per_sample"
 
 
+def _global_hooks() -> bool:
+    m = nn.modules.module
+    return bool(m._global_forward_pre_hooks or m._global_forward_hooks or m._global_backward_pre_hooks
+                or m._global_backward_hooks)
+
+
+def _hookless(module: nn.Module) -> bool:
+    """Whether a call of ``module`` goes straight to its class's forward (nn.Module's path without hooks): a wrapper
+    of that forward then runs where hooks of ours would, without the hook path's host time (a few us a call)."""
+    return not (module._forward_pre_hooks or module._forward_hooks or module._backward_pre_hooks
+                or module._backward_hooks or "forward" in module.__dict__)
+
+
+def _wrapped(module: nn.Module, pre: Callable | None, post: Callable) -> Callable:
+    """``module``'s forward with ``pre`` (a forward pre-hook) before it and ``post`` (a forward hook with kwargs)
+    after it."""
+    forward = module.forward
+
+    def call(*args, **kwargs):
+        if pre is not None:
+            pre(module, args)
+        output = forward(*args, **kwargs)
+        post(module, args, kwargs, output)
+        return output
+
+    return call
+
+
 def _forward(p: Plan, model: nn.Module, inputs: torch.Tensor, hooks: list[Callable], stack: list | None = None):
     """``model(inputs)`` with ``hooks`` (one per unit) as forward hooks (after the module's own, where
     register_forward_hook puts them) and, given the ``_recorder`` hooks' ``stack``, every unit's parameters aliased
     during its calls (a pre-hook before the module's own); returns the outputs, or None where the aliases could not
-    be put back in order."""
+    be put back in order. A rule layer without hooks of its own (and no global module hooks) gets them as a wrapper
+    of its forward instead, which runs at the same point of its call."""
     autocast = torch.is_autocast_enabled(inputs.device.type)
+    wrap = not _global_hooks()
+    wrapped, hooked = [], []
     try:
         for unit, hook in zip(p.units, hooks):
             module = unit.module
-            if stack is not None:
-                module._forward_pre_hooks[_HOOK] = _swap_in(unit, stack, autocast)
+            pre = None if stack is None else _swap_in(unit, stack, autocast)
+            if wrap and unit.rule is not None and _hookless(module):
+                module.__dict__["forward"] = _wrapped(module, pre, hook)
+                wrapped.append(module)
+                continue
+            hooked.append(module)
+            if pre is not None:
+                module._forward_pre_hooks[_HOOK] = pre
                 module._forward_pre_hooks.move_to_end(_HOOK, last=False)
             module._forward_hooks[_HOOK] = hook
             module._forward_hooks_with_kwargs[_HOOK] = True
         outputs = model(inputs)
     finally:
-        for unit in p.units:
-            module = unit.module
+        for module in wrapped:
+            del module.__dict__["forward"]
+        for module in hooked:
             for hooks_dict in (module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_with_kwargs):
                 hooks_dict.pop(_HOOK, None)
         if stack:  # an exception (raised, or caught by the model) skipped a unit's forward hook
