@@ -1,4 +1,4 @@
-"""Train with SOAP on several GPUs: DistributedDataParallel averages the gradients, SOAP splits its basis refreshes
+"""Train with SOAP on several GPUs: DistributedDataParallel averages the gradients, SOAP splits its matrix blocks
 across the ranks, and a checkpoint taken with torch.distributed.checkpoint resumes on any number of ranks.
 
     torchrun --standalone --nproc_per_node 2 examples/soap_ddp.py             # 2 GPUs (NCCL)
@@ -55,7 +55,7 @@ def main() -> None:
     held_out = torch.randn(4096, 32, device=device) * scales
     with torch.no_grad():
         held_out_y = teacher(held_out / scales)
-    opt = SOAP(model.parameters(), lr=3e-3)  # splits its refreshes over the default process group's ranks
+    opt = SOAP(model.parameters(), lr=3e-3)  # splits its matrix blocks over the default process group's ranks
 
     start = 0
     if args.resume:

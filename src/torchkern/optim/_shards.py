@@ -11,7 +11,7 @@ state moves to the alias's key:
   a skipped step on every rank. A rank whose shard is empty does not step that parameter.
 * full parameters (``gather_dtensors=True``): the alias is a full-size buffer, filled each step with the gathered
   parameter, its gradient the gathered gradient; after the step each rank writes its own shard back. The state is
-  then the single-process one on every rank, and the refreshes split as for replicated parameters.
+  then the single-process one on every rank, and the blocks split as for replicated parameters.
 
 An alias is kept while the parameter's local tensor stays where it was, so the optimizers' caches (bucket plans, CUDA
 graphs) keep seeing the same tensor.
