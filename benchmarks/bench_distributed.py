@@ -9,10 +9,10 @@ The model is a stack of 4 pre-LayerNorm transformer blocks (``torchkern._models.
 heads) on each rank's own batch (B = 16 sequences of T = 256 per rank: the global batch grows with the ranks), an MSE
 loss against a fixed random target. Optimizers: torch's AdamW (default foreach and fused), torchkern's SOAP and
 Shampoo at their defaults (each matrix block owned by one rank, which runs its every-step work and its refreshes;
-the preconditioned directions all-gathered every step, the 1-D parameters' steps on every rank), and Meta's
-DistributedShampoo with its DDP
-distributor (``distributed_shampoo`` on PYTHONPATH: facebookresearch/optimizers' source tree; skipped with a line
-where it is not importable) at torchkern Shampoo's settings (``torchkern.optim.bench.meta_shampoo``).
+the preconditioned directions all-gathered every step, the 1-D parameters' steps on every rank), the same with the
+directions sent in bfloat16 (``*_bf16_comm``), and Meta's DistributedShampoo with its DDP distributor
+(``distributed_shampoo`` on PYTHONPATH: facebookresearch/optimizers' source tree; skipped with a line where it is
+not importable) at torchkern Shampoo's settings (``torchkern.optim.bench.meta_shampoo``).
 
 Per optimizer: ``--warmup`` steps (CUDA graph captures, first refreshes), then ``--steps`` timed steps (a multiple of
 SOAP's 10 and Shampoo's 20 steps between refreshes, so the refreshes are amortized): the median over ``--repeats``
@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torchkern._bench import peer_available
 from torchkern._models import TransformerBlock
 from torchkern.optim import SOAP, Shampoo
+from torchkern.optim.distributed import Distributed
 from torchkern.optim.bench import meta_shampoo
 
 
@@ -55,6 +56,9 @@ def _optimizers(device: torch.device) -> dict:
         out["adamw_fused"] = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True)
     out["soap"] = lambda m: SOAP(m.parameters(), lr=1e-3)
     out["shampoo"] = lambda m: Shampoo(m.parameters(), lr=1e-3)
+    bf16 = Distributed(communication_dtype=torch.bfloat16)  # directions in bfloat16: half the traffic
+    out["soap_bf16_comm"] = lambda m: SOAP(m.parameters(), lr=1e-3, distributed=bf16)
+    out["shampoo_bf16_comm"] = lambda m: Shampoo(m.parameters(), lr=1e-3, distributed=bf16)
     if peer_available("distributed_shampoo"):
         from distributed_shampoo import DDPDistributedConfig
 
