@@ -1039,7 +1039,7 @@ __device__ __forceinline__ void wg_update(Ctx<Op>& c) {
 }
 
 // Energy (when `energy`) and gradient of the block's rows; full = false: the forward products only.
-// Ends after a __syncthreads; row value kRowE holds the energies. Called from two sites (eval/Langevin, HMC).
+// Ends after a __syncthreads; row value kRowE holds the energies. Called from one site (the kernel's step loop).
 // On warpgroup products (Op::kWgmma) the update runs after the last product (wg_update), not in its epilogue.
 template <class Op>
 __device__ __forceinline__ void evaluate(Ctx<Op>& c, bool full, bool energy) {
@@ -1170,21 +1170,44 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ Philo
   if constexpr (Op::kWgmma) wg::fence_shared_for_async();  // the weights and the states, for the first product
   __syncthreads();
 
-  if (p.mode != kHmc) {
-    // Eval: one evaluation. Langevin: steps t < n_steps (with the energy where the trace records it: the state
-    // after t steps, slot t / thin - 1), then the final state's energy where recorded. One call site, so that
-    // evaluate is inlined and c stays in registers (a call taking c by reference put it in local memory).
-    const bool eval = p.mode == kEval;
-    for (int t = 0;; ++t) {
-      const bool record = eval || (p.energy && t > 0 && t % p.thin == 0);
-      const bool full = eval || t < p.n_steps;
+  // Eval: one evaluation. Langevin: steps t < n_steps (with the energy where the trace records it: the state after
+  // t steps, slot t / thin - 1), then the final state's energy where recorded. HMC: trajectory t's evaluations
+  // i = 0..n_leapfrog (half kick, drifts and kicks, half kick), then its acceptance. One call site of evaluate for
+  // every mode, so that it is inlined once (a site per mode doubled the kernel's code and its compile time) and c
+  // stays in registers (a call taking c by reference put it in local memory).
+  const bool eval = p.mode == kEval, hmc = p.mode == kHmc;
+  const float* e_row = c.row_value(kRowE);
+  int finite_trajectories = p.n_steps;  // HMC, thread `row` < nvalid's: its row's trajectories before a divergent one
+  for (int t = 0, i = 0;;) {
+    bool full, record;
+    if (hmc) {
+      if (t == p.n_steps) break;
+      if (i == 0) {  // the trajectory's momenta
+        for (int j = c.tid; j < c.nvalid * d; j += kThreads) {
+          const int64_t flat = c.row0 * d + j;
+          c.pm[(j / d) * c.ld_xs + j % d] = p.noise ? p.noise[static_cast<int64_t>(t) * p.batch * d + flat]
+                                                    : normal_at(c.key, 2 * static_cast<uint64_t>(t), flat);
+        }
+        __syncthreads();
+        row_sums<Op, true>(c, c.pm, c.ld_xs, d, 0.5f, 0.f, kRowK0);
+        __syncthreads();  // without it ptxas serialized the warpgroup products (C7518)
+      }
+      c.kick = i == 0 || i == p.n_leapfrog ? 0.5f * p.step : p.step;
+      c.drift = i < p.n_leapfrog;
+      full = true;
+      record = i == 0 || i == p.n_leapfrog;
+    } else {
+      record = eval || (p.energy && t > 0 && t % p.thin == 0);
+      full = eval || t < p.n_steps;
       if (!full && !record) break;
       c.t = t;
       c.keep = !eval && p.traj && (t + 1) % p.thin == 0;
       c.slot = c.keep ? (t + 1) / p.thin - 1 : 0;  // an integer division per step only where a trace is kept
-      evaluate(c, full, record);
+    }
+    evaluate(c, full, record);
+    if (!hmc) {
       if (record && c.tid < c.nvalid) {
-        const float e = c.row_value(kRowE)[c.tid];
+        const float e = e_row[c.tid];
         if (eval) {
           p.energy[c.row0 + c.tid] = e;
         } else {
@@ -1192,65 +1215,58 @@ mlp_chain_kernel(const __grid_constant__ Params p, const __grid_constant__ Philo
         }
       }
       if (eval || t == p.n_steps) break;
+      ++t;
+      continue;
     }
-    if (!eval) {
-      for (int i = c.tid; i < c.nvalid * d; i += kThreads) p.x[c.row0 * d + i] = c.xs[(i / d) * c.ld_xs + i % d];
+    if (i == 0 && c.tid < p.rows) c.row_value(kRowE0)[c.tid] = e_row[c.tid];
+    if (i < p.n_leapfrog) {
+      ++i;
+      continue;
     }
-  } else {  // HMC
-    const float* e_row = c.row_value(kRowE);
-    int finite_trajectories = p.n_steps;  // thread `row` < nvalid's: its row's trajectories before a divergent one
-    for (int t = 0; t < p.n_steps; ++t) {
-      for (int i = c.tid; i < c.nvalid * d; i += kThreads) {
-        const int64_t flat = c.row0 * d + i;
-        c.pm[(i / d) * c.ld_xs + i % d] = p.noise ? p.noise[static_cast<int64_t>(t) * p.batch * d + flat]
-                                                  : normal_at(c.key, 2 * static_cast<uint64_t>(t), flat);
-      }
-      __syncthreads();
-      row_sums<Op, true>(c, c.pm, c.ld_xs, d, 0.5f, 0.f, kRowK0);
-      for (int i = 0; i <= p.n_leapfrog; ++i) {
-        c.kick = i == 0 || i == p.n_leapfrog ? 0.5f * p.step : p.step;
-        c.drift = i < p.n_leapfrog;
-        evaluate(c, true, i == 0 || i == p.n_leapfrog);
-        if (i == 0 && c.tid < p.rows) c.row_value(kRowE0)[c.tid] = e_row[c.tid];
-      }
-      row_sums<Op, true>(c, c.pm, c.ld_xs, d, 0.5f, 0.f, kRowK1);
-      __syncthreads();
-      const bool keep = (t + 1) % p.thin == 0;
-      const int slot = (t + 1) / p.thin - 1;
-      if (c.tid < c.nvalid) {
-        const int row = c.tid;
-        const int64_t r = c.row0 + row;
-        const float u = p.uniform ? p.uniform[static_cast<int64_t>(t) * p.batch + r]
-                                  : uniform_open0(philox_bits(c.key, 2 * static_cast<uint64_t>(t) + 1, r).x);
-        const float h0 = c.row_value(kRowE0)[row] + c.row_value(kRowK0)[row];
-        const float h1 = e_row[row] + c.row_value(kRowK1)[row];
-        const bool accept = logf(u) < h0 - h1;  // false for a NaN or infinite h1: a diverged proposal
-        if (finite_trajectories == p.n_steps && !isfinite(h1)) finite_trajectories = t;
-        c.row_value(kRowAccept)[row] = accept ? 1.f : 0.f;
-        c.row_value(kRowCount)[row] += accept ? 1.f : 0.f;
-        if (p.accepted) p.accepted[r * p.n_steps + t] = accept;
-        if (p.energy && keep) p.energy[r * p.kept + slot] = accept ? e_row[row] : c.row_value(kRowE0)[row];
-      }
-      __syncthreads();
-      for (int i = c.tid; i < c.nvalid * d; i += kThreads) {
-        const int row = i / d, col = i % d;
-        const int64_t flat = c.row0 * d + i;
-        float* xv = c.xs + row * c.ld_xs + col;
-        if (c.row_value(kRowAccept)[row] != 0.f) {
-          p.x[flat] = *xv;
-        } else {
-          *xv = p.x[flat];
-          if constexpr (Op::kTensorCores) c.xop[c.xop_at(row, col)] = Op::operand(*xv);
-        }
-        if (p.traj && keep) p.traj[((c.row0 + row) * p.kept + slot) * d + col] = *xv;
-      }
-      if constexpr (Op::kWgmma) wg::fence_shared_for_async();
-      __syncthreads();
+    // the end of trajectory t: accept or restore its start
+    row_sums<Op, true>(c, c.pm, c.ld_xs, d, 0.5f, 0.f, kRowK1);
+    __syncthreads();
+    const bool keep = (t + 1) % p.thin == 0;
+    const int slot = (t + 1) / p.thin - 1;
+    if (c.tid < c.nvalid) {
+      const int row = c.tid;
+      const int64_t r = c.row0 + row;
+      const float u = p.uniform ? p.uniform[static_cast<int64_t>(t) * p.batch + r]
+                                : uniform_open0(philox_bits(c.key, 2 * static_cast<uint64_t>(t) + 1, r).x);
+      const float h0 = c.row_value(kRowE0)[row] + c.row_value(kRowK0)[row];
+      const float h1 = e_row[row] + c.row_value(kRowK1)[row];
+      const bool accept = logf(u) < h0 - h1;  // false for a NaN or infinite h1: a diverged proposal
+      if (finite_trajectories == p.n_steps && !isfinite(h1)) finite_trajectories = t;
+      c.row_value(kRowAccept)[row] = accept ? 1.f : 0.f;
+      c.row_value(kRowCount)[row] += accept ? 1.f : 0.f;
+      if (p.accepted) p.accepted[r * p.n_steps + t] = accept;
+      if (p.energy && keep) p.energy[r * p.kept + slot] = accept ? e_row[row] : c.row_value(kRowE0)[row];
     }
+    __syncthreads();
+    for (int j = c.tid; j < c.nvalid * d; j += kThreads) {
+      const int row = j / d, col = j % d;
+      const int64_t flat = c.row0 * d + j;
+      float* xv = c.xs + row * c.ld_xs + col;
+      if (c.row_value(kRowAccept)[row] != 0.f) {
+        p.x[flat] = *xv;
+      } else {
+        *xv = p.x[flat];
+        if constexpr (Op::kTensorCores) c.xop[c.xop_at(row, col)] = Op::operand(*xv);
+      }
+      if (p.traj && keep) p.traj[((c.row0 + row) * p.kept + slot) * d + col] = *xv;
+    }
+    if constexpr (Op::kWgmma) wg::fence_shared_for_async();
+    __syncthreads();
+    i = 0;
+    ++t;
+  }
+  if (hmc) {
     if (c.tid < c.nvalid) {
       p.accept_count[c.row0 + c.tid] = static_cast<int64_t>(c.row_value(kRowCount)[c.tid]);
       p.finite_steps[c.row0 + c.tid] = finite_trajectories;
     }
+  } else if (!eval) {
+    for (int i = c.tid; i < c.nvalid * d; i += kThreads) p.x[c.row0 * d + i] = c.xs[(i / d) * c.ld_xs + i % d];
   }
   // the schedule's last prefetch (chunk `consumed`) lands before the block's shared memory goes
   if (!p.resident && c.tid == 0) wait_chunk(c, c.consumed);
