@@ -73,6 +73,29 @@ def test_hmc_chain_matches_twin(name, dtype, device):
     assert traj.shape == (9, 2, 7) and acc.shape == (9, n_steps) and count.sum() > 0
 
 
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_hmc_chain_philox_momenta_are_langevin_step_draws(dtype):
+    # Trajectory t's momenta are Philox draw 2t in the langevin_step layout (element i = row * d + col, group i / 4):
+    # with d = 7 the rows start at every offset within a group. Those draws injected give the same chain, bit for bit.
+    energy = analytic("double_well")
+    batch, d, n_steps = 9, 7, 3
+    x = randn(batch, d, dtype=dtype, device="cuda", scale=0.5)
+    uniform = torch.rand(n_steps, batch, dtype=dtype, device="cuda")
+    args = (energy.kind, energy.params, HMC_STEP["double_well"], 4, n_steps, 1, True, True, True, None)
+    torch.manual_seed(7)
+    drawn = x.clone()
+    got = torch.ops.torchkern.hmc_chain_(drawn, *args, None, uniform)
+    torch.manual_seed(7)
+    zeros = torch.zeros(batch, d, device="cuda")
+    draws = [ebm.langevin_step(zeros, zeros, 0.5) for _ in range(2 * n_steps)]  # sqrt(2 * 0.5) = 1: eps itself
+    injected = x.clone()
+    want = torch.ops.torchkern.hmc_chain_(injected, *args, torch.stack(draws[::2]).to(dtype), uniform)
+    assert torch.equal(drawn, injected)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 def test_mlp_hmc_chain_fp32_matches_twin(device):
     energy = mlp_energy([5, 24, 16], "tanh", device, seed=10)

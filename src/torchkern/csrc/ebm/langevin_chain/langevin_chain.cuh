@@ -1,5 +1,6 @@
-// Shared by langevin_chain.cu (elementwise energies, the launcher) and langevin_chain_rows.cu (row-coupled
-// energies): split in two so ninja compiles the two halves in parallel.
+// Shared by langevin_chain.cu (elementwise energies, the launcher) and langevin_chain_rows.cuh (row-coupled
+// energies, instantiated per dtype pair by langevin_chain_rows_{f32_f64,f16_bf16}.cu): units that ninja compiles in
+// parallel.
 #pragma once
 
 #include <cstdint>
@@ -28,7 +29,7 @@ struct ChainArgs {
   StepParams<C> s;
 };
 
-// Launches the one-warp-per-row chain for Rosenbrock or Ackley (langevin_chain_rows.cu);
+// Launches the one-warp-per-row chain for Rosenbrock or Ackley (langevin_chain_rows.cuh);
 // chunks = 4-column groups per lane, one of 1, 2, 4, kMaxRowChunks.
 template <typename T>
 void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainArgs<opmath_t<T>>& a,

@@ -1,5 +1,8 @@
 // langevin_chain for row-coupled energies (Rosenbrock, Ackley): one warp owns a row (see
-// langevin_chain.cu for the layout and the noise contract).
+// langevin_chain.cu for the layout and the noise contract). Instantiated by langevin_chain_rows_f32_f64.cu and
+// langevin_chain_rows_f16_bf16.cu, two units that ninja compiles in parallel.
+#pragma once
+
 #include "langevin_chain.cuh"
 #include "torchkern/reduce.cuh"
 
@@ -71,8 +74,16 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
     for (int k = 0; k < kChunks; ++k) {
       const int j0 = 4 * (lane + 32 * k);
       if (j0 >= d) continue;
-      float4 e4{};
-      if (!a.noise && groups_aligned) e4 = normal4(key, t, (row_base + j0) / 4);
+      // The chunk's elements i0 + [0, 4) lie in Philox groups i0 / 4 and, where the row starts inside a group
+      // (skew = i0 % 4 > 0, only where d is not a multiple of 4), i0 / 4 + 1: element c is component skew + c of
+      // the pair.
+      const int64_t i0 = row_base + j0;
+      const int skew = static_cast<int>(i0 % 4);
+      float4 e4{}, e4_next{};
+      if (!a.noise) {
+        e4 = normal4(key, t, i0 / 4);
+        if (!groups_aligned) e4_next = normal4(key, t, i0 / 4 + 1);
+      }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = j0 + c;
@@ -84,7 +95,7 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
         } else if (groups_aligned) {
           eps = static_cast<C>(component(e4, c));
         } else {
-          eps = static_cast<C>(component(normal4(key, t, i / 4), static_cast<int>(i % 4)));
+          eps = static_cast<C>(component(skew + c < 4 ? e4 : e4_next, (skew + c) & 3));
         }
         v[k][c] = langevin_update(v[k][c], grad[k][c], eps, a.s, a.clamp);
         finite = finite && isfinite(v[k][c]);
@@ -130,14 +141,10 @@ void launch_rows(int kind, int chunks, const T* x, T* out, T* traj, const ChainA
   }
 }
 
+// launch_rows for states of type T, in the unit that compiles T's kernels.
 #define TORCHKERN_INSTANTIATE_ROWS(T)                                                                          \
   template void launch_rows<T>(int, int, const T*, T*, T*, const ChainArgs<opmath_t<T>>&, const PhiloxState&, \
                                cudaStream_t);
-TORCHKERN_INSTANTIATE_ROWS(float)
-TORCHKERN_INSTANTIATE_ROWS(double)
-TORCHKERN_INSTANTIATE_ROWS(__half)
-TORCHKERN_INSTANTIATE_ROWS(__nv_bfloat16)
-#undef TORCHKERN_INSTANTIATE_ROWS
 
 }  // namespace chain
 }  // namespace torchkern

@@ -7,14 +7,18 @@
 // Philox draw 2t (the langevin_step layout: element i = row * d + col, group i / 4, component i % 4), half
 // kick, n_leapfrog x (drift, kick) with the last kick halved, and accept where log u < H0 - H1 with u from
 // draw 2t + 1 (group = row); a divergent trajectory (non-finite H1) is rejected and ends the row's count of
-// finite trajectories. float16/bfloat16 states run in float32 (converted on the host).
-#include "energies.cuh"
-#include "launchers.h"
+// finite trajectories. float16/bfloat16 states run in float32 (converted on the host). Instantiated per compute
+// type by hmc_chain_f32.cu (with the launcher) and hmc_chain_f64.cu, units that ninja compiles in parallel.
+#pragma once
+
+#include "../energies.cuh"
+#include "../launchers.h"
 #include "torchkern/dispatch.cuh"
 #include "torchkern/philox.cuh"
 #include "torchkern/reduce.cuh"
 
 namespace torchkern {
+namespace hmc {
 namespace {
 
 constexpr int kThreads = 128;
@@ -129,15 +133,22 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
   for (int t = 0; t < a.n_steps; ++t) {
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
+      // The chunk's elements i0 + [0, 4) lie in Philox groups i0 / 4 and, where the row starts inside a group
+      // (skew = i0 % 4 > 0), i0 / 4 + 1: element c is component skew + c of the pair.
+      const int64_t i0 = row_base + 4 * (lane + 32 * k);
+      const int skew = static_cast<int>(i0 % 4);
+      float4 n4{}, n4_next{};
+      if (!a.noise && 4 * (lane + 32 * k) < d) {
+        n4 = normal4(key, 2 * static_cast<uint64_t>(t), i0 / 4);
+        if (skew > 0) n4_next = normal4(key, 2 * static_cast<uint64_t>(t), i0 / 4 + 1);
+      }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = 4 * (lane + 32 * k) + c;
         const int64_t i = row_base + j;
         C z = C(0);
         if (j < d) {
-          z = a.noise ? a.noise[t * n + i]
-                      : static_cast<C>(component(normal4(key, 2 * static_cast<uint64_t>(t), i / 4),
-                                                 static_cast<int>(i % 4)));
+          z = a.noise ? a.noise[t * n + i] : static_cast<C>(component(skew + c < 4 ? n4 : n4_next, (skew + c) & 3));
         }
         m[k][c] = z;
         v0[k][c] = v[k][c];
@@ -209,37 +220,35 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
 
 }  // namespace
 
-cudaError_t hmc_chain_launch(const HmcChainParams& p, cudaStream_t stream) {
+// Runs hmc_chain_ on states of compute type C (hmc_chain_launch, hmc_chain_f32.cu, picks C by p.dtype).
+template <typename C>
+cudaError_t launch(const HmcChainParams& p, cudaStream_t stream) {
   const unsigned grid = static_cast<unsigned>((p.batch + kWarps - 1) / kWarps);
-  const auto run = [&](auto tag) {
-    using C = typename decltype(tag)::type;
-    HmcArgs<C> a;
-    a.noise = static_cast<const C*>(p.noise);
-    a.uniform = static_cast<const C*>(p.uniform);
-    a.batch = p.batch;
-    a.d = p.d;
-    a.n_steps = p.n_steps;
-    a.n_leapfrog = p.n_leapfrog;
-    a.thin = p.thin;
-    a.kept = p.kept;
-    a.step = static_cast<C>(p.step);
-    a.p = energy_params<C>(p.params);
-    C* x = static_cast<C*>(p.x);
-    C* traj = static_cast<C*>(p.traj);
-    C* energy = static_cast<C*>(p.energy);
-    TORCHKERN_KIND_SWITCH(p.kind, kKind, [&] {
-      if (p.d <= 128) {
-        hmc_row_kernel<kKind, 1, C><<<grid, kThreads, 0, stream>>>(x, traj, energy, p.accepted, p.accept_count,
-                                                                   p.finite_steps, a, p.philox);
-      } else {
-        hmc_row_kernel<kKind, kMaxChunks, C><<<grid, kThreads, 0, stream>>>(x, traj, energy, p.accepted,
-                                                                            p.accept_count, p.finite_steps, a,
-                                                                            p.philox);
-      }
-    });
-    return cudaGetLastError();
-  };
-  return p.dtype == DType::kFloat64 ? run(Type<double>{}) : run(Type<float>{});
+  HmcArgs<C> a;
+  a.noise = static_cast<const C*>(p.noise);
+  a.uniform = static_cast<const C*>(p.uniform);
+  a.batch = p.batch;
+  a.d = p.d;
+  a.n_steps = p.n_steps;
+  a.n_leapfrog = p.n_leapfrog;
+  a.thin = p.thin;
+  a.kept = p.kept;
+  a.step = static_cast<C>(p.step);
+  a.p = energy_params<C>(p.params);
+  C* x = static_cast<C*>(p.x);
+  C* traj = static_cast<C*>(p.traj);
+  C* energy = static_cast<C*>(p.energy);
+  TORCHKERN_KIND_SWITCH(p.kind, kKind, [&] {
+    if (p.d <= 128) {
+      hmc_row_kernel<kKind, 1, C><<<grid, kThreads, 0, stream>>>(x, traj, energy, p.accepted, p.accept_count,
+                                                                 p.finite_steps, a, p.philox);
+    } else {
+      hmc_row_kernel<kKind, kMaxChunks, C><<<grid, kThreads, 0, stream>>>(x, traj, energy, p.accepted,
+                                                                          p.accept_count, p.finite_steps, a, p.philox);
+    }
+  });
+  return cudaGetLastError();
 }
 
+}  // namespace hmc
 }  // namespace torchkern
