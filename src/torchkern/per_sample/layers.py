@@ -440,7 +440,9 @@ class ConvRule(Rule):
                 gl = gg.transpose(2, 3).reshape(b * groups, positions, d_out)
                 sqs.append(ops.linear_grad_sq_norms(a3, gl).view(b, groups).sum(1))
             else:
-                w = torch.matmul(gg.to(ct), a.to(ct))  # (b, [G,] d_out, d_in): per-sample weight gradients
+                # (b, [G,] d_out, d_in): per-sample weight gradients (bmm itself where there is no group dim:
+                # matmul's broadcasting costs four view ops around it)
+                w = (torch.bmm if single else torch.matmul)(gg.to(ct), a.to(ct))
                 if kept:
                     ws.append(w.reshape(b, -1))
                 else:
