@@ -129,6 +129,19 @@ __device__ __forceinline__ C langevin_update(C x, C grad, C eps, const StepParam
   return y;
 }
 
+// The standard normals of the 4 consecutive elements i0 + [0, 4) of a row in the langevin_step layout (element i
+// is component i % 4 of Philox group i / 4), one Philox call per group: lo = group i0 / 4 and, where the row starts
+// inside a group (`skewed`), hi = group i0 / 4 + 1; element c is chunk_normal(lo, hi, i0 % 4, c).
+__device__ __forceinline__ void chunk_normals(const PhiloxKey& key, uint64_t step, int64_t i0, bool skewed, float4& lo,
+                                              float4& hi) {
+  lo = normal4(key, step, static_cast<uint64_t>(i0 / 4));
+  if (skewed) hi = normal4(key, step, static_cast<uint64_t>(i0 / 4 + 1));
+}
+
+__device__ __forceinline__ float chunk_normal(const float4& lo, const float4& hi, int skew, int c) {
+  return component(skew + c < 4 ? lo : hi, (skew + c) & 3);
+}
+
 // The chain ops' finite_steps (int64 [B], filled with n_steps by the host): chain `row` had a non-finite state
 // after step t + 1, so at most t finite steps.
 __device__ __forceinline__ void note_non_finite(int64_t* finite_steps, int64_t row, int t) {

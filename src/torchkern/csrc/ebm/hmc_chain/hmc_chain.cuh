@@ -133,23 +133,18 @@ hmc_row_kernel(C* __restrict__ x,              // [B, d], in place
   for (int t = 0; t < a.n_steps; ++t) {
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
-      // The chunk's elements i0 + [0, 4) lie in Philox groups i0 / 4 and, where the row starts inside a group
-      // (skew = i0 % 4 > 0), i0 / 4 + 1: element c is component skew + c of the pair.
       const int64_t i0 = row_base + 4 * (lane + 32 * k);
       const int skew = static_cast<int>(i0 % 4);
       float4 n4{}, n4_next{};
       if (!a.noise && 4 * (lane + 32 * k) < d) {
-        n4 = normal4(key, 2 * static_cast<uint64_t>(t), i0 / 4);
-        if (skew > 0) n4_next = normal4(key, 2 * static_cast<uint64_t>(t), i0 / 4 + 1);
+        chunk_normals(key, 2 * static_cast<uint64_t>(t), i0, skew > 0, n4, n4_next);
       }
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = 4 * (lane + 32 * k) + c;
         const int64_t i = row_base + j;
         C z = C(0);
-        if (j < d) {
-          z = a.noise ? a.noise[t * n + i] : static_cast<C>(component(skew + c < 4 ? n4 : n4_next, (skew + c) & 3));
-        }
+        if (j < d) z = a.noise ? a.noise[t * n + i] : static_cast<C>(chunk_normal(n4, n4_next, skew, c));
         m[k][c] = z;
         v0[k][c] = v[k][c];
         g0[k][c] = g[k][c];

@@ -74,16 +74,9 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
     for (int k = 0; k < kChunks; ++k) {
       const int j0 = 4 * (lane + 32 * k);
       if (j0 >= d) continue;
-      // The chunk's elements i0 + [0, 4) lie in Philox groups i0 / 4 and, where the row starts inside a group
-      // (skew = i0 % 4 > 0, only where d is not a multiple of 4), i0 / 4 + 1: element c is component skew + c of
-      // the pair.
-      const int64_t i0 = row_base + j0;
-      const int skew = static_cast<int>(i0 % 4);
+      const int skew = static_cast<int>((row_base + j0) % 4);  // 0 where groups_aligned
       float4 e4{}, e4_next{};
-      if (!a.noise) {
-        e4 = normal4(key, t, i0 / 4);
-        if (!groups_aligned) e4_next = normal4(key, t, i0 / 4 + 1);
-      }
+      if (!a.noise) chunk_normals(key, t, row_base + j0, !groups_aligned, e4, e4_next);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int j = j0 + c;
@@ -95,7 +88,7 @@ chain_row_kernel(const T* __restrict__ x,  // [B, d]
         } else if (groups_aligned) {
           eps = static_cast<C>(component(e4, c));
         } else {
-          eps = static_cast<C>(component(skew + c < 4 ? e4 : e4_next, (skew + c) & 3));
+          eps = static_cast<C>(chunk_normal(e4, e4_next, skew, c));
         }
         v[k][c] = langevin_update(v[k][c], grad[k][c], eps, a.s, a.clamp);
         finite = finite && isfinite(v[k][c]);
