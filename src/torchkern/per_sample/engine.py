@@ -16,10 +16,10 @@ when a later in-place op such as ``ReLU(inplace=True)`` changes it). The backwar
 ``torch.autograd.grad`` of the summed per-sample losses with respect to those edges.
 
 Parameter uses, checked in every call. While a unit runs, its parameters (a torch.func unit: every trainable
-parameter below it too) are swapped for leaf aliases of the same storage (kept across calls), so a use inside the unit's call
-reaches an alias and any other use reaches the parameter itself (or, inside an enclosing torch.func unit but
-outside the call of the unit that owns the parameter, that enclosing unit's alias). The backward also asks for
-the gradients of the parameters and of those enclosing aliases: all of them must come back None (unreachable:
+parameter below it too) are swapped for leaf aliases of the same storage (kept across calls), so a use inside
+the unit's call reaches an alias and any other use reaches the parameter itself (or, inside an enclosing torch.func
+unit but outside the call of the unit that owns the parameter, that enclosing unit's alias). The backward also asks
+for the gradients of the parameters and of those enclosing aliases: all of them must come back None (unreachable:
 nothing computed). Any other answer means a use the units' gradients would miss.
 
 Batch dims. A recorded tensor (a rule layer's input; a torch.func unit's arguments and outputs) has the batch in
@@ -54,10 +54,11 @@ which is right for all of them; ``method="fused"`` raises ValueError saying whic
 BatchNorm in training mode mixes the samples of a batch: every path raises ValueError.
 
 Per-call overhead: the module scan is cached per model and revalidated by identity on every call; hooks (on a
-rule layer without hooks of its own, a wrapper of its forward) live only for the forward; the batch-dim probe, where it runs, costs about a forward's host time; a ``"mean"`` loss is
-scaled through the backward's seed; the per-sample gradients that rules materialize (norm layers, biases, kept
-Linear and convolution weights) are concatenated where their accumulators are neighbours, for one square-sum and
-one GEMV per group instead of a few launches per parameter; nothing waits for the device.
+rule layer without hooks of its own, a wrapper of its forward) live only for the forward; the batch-dim probe,
+where it runs, costs about a forward's host time; a ``"mean"`` loss is scaled through the backward's seed; the
+per-sample gradients that rules materialize (norm layers, biases, kept Linear and convolution weights) are
+concatenated where their accumulators are neighbours, for one square-sum and one GEMV per group instead of a few
+launches per parameter; nothing waits for the device.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class Writer:
     def scaled(self, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """t scaled by the clip factors c (B,) along dim 0, in c's dtype (float32 for a low-precision t: rounding c,
         or each product, to bfloat16 would scale a clipped gradient by up to 1 + 2^-9, past the clipping bound).
-        c's broadcastable view is made once per rank, not per layer."""
+        c's broadcastable view is made once per number of dims, not per layer."""
         column = self._columns.get(t.dim())
         if column is None:
             column = self._columns[t.dim()] = c.view(-1, *([1] * (t.dim() - 1)))
@@ -357,7 +357,7 @@ class GroupNormRule(_AffineNormRule):
         return F.group_norm(x.to(ct), module.num_groups, None, None, module.eps)
 
     def _reduce(self, module, t):
-        if t.dim() > 2:  # the spatial dims of a contiguous t, summed as one (no view op)
+        if t.dim() > 2:  # the spatial dims summed as they are: no view op (nor a copy of a non-contiguous t)
             return t.sum(tuple(range(2, t.dim())))
         return t.reshape(t.shape[0], t.shape[1], -1).sum(2)
 
