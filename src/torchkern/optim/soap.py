@@ -65,8 +65,11 @@ class SOAP(GuardedOptimizer):
 
     Args:
         params: parameters or param groups.
-        lr: learning rate (>= 0), on Adam's scale.
-        betas: ``(beta1, beta2)`` of Adam in the eigenbasis, each in [0, 1). Default (0.95, 0.95), the paper's.
+        lr: learning rate (>= 0). Default 1e-2, above AdamW's usual: Adam in the eigenbasis normalizes each rotated
+            coordinate, and where the gradient concentrates in a few of them (full batches, low-rank gradients) its
+            step along the gradient is several times shorter than AdamW's at the same lr (docs/design.md, "SOAP").
+        betas: ``(beta1, beta2)`` of Adam in the eigenbasis, each in [0, 1). Default (0.9, 0.95): Adam's beta1,
+            the paper's beta2.
         shampoo_beta: decay of the Kronecker factors L, R, in [0, 1); None: ``betas[1]`` (the paper's default).
         eps: Adam's epsilon (> 0).
         weight_decay: decoupled (AdamW-style) weight decay (>= 0).
@@ -114,7 +117,7 @@ class SOAP(GuardedOptimizer):
     _name = "SOAP"
     _divergence_hint = "a lower lr"
 
-    def __init__(self, params: Iterable, lr: float = 3e-3, betas: tuple[float, float] = (0.95, 0.95),
+    def __init__(self, params: Iterable, lr: float = 1e-2, betas: tuple[float, float] = (0.9, 0.95),
                  shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
                  precondition_frequency: int = 10, max_preconditioner_dim: int = 1024, refresh: str = "qr",
                  precision: str = "bf16", cuda_graph: bool = True, distributed: Distributed | None = Distributed(),
