@@ -1,8 +1,8 @@
 """SOAP on the quality suite's ``axes`` task (a 128 -> 512 -> 512 -> 10 MLP on per-axis scaled inputs, minibatches of
-256 drawn with replacement, 600 steps) on CUDA, where its bfloat16 products run on tensor cores: at its defaults
-(lr 1e-3) the run ends finite and learns, and at no learning rate of the suite's grid does it leave non-finite
-parameters without raising DivergenceError. On the CPU the same run (the twins) ends finite; its CUDA form is the
-one that matters here and takes seconds there, minutes here."""
+256 drawn with replacement, 600 steps) on CUDA, where its bfloat16 products run on tensor cores: at lr 1e-3, the other
+arguments at their defaults, the run ends finite and learns, and at no learning rate of the suite's grid does it leave
+non-finite parameters without raising DivergenceError. On the CPU the same run (the twins) ends finite; its CUDA form
+is the one that matters here and takes seconds there, minutes here."""
 
 from __future__ import annotations
 
