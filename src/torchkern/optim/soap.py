@@ -110,11 +110,6 @@ class SOAP(GuardedOptimizer):
     step, without a sync per step). Under ``torch.autocast`` with ``GradScaler``, ``scaler.step(opt)`` skips
     such steps before they reach the optimizer.
 
-    On CUDA the bases' refresh runs on a side stream, overlapping the next forward and backward, which do not read
-    them (``_optimizer.SideStream``); the next step, ``state_dict()`` and ``load_state_dict()`` wait for it on the
-    device, without the host waiting. Read the state through ``state_dict()``: until then the refresh may still be
-    writing ``opt.state``'s tensors.
-
     Raises ValueError naming the argument for invalid hyperparameters, and in ``load_state_dict`` for a
     state dict that does not fit the parameters (naming the parameter); RuntimeError for sparse gradients.
     """
@@ -190,7 +185,6 @@ class SOAP(GuardedOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """``Optimizer.load_state_dict`` after checking every saved state entry against the parameters (ValueError
         naming the parameter); the statistics keep their saved dtype."""
-        self._side.join()  # a refresh still queued on the side stream writes the state this replaces
         with self._distribution.loading(state_dict) as state_dict:  # DCP's and DTensors' forms (distributed.py)
             check_state_dict("SOAP", self, state_dict, self._state_spec)
             load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
@@ -251,10 +245,7 @@ class SOAP(GuardedOptimizer):
                 if due:
                     if owners is not None:
                         self._distribution.refreshed += len(due)
-                    # only the next step reads the new bases and moments: the refresh overlaps the forward and
-                    # backward in between (on CUDA; _optimizer.SideStream)
-                    with self._side.run(bucket.device, ok[bucket.device], *bucket.tensors()):
-                        bucket.refresh(due, group["refresh"], ok[bucket.device])
+                    bucket.refresh(due, group["refresh"], ok[bucket.device])
         self._guard.settle(wait=False)
 
     def _graph_key(self, groups: list, stepped: list):
@@ -419,10 +410,7 @@ class _Bucket(Storage):
     def refresh(self, due: list, method: str, ok: torch.Tensor) -> None:
         """New bases for the blocks ``due`` (indices into the bucket) after their Adam step, and Adam's moments
         carried into them (module docstring); a basis changes only on a good step and where it is finite."""
-        idx = None
-        if len(due) < len(self.shapes):  # copied without a wait (a plain copy to the device waits for the stream)
-            idx = torch.tensor(due)
-            idx = idx.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else idx
+        idx = None if len(due) == len(self.shapes) else torch.tensor(due, device=self.device)
         pick = (lambda X: X) if idx is None else (lambda X: X.index_select(0, idx))
         old = {side: pick(getattr(self, "Q" + side)) for side in ("L", "R")}
         if method == "qr" and self.L.shape == self.R.shape:  # square padding: both sides in one call
