@@ -18,9 +18,7 @@ Per optimizer: ``--warmup`` steps (CUDA graph captures, first refreshes), then `
 SOAP's 10 and Shampoo's 20 steps between refreshes, so the refreshes are amortized): the median over ``--repeats``
 of the wall time per training step (forward, backward with DDP's all-reduce, optimizer step; synchronized at the
 ends), and the optimizer's time per step (CUDA events around ``step()``: its kernels and collectives, and any idle
-gap while the host queues them; plus SOAP's refreshes, which run on a side stream overlapping the next forward and
-backward, each timed by events around it there; ``opt_med``: the median step's, a step without a refresh). Then
-``--check-steps``
+gap while the host queues them; ``opt_med``: the median step's, a step without a refresh). Then ``--check-steps``
 steps with the ranks' parameters compared after each (a bitwise checksum of every parameter, all-gathered; at the
 end the parameters themselves): ``identical`` in the output, or the first step and the largest difference.
 ``--baseline``: a 1-rank run's JSON, for the optimizer's time on these ranks against one rank (``opt/1rank``; the
@@ -72,17 +70,13 @@ def _optimizers(device: torch.device) -> dict:
 
 
 class _StepTimer:
-    """The optimizer's time per step: CUDA events around step() on the current stream, plus those around each refresh
-    a torchkern optimizer queued on its side stream (``_optimizer.SideStream.timed``: time the current stream's events
-    do not see), summed and read at the end; or the host's clock on the CPU."""
+    """The optimizer's time per step: CUDA events around step() on the current stream (summed, read at the end), or
+    the host's clock on the CPU."""
 
-    def __init__(self, device: torch.device, opt: torch.optim.Optimizer):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.pairs: list = []
         self.host = 0.0
-        self.side = getattr(opt, "_side", None) if self.cuda else None
-        if self.side is not None:
-            self.side.timed = []
 
     def __call__(self, step):
         if self.cuda:
@@ -102,11 +96,7 @@ class _StepTimer:
             return self.host * 1e3, float("nan")
         torch.cuda.synchronize()
         steps = [s.elapsed_time(e) for s, e in self.pairs]
-        side = 0.0
-        if self.side is not None:
-            side = sum(s.elapsed_time(e) for s, e in self.side.timed)
-            self.side.timed = None
-        return sum(steps) + side, statistics.median(steps)
+        return sum(steps), statistics.median(steps)
 
 
 def _sync(device: torch.device) -> None:
@@ -147,7 +137,7 @@ def _run(name: str, make, args, device: torch.device, x: torch.Tensor, y: torch.
         train_step()
     times, opt_ms, median_ms = [], [], []
     for _ in range(args.repeats):
-        timer = _StepTimer(device, opt)
+        timer = _StepTimer(device)
         _sync(device)
         t = time.perf_counter()
         for _ in range(args.steps):

@@ -80,7 +80,6 @@ def test_cuda_graph_step_matches_eager(name, precision):
     assert skipped == [1, 1]
     for p, q in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
-    torch.cuda.synchronize()  # a refresh may still be writing the state on SOAP's side stream
     for a, b in zip(opts[0].state.values(), opts[1].state.values()):
         for key in ("step", "exp_avg", "A", "G", "QA"):
             if key in a:

@@ -87,10 +87,6 @@ class Storage:
             self._operands = tuple(as_operand(getattr(self, name), self.precision) for name in self.eye)
         return self._operands
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The bucket's stacked state and block sizes: what a refresh on another stream reads and writes."""
-        return [getattr(self, name) for name in self.layout] + [self.rows, self.cols]
-
     def forget_operands(self) -> None:
         self._operands = None
 

@@ -1,9 +1,8 @@
 """The base class of torchkern's optimizers: hyperparameter checks of every param group, the non-finite step guard,
-caches rebuilt on unpickling, ``step(closure)`` outside autocast, and the side stream that refreshes run on."""
+caches rebuilt on unpickling, and ``step(closure)`` outside autocast."""
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Callable, Iterable
 
@@ -11,62 +10,6 @@ import torch
 
 from ._guard import DivergenceError, SkipLimits, StepGuard
 from ._precision import no_autocast
-
-# On CUDA a refresh whose results only the next step reads (SOAP's bases) runs on a side stream, overlapping the
-# forward and backward in between; False runs it on the current stream (tests compare both: the results are bitwise
-# the same).
-OVERLAP_REFRESH = True
-
-
-class SideStream:
-    """Work whose results only the next step reads (a refresh), queued on a side CUDA stream per device so that it
-    overlaps the forward and backward in between, which never wait for it.
-
-    ``with side.run(device, *tensors):`` makes the side stream wait for the current one (the step's statistics are
-    written), queues the block's kernels there and records an event after them; :meth:`join`, called before
-    anything reads the state (a step, and with it a CUDA graph's replay and the split's state moves;
-    ``state_dict``, ``load_state_dict``, a copy), makes the current stream wait for that event. The host never
-    waits. ``tensors``: what the work reads or writes that was allocated on another stream (the state it refreshes,
-    the step's flags), recorded on the side stream so that their memory, if freed meanwhile (a dropped optimizer),
-    is not reused before the work is done; its temporaries are allocated on the side stream and stay there. On the
-    CPU, while the current stream captures a CUDA graph, or with ``OVERLAP_REFRESH`` off, the block runs in place.
-    ``timed``: None, or a list to which every overlapped run appends its (start, end) timing events (benchmarks:
-    this time is not on the current stream)."""
-
-    def __init__(self):
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._pending: dict[torch.device, torch.cuda.Event] = {}
-        self.timed: list | None = None
-
-    @contextlib.contextmanager
-    def run(self, device: torch.device, *tensors: torch.Tensor):
-        if device.type != "cuda" or not OVERLAP_REFRESH or torch.cuda.is_current_stream_capturing():
-            yield
-            return
-        side = self._streams.get(device)
-        if side is None:
-            side = self._streams[device] = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        start = torch.cuda.Event(enable_timing=True) if self.timed is not None else None
-        with torch.cuda.stream(side):
-            if start is not None:
-                start.record(side)
-            try:
-                yield
-            finally:  # what the block queued before an error is waited for too
-                done = torch.cuda.Event(enable_timing=start is not None)
-                done.record(side)
-                self._pending[device] = done
-                for t in tensors:
-                    t.record_stream(side)
-        if start is not None:
-            self.timed.append((start, done))
-
-    def join(self) -> None:
-        """The current stream of each device waits for the work queued there so far (without the host waiting)."""
-        for device, done in self._pending.items():
-            torch.cuda.current_stream(device).wait_event(done)
-        self._pending.clear()
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -88,12 +31,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._init_caches()
 
     def _init_caches(self) -> None:
-        self._side = SideStream()  # refreshes overlapping the next forward and backward (SideStream.join first)
         self._guard = StepGuard(self._name, self.skip_limits)
         self._checked = {}  # param group index -> (its values, its parameter count) when last checked
 
     def __getstate__(self) -> dict:
-        self._side.join()  # a copy reads the state
         return {**super().__getstate__(), "skip_limits": self.skip_limits}
 
     def _check_hyperparameters(self, group: dict, where: str) -> None:
@@ -146,7 +87,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self._guard.skipped
 
     def state_dict(self) -> dict:
-        self._side.join()
         self._guard.settle()  # the counters of skipped steps taken back first
         return super().state_dict()
 
@@ -158,7 +98,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_groups()
-        self._side.join()  # a refresh the last step queued on the side stream: its results are read from here on
         with no_autocast():
             self._step()
         return loss
