@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _checkpoint
-from ._blocks import assemble, block_grid, has_factors
+from ._blocks import assemble, block_grid, blocks, has_factors
 from ._buckets import work
 from ._shards import Shards, is_dtensor
 from ._update import apply_updates
@@ -436,11 +436,14 @@ class Directions:
         self._received: dict[int, tuple] = {}  # id(param) -> (its pieces as received, its grid's column count)
         self.mine = self.others = 0  # blocks this rank computes; blocks that other ranks do
         for pid, rows, cols, idx in pieces:
-            blocks = [(r0, c0, r, c) for r0, r in zip(_starts(rows), rows) for c0, c in zip(_starts(cols), cols)]
-            for i, (r0, c0, r, c) in enumerate(blocks):
-                n = idx[0] if len(idx) == 1 else idx[i]
-                if n in sent:
-                    self._send[(pid, i)] = sent[n][r0:r0 + r, c0:c0 + c] if len(idx) == 1 else sent[n]
+            if len(idx) == 1:  # the whole matrix: its blocks are views of it
+                whole = sent.get(idx[0])
+                parts = [None] * (len(rows) * len(cols)) if whole is None else blocks(whole, rows, cols)
+            else:
+                parts = [sent.get(n) for n in idx]
+            for i, part in enumerate(parts):
+                if part is not None:
+                    self._send[(pid, i)] = part
                     self.mine += 1
                 else:
                     self.others += 1
@@ -523,11 +526,6 @@ class Refresh:
         for (owner, container, key, dtype), value in zip(slots, _gather(dist, items, wire)):
             if owner != dist.rank or value.dtype != dtype:  # its own results are exact unless rounded
                 container[key] = value.to(dtype, copy=True)
-
-
-def _starts(sizes: tuple) -> list[int]:
-    """The offsets of consecutive ``sizes``."""
-    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def _layout(items: list, world: int) -> list:
