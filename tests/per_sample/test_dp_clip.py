@@ -238,12 +238,34 @@ def test_agrees_with_opacus(name):
     bench.compare_grads(model, theirs)
 
 
+class _LongTokens(nn.Module):
+    """An embedding over more positions than its width (the sorted-segment norms), 4096 indices a batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(1000, 16), nn.Linear(16, 2)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx).mean(1))
+
+
+def _sync_problem(name, device):
+    if name == "long_tokens":
+        torch.manual_seed(0)
+        return (_LongTokens().to(device), torch.randint(0, 1000, (16, 256), device=device),
+                torch.randint(0, 2, (16,), device=device))
+    return bench.dp_problem(name, device, quick=False)
+
+
 @pytest.mark.parametrize("device", cuda_devices()[:1])
-def test_clip_no_host_sync(device):
-    model = bench.Transformer(64, 16, seq=8).to(device)
-    x, y = torch.randint(0, 64, (4, 8), device=device), torch.randint(0, 2, (4,), device=device)
+@pytest.mark.parametrize("name", ["mlp", "transformer", "cnn", "textcnn", "vit", "long_tokens"])
+def test_clip_no_host_sync(device, name):
+    """The plain call (the benchmark's models at their sizes; an embedding on the sorted-segment path) never waits
+    for the device once warm: with a generator, without, and through micro-batches."""
+    model, x, y = _sync_problem(name, device)
     gen = torch.Generator(device).manual_seed(0)
-    clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, 1.0, loss_reduction="mean")  # plan, validation
+    for _ in range(2):  # plan, validation, the batch-dim probe, allocator blocks
+        clip_and_accumulate(model, F.cross_entropy, x, y, 1.0, 1.0, loss_reduction="mean")
     torch.cuda.synchronize(device)
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -206,19 +206,40 @@ def test_materialized_gradients_of_neighbours(monkeypatch, device, frozen, bound
             torch.testing.assert_close(p.grad, expected[k].to(p.dtype), rtol=1e-5, atol=1e-6)
 
 
+class _Tokens(nn.Module):
+    """Two embeddings (padding positions; the Gram form, then the sorted segments) summed, then a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.gram, self.segment = nn.Embedding(11, 6, padding_idx=0), nn.Embedding(5, 6, padding_idx=2)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, idx):
+        return self.head(self.gram(idx[:, :4]).sum(1, keepdim=True) + self.segment(idx))
+
+
+_LOW_PRECISION = {  # name -> (model, inputs, targets) in dtype on device
+    "layernorm_mlp": lambda dtype, device: (
+        nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3)).to(device, dtype),
+        randn(5, 4, 6, dtype=dtype, device=device), randn(5, 4, 3, dtype=dtype, device=device)),
+    "embeddings": lambda dtype, device: (
+        _Tokens().to(device, dtype), _ids(5, 9, 5, pad=2).to(device), randn(5, 9, 3, dtype=dtype, device=device)),
+}
+
+
 @pytest.mark.parametrize("device", devices(second_gpu=False))
 @pytest.mark.parametrize("dtype", [pytest.param(d, id=str(d)[6:]) for d in (torch.float32, torch.float16,
                                                                               torch.bfloat16)])
-def test_low_precision_models(device, dtype):
+@pytest.mark.parametrize("name", list(_LOW_PRECISION))
+def test_low_precision_models(device, dtype, name):
     """Norms and clipped gradients of a float32/float16/bfloat16 model against the float64 computation of the
     same (rounded) weights and inputs, within the error torch.func itself makes in that dtype."""
     if dtype == torch.float16 and device == "cpu":
         pytest.skip("float16 convolutions and norms are slow or missing on CPU")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 3)).to(device, dtype)
-    x, y = randn(5, 4, 6, dtype=dtype, device=device), randn(5, 4, 3, dtype=dtype, device=device)
+    model, x, y = _LOW_PRECISION[name](dtype, device)
     hi = copy.deepcopy(model).double()
-    grads_hi, norms_hi = func_reference(hi, x.double(), y.double())
+    grads_hi, norms_hi = func_reference(hi, x.double() if x.is_floating_point() else x, y.double())
     grads_lo, norms_lo = func_reference(model, x, y)
     norms = per_sample_grad_norms(model, mse_sum, x, y, method="fused")
     assert norms.dtype == torch.float32

@@ -22,7 +22,8 @@ Rules by layer (T: positions per sample, every dim between the batch and the fea
 * ``nn.Embedding``: grad_i = sum_t e_{idx_it} g_it^T, so ||grad_i||^2 = sum_{t,s} [idx_it = idx_is] g_it . g_is
   (duplicates within a sample add up; positions at ``padding_idx`` contribute nothing): a masked T x T Gram matrix
   when T <= d, else the sorted-segment form (sum the rows of each distinct (sample, index) pair, then square).
-  Clipped sum: the embedding backward of c * g.
+  Clipped sum: the rows of c * g added at their indices (``index_add_``; aten's embedding backward reads a
+  segment count back to the host on CUDA, which stalls the call).
 * ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``: weight_i = sum_t g_it * xhat_it, bias_i = sum_t g_it, with
   xhat recomputed from x; small (B x d), so materialized: rows.
 * ``nn.Conv1d`` / ``nn.Conv2d``: a Linear over the unfolded input (T = output positions, d_in = C_in / groups x
@@ -120,6 +121,13 @@ class Writer:
     def zero(self, name: str) -> None:
         if self.beta == 0:
             self.views[name].zero_()
+
+    def index_add(self, name: str, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """view[index[k]] += rows[k] for every k (a 2-D view; rows cast to its dtype)."""
+        view = self.views[name]
+        if self.beta == 0:
+            view.zero_()
+        view.index_add_(0, index, rows if rows.dtype == view.dtype else rows.to(view.dtype))
 
     def mm(self, name: str, m1: torch.Tensor, m2: torch.Tensor) -> None:
         """view += m1 @ m2 (one GEMM into the view when the dtypes allow, else a product in the view's dtype
@@ -264,13 +272,12 @@ class EmbeddingRule(Rule):
             sq = gram.masked_fill_(idx.unsqueeze(2) != idx.unsqueeze(1), 0).sum((1, 2))
         else:
             sq = _segment_sq_norms(idx, gm, module.num_embeddings)
-        return sq, (idx, g), {}
+        return sq, (idx, gm), {}
 
     def clip(self, module, state, c, names, writer):
-        idx, g = state
-        pad = -1 if module.padding_idx is None else module.padding_idx
-        grad = torch.ops.aten.embedding_dense_backward(writer.scaled(g, c), idx, module.num_embeddings, pad, False)
-        writer.put(names["weight"], grad)
+        # sum_i c_i grad_i: the rows of c * g (padding positions zeroed) added at their indices
+        idx, gm = state
+        writer.index_add(names["weight"], idx.reshape(-1), _rows(writer.scaled(gm, c)))
 
     def grads(self, module, x, g, names):
         idx, g = self._inputs(module, x, g)
