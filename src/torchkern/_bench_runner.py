@@ -68,6 +68,15 @@ def write_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     return dst.nbytes / seconds
 
 
+# Rows named with this prefix are references to read the others against (e.g. a floor no implementation can beat):
+# timed and given their ratio to the strongest baseline, never that baseline themselves.
+REFERENCE = "floor"
+
+
+def _baseline(impl: str) -> bool:
+    return _bench.is_baseline(impl) and not impl.startswith(REFERENCE)
+
+
 def run_case(case: Case, *, ceilings: dict[str, float], quick: bool) -> list[dict]:
     """One row per implementation: seconds, the floor reached, TFLOP/s, and ``vs_best``, the strongest
     baseline's time over the row's time."""
@@ -92,7 +101,7 @@ def run_case(case: Case, *, ceilings: dict[str, float], quick: bool) -> list[dic
                          floor_fraction=rate / ceilings[prepared.ceiling] if rate else None,
                          tflops=prepared.flops / seconds / 1e12 if prepared.flops else None, note=prepared.note))
     timed = [row for row in rows if "error" not in row]
-    baselines = [row for row in timed if _bench.is_baseline(row["impl"])]
+    baselines = [row for row in timed if _baseline(row["impl"])]
     best = min(baselines, key=lambda row: row["seconds"]) if baselines else None
     for row in timed:
         row["baseline"] = best["impl"] if best else None

@@ -47,7 +47,7 @@ def test_cuda_graph_follows_the_model(device):
     def check():
         out = per_sample_grad_norms(model, mse_sum, x, y, loss_reduction="sum", cuda_graph=True)
         torch.testing.assert_close(out, func_norms(model, mse_sum, x, y), rtol=1e-5, atol=1e-5)
-        return next(iter(graphs.CAPTURES[model].values()))
+        return next(iter(next(iter(graphs.CAPTURES[model].values())).values()))
 
     first = check()
     with torch.no_grad():
@@ -70,7 +70,7 @@ def test_cuda_graph_follows_the_model(device):
     ce = nn.functional.cross_entropy
     out = per_sample_grad_norms(model, ce, x[:4], labels, loss_reduction="mean", cuda_graph=True)
     torch.testing.assert_close(out, func_norms(model, ce, x[:4], labels), rtol=1e-5, atol=1e-6)
-    assert len(graphs.CAPTURES[model]) == 2
+    assert graphs.held(model) == 2
     check()
 
 
@@ -203,9 +203,9 @@ def test_use_cuda_graph_is_a_deprecated_spelling():
 @pytest.mark.parametrize("device", cuda_devices()[:1])
 @pytest.mark.parametrize("name", ["mlp", "transformer", "cnn"])
 def test_clip_cuda_graph_poisson_batches(device, name):
-    """cuda_graph=True with max_batch_size: batches of every size up to it replay one capture (padded, the filler
+    """cuda_graph=True with max_batch_size: batches of every size of a bucket replay one capture (padded, the filler
     rows masked) and give the eager call's norms and gradient, through micro-batches too; an empty batch runs
-    eagerly; a larger batch gets a capture of its own."""
+    eagerly; a larger batch gets a capture of its own; a larger max_batch_size, a capture per bucket used."""
     model, x, y = bench.dp_problem(name, device, quick=True)
     rows = x.shape[0]
     graphs.CAPTURES.pop(model, None)
@@ -222,7 +222,7 @@ def test_clip_cuda_graph_poisson_batches(device, name):
             torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=1e-6)
             for k in grads:
                 torch.testing.assert_close(got[k], grads[k], rtol=1e-4, atol=1e-6)
-        assert len(graphs.CAPTURES[model]) == 1
+        assert graphs.held(model) == 1
         half = rows // 2
         step(x[:half], y[:half], cuda_graph=True, max_batch_size=rows, finalize=False)
         _, micro = step(x[half:], y[half:], cuda_graph=True, max_batch_size=rows)
@@ -235,4 +235,40 @@ def test_clip_cuda_graph_poisson_batches(device, name):
         torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=1e-6)
         for k in grads:
             torch.testing.assert_close(got[k], grads[k], rtol=1e-4, atol=1e-6)
-        assert len(graphs.CAPTURES[model]) == 2
+        assert graphs.held(model) == 2
+        # batches of 5 to 20 rows under max_batch_size=40: buckets of 8 rows, each captured once (the one of 8 rows
+        # above already), the eager result
+        x, y = bench.dp_problem(name, device, quick=True, batch=20)[1:]
+        for size, held in ((20, 3), (5, 3), (17, 3), (8, 3), (9, 4)):
+            norms, grads = step(x[:size], y[:size])
+            got_norms, got = step(x[:size], y[:size], cuda_graph=True, max_batch_size=40)
+            assert graphs.held(model) == held
+            torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=1e-6)
+            for k in grads:
+                torch.testing.assert_close(got[k], grads[k], rtol=1e-4, atol=1e-6)
+
+
+def test_padded_captures_come_in_buckets():
+    """A batch's capture rounds its size up by less than one bucket step, never past max_batch_size while the batch
+    fits in it, and BUCKETS captures at most serve every size up to max_batch_size."""
+    for max_rows in (1, 6, 40, 160, 300, 1000):
+        sizes = range(1, max_rows + 1)
+        step = max(8, -(-max_rows // graphs.BUCKETS))
+        for size in sizes:
+            rows = graphs.bucket(size, max_rows)
+            assert size <= rows <= max_rows and rows - size < step, (max_rows, size, rows)
+        assert len({graphs.bucket(size, max_rows) for size in sizes}) <= graphs.BUCKETS
+        assert graphs.bucket(max_rows + 1, max_rows) == -(-(max_rows + 1) // step) * step
+
+
+def test_floor_row_is_a_reference_not_the_baseline():
+    """The dp_step cases' floor row (the ordinary forward and backward as a CUDA graph) gets its ratio to the
+    strongest baseline like any row, and never becomes that baseline however fast it is."""
+    from torchkern import _bench, _bench_runner
+
+    x = torch.ones(1 << 16)
+    impls = {"torchkern": lambda: x * 2, bench.FLOOR: lambda: None, "opacus_hooks": lambda: (x * 2).sum()}
+    case = _bench.Case("per_sample", "c", lambda: _bench.Prepared(impls), "cpu", tuple(impls))
+    rows = {row["impl"]: row for row in _bench_runner.run_case(case, ceilings={}, quick=True)}
+    assert {row["baseline"] for row in rows.values()} == {"opacus_hooks"}
+    assert rows[bench.FLOOR]["vs_best"] > 0

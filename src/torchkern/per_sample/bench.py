@@ -46,6 +46,8 @@ import torchkern
 from torchkern import per_sample
 
 from .._bench import Case, Prepared, peer_available, synchronize
+from .._bench_runner import REFERENCE
+from .._cuda_graph import capture
 from .._models import TransformerBlock
 
 B, D_IN, D_OUT, SEQ, CLASSES = 256, 1024, 1024, 32, 10
@@ -100,6 +102,11 @@ def peak_extra_bytes(fn, device: str) -> int | None:
     peak = torch.cuda.max_memory_allocated(device) - before
     del out
     return peak
+
+
+def _reserved(device: str) -> int:
+    """Memory the CUDA caching allocator holds on ``device`` (0 elsewhere)."""
+    return torch.cuda.memory_reserved(device) if torch.device(device).type == "cuda" else 0
 
 
 def _memory_note(impls: dict, device: str) -> str:
@@ -338,6 +345,16 @@ def torchkern_step(model, x, y, noise: float = SIGMA, graph: bool = False, batch
     return step
 
 
+def floor_step(model, x, y):
+    """The model's ordinary (non-private) forward and backward on the batch, mean cross-entropy, every parameter's
+    gradient, replayed as a CUDA graph (captured here): a floor under any per-sample method's time on the GPU, no
+    host time, nothing per sample. Differentiates a copy of ``model`` (nothing of ``model`` changes)."""
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    graph, _ = capture(lambda: torch.autograd.grad(F.cross_entropy(model(x), y), params), x.device)
+    return graph.replay
+
+
 def opacus_step(model, x, y, ghost: bool, noise: float = SIGMA, batches: PoissonBatches | None = None):
     """Opacus 1.6 as its documentation sets it up: ghost clipping (two backward passes, norms without
     per-sample gradients for Linear and Embedding) or hooks mode (per-sample gradients); ``pre_step`` clips,
@@ -447,14 +464,22 @@ def _opacus(impl: str, model, x, y, noise: float = SIGMA, batches: PoissonBatche
     return opacus_step(copy.deepcopy(model), x, y, impl == "opacus_ghost", noise, batches)
 
 
+# The floor row (CUDA): the ordinary forward and backward as a CUDA graph (floor_step), a reference, never the baseline
+FLOOR = f"{REFERENCE}_graph"
+
+
+def _cuda_rows(device: str) -> tuple[str, ...]:
+    return ("torchkern_graph", FLOOR) if torch.device(device).type == "cuda" else ()
+
+
 def _dp_case(device: str, name: str, quick: bool) -> Case:
-    impls = ("torchkern",) + (("torchkern_graph",) if torch.device(device).type == "cuda" else ()) \
-        + OPACUS_IMPLS + ("torch_func", "eager_loop")
+    impls = ("torchkern",) + _cuda_rows(device) + OPACUS_IMPLS + ("torch_func", "eager_loop")
 
     def setup() -> Prepared:
         model, x, y = dp_problem(name, device, quick)
         ours = {"torchkern": lambda: torchkern_step(model, x, y),
                 "torchkern_graph": lambda: torchkern_step(model, x, y, graph=True),
+                FLOOR: lambda: floor_step(model, x, y),
                 "opacus_hooks": lambda: _opacus("opacus_hooks", model, x, y),
                 "opacus_ghost": lambda: _opacus("opacus_ghost", model, x, y),
                 "torch_func": lambda: torch_func_step(copy.deepcopy(model), x, y),
@@ -494,19 +519,27 @@ def _dp_poisson_case(device: str, name: str, quick: bool) -> Case:
     """The dp_step model on Poisson-sized batches (each call the next size of :class:`PoissonBatches`, expected the
     case's batch size), divided by the expected size: torchkern plain, torchkern's graph captured once at the
     largest size (``max_batch_size``), Opacus with ``expected_batch_size``."""
-    impls = ("torchkern",) + (("torchkern_graph",) if torch.device(device).type == "cuda" else ()) + OPACUS_IMPLS
+    impls = ("torchkern",) + _cuda_rows(device) + OPACUS_IMPLS
 
     def setup() -> Prepared:
-        model, x, _ = dp_problem(name, device, quick)
+        model, x, y = dp_problem(name, device, quick)
 
         def batches():  # a fresh cycle: every implementation sees the same sizes in the same order
             return PoissonBatches(lambda rows: dp_problem(name, device, quick, batch=rows)[1:], x.shape[0])
 
         ours = {"torchkern": lambda: torchkern_step(model, None, None, batches=batches()),
                 "torchkern_graph": lambda: torchkern_step(model, None, None, graph=True, batches=batches()),
+                FLOOR: lambda: floor_step(model, x, y),
                 "opacus_hooks": lambda: _opacus("opacus_hooks", model, None, None, batches=batches()),
                 "opacus_ghost": lambda: _opacus("opacus_ghost", model, None, None, batches=batches())}
-        run = {impl: _cycled(ours[impl]()) for impl in impls}
+        run, captures = {}, ""
+        for impl in impls:
+            held, reserved = per_sample.graphs.held(model), _reserved(device)
+            run[impl] = ours[impl]() if impl == FLOOR else _cycled(ours[impl]())
+            if impl == "torchkern_graph":  # the private memory pools of its captures, one per bucket of rows
+                captures = (f"; torchkern_graph {per_sample.graphs.held(model) - held} captures, "
+                            f"{(_reserved(device) - reserved) / 2**20:.0f} MiB reserved for them")
+        note = _memory_note(run, device) + captures
 
         def check():  # the first batch of a cycle (not the case's size) through each, noise off
             with no_tf32():
@@ -520,7 +553,7 @@ def _dp_poisson_case(device: str, name: str, quick: bool) -> Case:
                     make(other)()
                     compare_grads(model, other, 2e-5, label)
 
-        return Prepared(run, check=check, note=_memory_note(run, device))
+        return Prepared(run, check=check, note=note)
 
     return Case("per_sample", f"dp_step/{_TAGS[name]}_poisson", setup, device, impls)
 

@@ -211,9 +211,11 @@ def clip_and_accumulate(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor,
     scaled by its sample's factor in float32, never by a factor rounded to its dtype). ``cuda_graph=True``
     (CUDA inputs; as for :func:`per_sample_grad_norms`): the norms and clipped sums are captured once per model,
     loss, shapes and ``max_norm`` and replayed; the noise and the all-reduce run outside the graph.
-    ``max_batch_size`` (with ``cuda_graph=True``; variable batch sizes, as under Poisson sampling): the capture
-    has this many rows; a smaller batch fills the rest with copies of its first sample, whose clip factors are
-    masked to 0, so one capture serves every batch size up to it (a larger batch gets a capture of its own size).
+    ``max_batch_size`` (with ``cuda_graph=True``; variable batch sizes, as under Poisson sampling): a batch runs in
+    the capture of its size rounded up to a bucket (a multiple of ``max_batch_size`` / ``graphs.BUCKETS``, at
+    least 8 rows; at most ``max_batch_size``), captured on the bucket's first call; the rows beyond the batch are
+    copies of its first sample whose clip factors are masked to 0, so a capture serves every size of its bucket and
+    ``graphs.BUCKETS`` captures at most every size up to ``max_batch_size`` (a larger batch gets buckets beyond it).
     ``use_cuda_graph``: the former spelling of ``cuda_graph``, deprecated (a FutureWarning).
 
     Raises ValueError for a non-finite or non-positive ``max_norm`` or ``batch_size``, a negative
@@ -279,10 +281,10 @@ def clipped_sums(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, target
 
 
 def _graphed(model, loss_fn, inputs, targets, layout, method, loss_reduction, max_norm, max_batch_size, pending):
-    """:func:`clipped_sums` through a CUDA graph (padded to ``max_batch_size`` rows where given); the flats are
-    the graph's outputs (views None: read only) or, with micro-batches pending, the pending sums they were added
-    to."""
-    rows = None if max_batch_size is None else max(max_batch_size, inputs.shape[0])
+    """:func:`clipped_sums` through a CUDA graph (padded to a bucket of rows where ``max_batch_size`` is given); the
+    flats are the graph's outputs (views None: read only) or, with micro-batches pending, the pending sums they were
+    added to."""
+    rows = None if max_batch_size is None else graphs.bucket(inputs.shape[0], max_batch_size)
     norms, flats = graphs.replay(
         model, loss_fn, inputs, targets, ("clip", method, loss_reduction, max_norm),
         lambda x, y, mask=None: clipped_sums(model, loss_fn, x, y, layout, method, loss_reduction, max_norm, mask),

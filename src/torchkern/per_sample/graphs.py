@@ -59,6 +59,19 @@ def fill_padded(static_inputs: torch.Tensor, static_targets: torch.Tensor, mask:
 
 CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict] = weakref.WeakKeyDictionary()
 _MAX_CAPTURES = 8  # per model: a caller cycling through batch shapes or fresh loss closures
+# Padded captures (max_batch_size) come in buckets: a batch's rows rounded up to a multiple of max_batch_size /
+# BUCKETS (at least 8 rows), each captured on its first use, so that a call pays for at most one step of rows
+# above its own size instead of for max_batch_size; at most BUCKETS captures per computation up to max_batch_size
+# (the sizes Poisson sampling draws spread over a few of them), twice that in all before they are dropped.
+BUCKETS = 16
+_BUCKET_ROWS = 8
+
+
+def bucket(batch: int, max_batch_size: int) -> int:
+    """The rows of the padded capture that serves a batch of ``batch`` rows (see :data:`BUCKETS`)."""
+    step = max(_BUCKET_ROWS, -(-max_batch_size // BUCKETS))
+    rows = -(-batch // step) * step
+    return min(rows, max_batch_size) if batch <= max_batch_size else rows
 
 
 def _model_state(model: nn.Module) -> tuple:
@@ -82,23 +95,28 @@ def replay(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tenso
            compute: Callable[..., object], rows: int | None = None) -> object:
     """``compute(inputs, targets)`` through the capture cached for ``key`` (what else the computation depends
     on) and the call's loss, shapes, autocast state and model state; returns the graph's static outputs.
-    ``rows``: a capture of that many rows (at least the batch's) for every batch size up to it,
+    ``rows``: a capture of that many rows (at least the batch's; :func:`bucket`) for every batch size up to it,
     ``compute(inputs, targets, mask)`` on the batch padded by :func:`fill_padded`."""
     device = inputs.device
-    shapes = ((t.shape, t.stride()) if rows is None else (rows, t.shape[1:]) for t in (inputs, targets))
-    key = (*key, id(loss_fn), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+    shapes = ((t.shape, t.stride()) if rows is None else (t.shape[1:],) for t in (inputs, targets))
+    key = (*key, rows is None, id(loss_fn), torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
            *((*shape, t.dtype, t.device) for shape, t in zip(shapes, (inputs, targets))))
     try:
         captures = CAPTURES.setdefault(model, {})
     except TypeError:  # an unhashable Module subclass: no caching, a capture per call
         captures = {}
     state = _model_state(model)
-    entry = captures.get(key)
+    buckets = captures.get(key)  # rows -> _Capture (rows None: not padded)
+    entry = None if buckets is None else buckets.get(rows)
     if entry is None or entry.model_state != state:
-        captures.pop(key, None)  # its graph and memory go before the new capture allocates
-        if len(captures) >= _MAX_CAPTURES:
-            captures.clear()
-        entry = captures[key] = _Capture(compute, model, loss_fn, inputs, targets, state, rows)
+        if buckets is None:
+            if len(captures) >= _MAX_CAPTURES:
+                captures.clear()
+            buckets = captures[key] = {}
+        # captures of an older model state, and beyond the bound all, go before the new capture allocates
+        for stale in [r for r, c in buckets.items() if c.model_state != state or len(buckets) >= 2 * BUCKETS]:
+            del buckets[stale]
+        entry = buckets[rows] = _Capture(compute, model, loss_fn, inputs, targets, state, rows)
     entry.stream = follow(entry.stream, device)
     if rows is None:
         entry.inputs.copy_(inputs.detach())
@@ -108,3 +126,8 @@ def replay(model: nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tenso
     with torch.cuda.device(device):
         entry.graph.replay()
     return entry.out
+
+
+def held(model: nn.Module) -> int:
+    """How many captures ``model`` holds."""
+    return sum(map(len, CAPTURES.get(model, {}).values()))

@@ -4,7 +4,7 @@ This is the sampling the privacy analysis of DP-SGD assumes (``accounting``); it
 step (binomial, mean q N) and may be 0. Average the clipped sum over the expected batch size q N, not the
 realized one (the realized size depends on every example's membership: dividing by it is not covered by the
 analysis): ``clip_and_accumulate(..., batch_size=loader.expected_batch_size)``. With ``cuda_graph=True``, pass
-``max_batch_size`` too, so that one capture serves every batch size up to it.
+``max_batch_size`` too, so that a few captures (buckets of sizes) serve every batch size up to it.
 """
 
 from __future__ import annotations
