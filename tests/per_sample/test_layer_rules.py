@@ -91,7 +91,9 @@ LAYER_CASES = {
                                            nn.Conv2d(6, 4, (2, 3), dilation=(2, 1), padding="same",
                                                      padding_mode="circular", bias=False)), 4, "channels"),
                        randn(5, 3, 7, 6)),
-    "conv2d_gram": lambda: (Head(nn.Conv2d(16, 8, 3), 8, "channels"), randn(5, 16, 4, 4)),
+    "conv2d_gram": lambda: (Head(nn.Conv2d(16, 16, 3), 16, "channels"), randn(5, 16, 4, 4)),
+    # the Gram form has fewer FLOPs, but fewer than KEEP_FLOPS times: clipping keeps the materialized gradients
+    "conv2d_kept": lambda: (Head(nn.Conv2d(16, 8, 3), 8, "channels"), randn(5, 16, 4, 4)),
     "func_unit": lambda: (Head(_Kwarg(6), 6), randn(5, 2, 6)),
     "attention": lambda: (Head(_Attention(4), 4), randn(5, 3, 4)),
 }
@@ -129,7 +131,7 @@ def test_layer_rules_match_torch_func(device, name):
     ("linear_gram", ("op", 3), True), ("linear_materialized", ("op", 3), False),
     ("linear_two_lengths", ("op", 3), True),
     ("embedding_gram", "segment", False), ("embedding_segment", "segment", True),
-    ("conv2d_gram", ("op", 3), True), ("conv2d", ("op", 3), False)])
+    ("conv2d_gram", ("op", 3), True), ("conv2d_kept", ("op", 3), False), ("conv2d", ("op", 3), False)])
 def test_layer_cases_reach_their_branches(monkeypatch, name, branch, taken):
     """The cases above take the branch they are named after (the Gram op on sequences, materialized and kept
     per-sample gradients, the embedding's sorted segments)."""

@@ -28,8 +28,9 @@ Rules by layer (T: positions per sample, every dim between the batch and the fea
   xhat recomputed from x; small (B x d), so materialized: rows.
 * ``nn.Conv1d`` / ``nn.Conv2d``: a Linear over the unfolded input (T = output positions, d_in = C_in / groups x
   kernel size, d_out = C_out / groups, one such problem per group), unfolded in batch chunks of at most
-  :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear; the bias's per-sample gradients
-  are rows. Clipped sum: the kept per-sample weight gradients (rows: a GEMV), else the convolution's own weight
+  :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear, except that clipping keeps the
+  materialized gradients where they fit and cost at most :data:`KEEP_FLOPS` times the Gram form; the bias's
+  per-sample gradients are rows. Clipped sum: the kept per-sample weight gradients (rows: a GEMV), else the convolution's own weight
   gradient of c * g (no unfolding).
 
 Clipped sums scale by the clip factors in their dtype (float32; float64 for float64 layers): a low-precision
@@ -56,6 +57,13 @@ from . import ops, twins
 # gradients): larger batches are processed in chunks; materialized gradients are kept for the clipped sum only
 # when all of them fit.
 CHUNK_BYTES = 1 << 28
+
+
+# Clipping through a convolution keeps its per-sample weight gradients even where the Gram form has fewer FLOPs, if
+# they fit in CHUNK_BYTES and cost at most this many times the Gram form's FLOPs: the Gram form's clipped sum is the
+# convolution's own weight gradient, whose host time (cuDNN's, 130 us on the H200 hosts) outweighs a few MFLOPs per
+# sample in a host-bound call; kept, they cost a GEMV.
+KEEP_FLOPS = 2
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -418,7 +426,9 @@ class ConvRule(Rule):
         if "weight" not in names:
             return None, None, rows
         xp, padding = self._padded(module, x)
-        gram = not grads and twins.use_gram(positions, d_in, d_out)
+        gram = not grads and twins.use_gram(positions, d_in, d_out) and not (
+            keep and batch * c_out * d_in * ct.itemsize <= CHUNK_BYTES
+            and d_in * d_out <= KEEP_FLOPS * positions * (d_in + d_out))
         w_bytes = 0 if gram else c_out * d_in * ct.itemsize
         kept = grads or (keep and not gram and batch * w_bytes <= CHUNK_BYTES)
         # per sample: the unfolded input and the materialized gradient, or for the Gram op the unfolded input, its
