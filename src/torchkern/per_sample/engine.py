@@ -949,9 +949,10 @@ def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
 
 
 def _sq_any(g: torch.Tensor) -> torch.Tensor:
-    # reshape, not flatten(1): a 0-d parameter's gradients are (B,); rows, (B, numel) already, need no view
+    # reshape, not flatten(1): a 0-d parameter's gradients are (B,); rows, (B, numel) already, need no view. The
+    # norm, squared: one read of the rows, no squared copy of them (a run of kept weight gradients is tens of MB)
     rows = g if g.dim() == 2 else g.reshape(g.shape[0], -1)
-    return rows.to(opmath_dtype(g.dtype)).square().sum(1)
+    return torch.linalg.vector_norm(rows, dim=1, dtype=opmath_dtype(g.dtype)).square_()
 
 
 def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor | None, object, list]:

@@ -77,7 +77,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sq(t: torch.Tensor) -> torch.Tensor:
-    return t.flatten(1).square().sum(1)
+    """The squared norm of each of ``t``'s slices along dim 0, (B,), without a squared copy of ``t``."""
+    return torch.linalg.vector_norm(t.flatten(1), dim=1).square_()
 
 
 class Writer:
