@@ -208,6 +208,27 @@ def test_materialized_gradients_of_neighbours(monkeypatch, device, frozen, bound
             torch.testing.assert_close(p.grad, expected[k].to(p.dtype), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bound", [False, True])
+def test_materialized_gradients_apart(monkeypatch, bound):
+    """Two norm layers whose accumulators a Linear's (Gram form, not materialized) lie between: one concatenation
+    and one square-sum for both, one GEMV each (a strided slice of the concatenation); the explicit clip.
+    ``bound``: a concatenation bound below any two rows: nothing concatenated, the same sums."""
+    if bound:
+        monkeypatch.setattr(engine, "_CAT_NUMEL", 8)
+    torch.manual_seed(0)
+    model = Head(nn.Sequential(nn.LayerNorm(6), nn.Linear(6, 6), nn.LayerNorm(6)), 6).double()
+    x, y = randn(5, 3, 6, dtype=torch.float64), randn(5, 3, dtype=torch.float64)
+    grads, norms = func_reference(model, x, y)
+    calls = []
+    with OpNames(calls):
+        clip_and_accumulate(model, mse_sum, x, y, norms.median().item(), method="fused")
+    # bound: below any two rows, every row (2 per layer) on its own
+    assert calls.count("cat") == (0 if bound else 1) and calls.count("linalg_vector_norm") == (4 if bound else 1)
+    expected = explicit_clip(grads, norms, norms.median().item(), 5)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k], rtol=1e-9, atol=1e-12)
+
+
 class _Tokens(nn.Module):
     """Two embeddings (padding positions; the Gram form, then the sorted segments) summed, then a Linear."""
 

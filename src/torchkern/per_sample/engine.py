@@ -57,8 +57,8 @@ Per-call overhead: the module scan is cached per model and revalidated by identi
 rule layer without hooks of its own, a wrapper of its forward) live only for the forward; the batch-dim probe,
 where it runs, costs about a forward's host time; a ``"mean"`` loss is scaled through the backward's seed; the
 per-sample gradients that rules materialize (norm layers, biases, kept Linear and convolution weights) are
-concatenated where their accumulators are neighbours, for one square-sum and one GEMV per group instead of a few
-launches per parameter; nothing waits for the device.
+concatenated for one square-sum per dtype (up to a bound) and one GEMV per run of neighbouring accumulators instead
+of a few launches per parameter; nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -966,54 +966,62 @@ def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor | N
     return sq, state, [(unit.names[k], r) for k, r in rows.items()]
 
 
-# Per-sample gradient rows are concatenated (copied) with their neighbours up to this many elements per sample in
-# all: a bounded copy, where larger rows' own products dwarf the launches saved.
+# Per-sample gradient rows are concatenated (copied) up to this many elements per sample in all: a bounded copy, where
+# larger rows' own products dwarf the launches saved.
 _CAT_NUMEL = 1 << 16
 
 
-def _runs(rows: list, writer: Writer | None) -> list[tuple[list, torch.Tensor, torch.Tensor | None]]:
-    """The materialized per-sample gradients (qualified name, (B, numel)) grouped so that each group costs one
-    square-sum for the norms and one GEMV for the clipped sums: (members, their concatenation, the 1-D span of
-    the accumulators they fill back to back, or None). Without a writer (norms only), one group per dtype."""
+def _runs(rows: list, writer: Writer | None) -> list[tuple[torch.Tensor, list]]:
+    """The materialized per-sample gradients (qualified name, (B, numel)) in groups of one dtype and device, each
+    concatenated for one square-sum (the norms): (the concatenation, its parts). A part is a run of members whose
+    accumulators lie back to back, for one GEMV (the clipped sums): (members, first and end column in the
+    concatenation, the 1-D span of those accumulators or None). Without a writer (norms only), parts are unused."""
     if writer is None:
         placed = [(None, q, r) for q, r in sorted(rows, key=lambda qr: str(qr[1].dtype))]
     else:  # in accumulator order: neighbours there are neighbours in the concatenation
         placed = sorted(((writer.where(q), q, r) for q, r in rows),
                         key=lambda t: (0, 0) if t[0] is None else (id(t[0][0]), t[0][1]))
     groups: list[list] = []
+    alone: list[list] = []  # rows wider than the bound: a group each, the open group stays open
     width = 0  # of the last group, per sample
     for item in placed:
-        width += item[2].shape[1]
-        if groups and width <= _CAT_NUMEL and _neighbours(groups[-1][-1], item, writer is None):
+        r = item[2]
+        if r.shape[1] > _CAT_NUMEL:
+            alone.append([item])
+            continue
+        width += r.shape[1]
+        last = groups[-1][-1][2] if groups else None
+        if last is not None and width <= _CAT_NUMEL and last.dtype == r.dtype and last.device == r.device:
             groups[-1].append(item)
         else:
             groups.append([item])
-            width = item[2].shape[1]
+            width = r.shape[1]
     runs = []
-    for group in groups:
-        members = [(q, r) for _, q, r in group]
-        if len(members) == 1:
-            runs.append((members, members[0][1], None))
-            continue
-        first, last = group[0][0], group[-1][0]
-        span = None if first is None else first[0][first[1]:last[2]]
-        runs.append((members, torch.cat([r for _, r in members], 1), span))
+    for group in groups + alone:
+        parts, column = [], 0  # parts: [members, first column, end column, first where, last where]
+        for where, q, r in group:
+            end = column + r.shape[1]
+            part = parts[-1] if parts else None
+            if part is not None and _follows(part[4], where):
+                part[0].append((q, r))
+                part[2], part[4] = end, where
+            else:
+                parts.append([[(q, r)], column, end, where, where])
+            column = end
+        mat = group[0][2] if len(group) == 1 else torch.cat([r for _, _, r in group], 1)
+        runs.append((mat, [(members, lo, hi, None if first is None else first[0][first[1]:last[2]])
+                           for members, lo, hi, first, last in parts]))
     return runs
 
 
-def _neighbours(prev: tuple, item: tuple, anywhere: bool) -> bool:
-    """Whether ``item`` may join the group ending in ``prev``: one dtype and (unless ``anywhere``) its accumulator
-    right after prev's in the same buffer."""
-    (where0, _, r0), (where1, _, r1) = prev, item
-    if r0.dtype != r1.dtype:
-        return False
-    return anywhere or (where0 is not None and where1 is not None and where1[0] is where0[0]
-                        and where1[1] == where0[2])
+def _follows(prev: tuple | None, where: tuple | None) -> bool:
+    """Whether the accumulator at ``where`` comes right after the one at ``prev`` in the same flat buffer."""
+    return prev is not None and where is not None and where[0] is prev[0] and where[1] == prev[2]
 
 
 def _sq_terms(run: Run, keep: bool, writer: Writer | None) -> tuple[list, list, list]:
     """Every entry's squared-norm terms, (B,) each, with the rows' square-sums among them; the rules' clip states
-    as (entry, state); the runs of materialized rows (``_runs``, grouped for ``writer``)."""
+    as (entry, state); the groups of materialized rows (``_runs``, parts for ``writer``)."""
     sqs, states, rows = [], [], []
     for e in run.entries:
         sq, state, r = entry_sq_norms(e, run, keep)
@@ -1023,17 +1031,20 @@ def _sq_terms(run: Run, keep: bool, writer: Writer | None) -> tuple[list, list, 
             states.append((e, state))
         rows += r
     runs = _runs(rows, writer)
-    sqs += [_sq_any(mat) for _, mat, _ in runs]
+    sqs += [_sq_any(mat) for mat, _ in runs]
     return sqs, states, runs
 
 
 def _runs_clip(runs: list, c: torch.Tensor, writer: Writer) -> None:
-    for members, mat, span in runs:
-        if span is not None and mat.dtype == span.dtype:  # c in the accumulator's dtype, as Writer.mv does
-            span.addmv_(mat.T, c.to(span.dtype), beta=writer.beta)
-        else:
-            for q, r in members:
-                writer.mv(q, r.T, c)
+    for mat, parts in runs:
+        for members, lo, hi, span in parts:
+            if span is not None and mat.dtype == span.dtype:  # c in the accumulator's dtype, as Writer.mv does
+                # a column slice of the concatenation: a strided operand of the GEMV, no copy
+                cols = mat if hi - lo == mat.shape[1] else mat[:, lo:hi]
+                span.addmv_(cols.T, c.to(span.dtype), beta=writer.beta)
+            else:
+                for q, r in members:
+                    writer.mv(q, r.T, c)
 
 
 def entry_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
