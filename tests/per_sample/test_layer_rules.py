@@ -128,13 +128,13 @@ def test_layer_rules_match_torch_func(device, name):
 
 
 @pytest.mark.parametrize("name,branch,taken", [
-    ("linear_gram", ("op", 3), True), ("linear_materialized", ("op", 3), False),
+    ("linear_2d", ("op", 2), False), ("linear_gram", ("op", 3), True), ("linear_materialized", ("op", 3), False),
     ("linear_two_lengths", ("op", 3), True),
     ("embedding_gram", "segment", False), ("embedding_segment", "segment", True),
     ("conv2d_gram", ("op", 3), True), ("conv2d_kept", ("op", 3), False), ("conv2d", ("op", 3), False)])
 def test_layer_cases_reach_their_branches(monkeypatch, name, branch, taken):
     """The cases above take the branch they are named after (the Gram op on sequences, materialized and kept
-    per-sample gradients, the embedding's sorted segments)."""
+    per-sample gradients, the embedding's sorted segments); clipping keeps a small Linear's outer products."""
     calls = []
     op, segments = layers.ops.linear_grad_sq_norms, layers._segment_sq_norms
     monkeypatch.setattr(layers.ops, "linear_grad_sq_norms", lambda a, g, bias=False: calls.append(("op", a.dim()))
@@ -210,8 +210,9 @@ def test_materialized_gradients_of_neighbours(monkeypatch, device, frozen, bound
 
 @pytest.mark.parametrize("bound", [False, True])
 def test_materialized_gradients_apart(monkeypatch, bound):
-    """Two norm layers whose accumulators a Linear's (Gram form, not materialized) lie between: one concatenation
-    and one square-sum for both, one GEMV each (a strided slice of the concatenation); the explicit clip.
+    """Two norm layers whose accumulators a Linear's (Gram form, not materialized) lie between, and the head's kept
+    outer products: one concatenation and one square-sum for all, one GEMV per run of neighbouring accumulators (a
+    strided slice of the concatenation); the explicit clip.
     ``bound``: a concatenation bound below any two rows: nothing concatenated, the same sums."""
     if bound:
         monkeypatch.setattr(engine, "_CAT_NUMEL", 8)
@@ -222,8 +223,8 @@ def test_materialized_gradients_apart(monkeypatch, bound):
     calls = []
     with OpNames(calls):
         clip_and_accumulate(model, mse_sum, x, y, norms.median().item(), method="fused")
-    # bound: below any two rows, every row (2 per layer) on its own
-    assert calls.count("cat") == (0 if bound else 1) and calls.count("linalg_vector_norm") == (4 if bound else 1)
+    # bound: below any two rows, every row (2 per norm layer, 2 of the head's outer products) on its own
+    assert calls.count("cat") == (0 if bound else 1) and calls.count("linalg_vector_norm") == (6 if bound else 1)
     expected = explicit_clip(grads, norms, norms.median().item(), 5)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[k], rtol=1e-9, atol=1e-12)

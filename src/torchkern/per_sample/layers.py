@@ -14,7 +14,8 @@ per-sample losses with respect to the layer's output into:
 
 Rules by layer (T: positions per sample, every dim between the batch and the feature dims):
 
-* ``nn.Linear``: weight_i = sum_t g_it a_it^T. Norms without T, or with the Gram form
+* ``nn.Linear``: weight_i = sum_t g_it a_it^T. Without T and at most :data:`OUTER_NUMEL` elements, clipping keeps
+  the outer products as rows. Norms without T, or with the Gram form
   <g_i g_i^T, a_i a_i^T>_F when T (d_in + d_out) <= d_in d_out (``linear_grad_sq_norms``); otherwise the per-sample
   weight gradients are materialized (in batch chunks of at most :data:`CHUNK_BYTES`) and, when they fit that
   bound, kept as rows (with the bias's), whose clipped sum is a GEMV. Clipped sum otherwise: (c * g)^T a, one
@@ -58,6 +59,11 @@ from . import ops, twins
 # when all of them fit.
 CHUNK_BYTES = 1 << 28
 
+
+# Clipping through a Linear without positions keeps its per-sample weight gradients (outer products, one launch) as
+# rows where they have at most this many elements per sample, as a classifier head's: the engine's concatenated
+# square-sum and GEMV then replace the norm op and the clipped sum's scaled copy, GEMM and GEMV.
+OUTER_NUMEL = 1 << 14
 
 # Clipping through a convolution keeps its per-sample weight gradients even where the Gram form has fewer FLOPs, if
 # they fit in CHUNK_BYTES and cost at most this many times the Gram form's FLOPs: the Gram form's clipped sum is the
@@ -208,6 +214,11 @@ class LinearRule(Rule):
         weight, bias = "weight" in names, "bias" in names
         if not weight:
             return None, None, {"bias": (g if g.dim() == 2 else g.sum(1, dtype=ct)).to(ct)}
+        if a.dim() == 2 and keep and g.shape[1] * a.shape[1] <= OUTER_NUMEL:  # the outer products, kept as rows
+            rows = {"weight": (g.to(ct).unsqueeze(2) * a.to(ct).unsqueeze(1)).flatten(1)}
+            if bias:
+                rows["bias"] = g.to(ct)
+            return None, None, rows
         if a.dim() == 2 or twins.use_gram(a.shape[1], a.shape[2], g.shape[2]):
             return ops.linear_grad_sq_norms(a, g, bias), (a, g), {}
         batch, per_sample = a.shape[0], g.shape[2] * a.shape[2] * ct.itemsize
