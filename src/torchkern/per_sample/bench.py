@@ -25,12 +25,16 @@
   ``DPOptimizer.pre_step``) and ghost clipping (``GradSampleModuleFastGradientClipping`` +
   ``DPLossFastGradientClipping`` + ``DPOptimizerFastGradientClipping``'s ``pre_step``), skipped where opacus is not
   installed; ``torch_func``: vmap(grad) per-sample gradients, then clip, sum, noise as a user writes them;
-  ``eager_loop``: one backward per sample. Every implementation starts with ``zero_grad(set_to_none=True)``, as a
-  training loop does. ``check`` compares the ``.grad`` of each with noise off (TF32 off during the check). The note
-  gives each one's peak extra memory. ``..._poisson``: the same models on Poisson-sized batches (each call the
-  next of a cycle of sizes drawn as Binomial(100 B, 0.01), expected B), divided by the expected size, the graph
-  captured once at the largest size (``max_batch_size``); torchkern and Opacus only; each implementation runs the
-  cycle once before the timing (a long run's steady state, every size seen before).
+  ``eager_loop``: one backward per sample; ``floor_graph`` (CUDA): the model's ordinary forward and backward on the
+  batch replayed as a CUDA graph, a reference no per-sample method can beat on that GPU (the runner never takes it
+  for the strongest baseline; its ratio is what such a floor would give against that baseline). Every
+  implementation starts with ``zero_grad(set_to_none=True)``, as a training loop does. ``check`` compares the
+  ``.grad`` of each with noise off (TF32 off during the check). The note gives each one's peak extra memory.
+  ``..._poisson``: the same models on Poisson-sized batches (each call the next of a cycle of sizes drawn as
+  Binomial(100 B, 0.01), expected B), divided by the expected size, the graph captured per bucket of rows up to
+  the largest size (``max_batch_size``; the note gives the captures and the memory reserved for them), the floor
+  at the expected size; torchkern and Opacus only; each implementation runs the cycle once before the timing (a
+  long run's steady state, every size seen before).
 """
 
 from __future__ import annotations
@@ -330,8 +334,8 @@ class PoissonBatches:
 
 
 def torchkern_step(model, x, y, noise: float = SIGMA, graph: bool = False, batches: PoissonBatches | None = None):
-    """``batches``: each call on the next Poisson-sized batch, divided by the expected size (the graph captured
-    once at the largest size, ``max_batch_size``)."""
+    """``batches``: each call on the next Poisson-sized batch, divided by the expected size (the graph with
+    ``max_batch_size`` the largest size: a capture per bucket of rows)."""
     extra = {} if batches is None else {"batch_size": batches.expected}
     if graph and batches is not None:
         extra["max_batch_size"] = batches.max_size
@@ -517,8 +521,8 @@ def _cycled(step):
 
 def _dp_poisson_case(device: str, name: str, quick: bool) -> Case:
     """The dp_step model on Poisson-sized batches (each call the next size of :class:`PoissonBatches`, expected the
-    case's batch size), divided by the expected size: torchkern plain, torchkern's graph captured once at the
-    largest size (``max_batch_size``), Opacus with ``expected_batch_size``."""
+    case's batch size), divided by the expected size: torchkern plain, torchkern's graph (``max_batch_size`` the
+    largest size), Opacus with ``expected_batch_size``; the floor at the expected size."""
     impls = ("torchkern",) + _cuda_rows(device) + OPACUS_IMPLS
 
     def setup() -> Prepared:
