@@ -2,9 +2,9 @@
 
 ``clip_and_accumulate`` records each layer's input a and output gradient g once (``engine``), gets every
 sample's total gradient norm from them, the clip factors c_i = min(1, C / ||grad_i||), and for each layer the
-clipped sum as one product: (c * g)^T a for a Linear (sum_i c_i g_i for its bias), the embedding backward of
-c * g, c-weighted sums of small materialized per-sample gradients for norm layers and convolutions. No second
-backward (Opacus's ghost clipping runs two).
+clipped sum as one product: (c * g)^T a for a Linear (sum_i c_i g_i for its bias), the rows of c * g added at
+their indices for an Embedding, c-weighted sums of small materialized per-sample gradients for norm layers,
+convolutions and small Linear heads. No second backward (Opacus's ghost clipping runs two).
 
 Accumulation. The clipped sums of a step are added, in float32 (float64 for float64 parameters) whatever the
 parameters' dtype, into one flat buffer per (device, dtype) group of the trainable parameters. The call that
