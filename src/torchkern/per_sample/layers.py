@@ -61,8 +61,8 @@ CHUNK_BYTES = 1 << 28
 
 
 # Clipping through a Linear without positions keeps its per-sample weight gradients (outer products, one launch) as
-# rows where they have at most this many elements per sample, as a classifier head's: the engine's concatenated
-# square-sum and GEMV then replace the norm op and the clipped sum's scaled copy, GEMM and GEMV.
+# rows where they have at most this many elements per sample (and fit in CHUNK_BYTES), as a classifier head's: the
+# engine's concatenated square-sum and GEMV then replace the norm op and the clipped sum's scaled copy, GEMM and GEMV.
 OUTER_NUMEL = 1 << 14
 
 # Clipping through a convolution keeps its per-sample weight gradients even where the Gram form has fewer FLOPs, if
@@ -214,7 +214,9 @@ class LinearRule(Rule):
         weight, bias = "weight" in names, "bias" in names
         if not weight:
             return None, None, {"bias": (g if g.dim() == 2 else g.sum(1, dtype=ct)).to(ct)}
-        if a.dim() == 2 and keep and g.shape[1] * a.shape[1] <= OUTER_NUMEL:  # the outer products, kept as rows
+        numel = g.shape[-1] * a.shape[-1]
+        if a.dim() == 2 and keep and numel <= OUTER_NUMEL and a.shape[0] * numel * ct.itemsize <= CHUNK_BYTES:
+            # the outer products, kept as rows
             rows = {"weight": (g.to(ct).unsqueeze(2) * a.to(ct).unsqueeze(1)).flatten(1)}
             if bias:
                 rows["bias"] = g.to(ct)
