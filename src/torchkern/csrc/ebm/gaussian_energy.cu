@@ -8,7 +8,6 @@
 // (addmm with the bias row mu P), then a row-wise epilogue E = -1/2 sum (x - mu) * score. The
 // energy is exact for any P (1/2 r.(P^T r) = 1/2 r.(P r)); the score assumes P symmetric, which
 // GaussianEnergy checks at construction. The GEMM runs on the host (ops.cpp); this file's launchers do the rest.
-#include <algorithm>
 #include <cstdint>
 
 #include "launchers.h"
@@ -215,7 +214,7 @@ gaussian_tiled_kernel(const T* __restrict__ x,          // [B, d]
 // Shared memory the tiled kernel may use on the current device: min(the device's opt-in limit,
 // kTiledMaxSharedBytes).
 int64_t tiled_shared_limit() {
-  return std::min<int64_t>(static_cast<int64_t>(smem_optin_bytes()), kTiledMaxSharedBytes);
+  return min_of<int64_t>(static_cast<int64_t>(smem_optin_bytes()), kTiledMaxSharedBytes);
 }
 
 // Runs the tiled kernel (gaussian_fused has checked that its shared memory fits); batch > 0.

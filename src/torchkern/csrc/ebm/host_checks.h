@@ -1,6 +1,7 @@
 // Host checks that several of the family's ops share (ops.cpp, mlp_chain/mlp_ops_host.h), in the words of
 // ebm/twins.py: an analytic energy's arguments, the Langevin step's, the run arguments of every chain op
-// (langevin_chain, hmc_chain_, mlp_langevin_chain_, mlp_hmc_chain_), HMC's, and the MLP chains' `start`.
+// (langevin_chain, hmc_chain_, mlp_langevin_chain_, mlp_hmc_chain_), HMC's, and the MLP chains' `start`; and the
+// Langevin step's StepArgs, here rather than in launchers.h, which the kernel units include (<optional>).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +14,11 @@
 #include "torchkern/checks.h"
 
 namespace torchkern {
+
+inline StepArgs make_step_args(double step, double sigma, std::optional<double> lo, std::optional<double> hi) {
+  return StepArgs{step, sigma * std::sqrt(2.0 * step), lo.value_or(-INFINITY), hi.value_or(INFINITY),
+                  lo.has_value() || hi.has_value()};
+}
 
 inline void check_analytic_args(const char* torchkern_op_name, const at::Tensor& x, int64_t kind,
                                 at::ArrayRef<double> params) {

@@ -5,9 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include <cmath>
 #include <cstdint>
-#include <optional>
 
 #include "mlp_chain/mlp_chain.h"
 #include "torchkern/common.h"
@@ -38,11 +36,6 @@ struct StepArgs {
   double step, noise_coef, lo, hi;
   bool clamp;
 };
-
-inline StepArgs make_step_args(double step, double sigma, std::optional<double> lo, std::optional<double> hi) {
-  return StepArgs{step, sigma * std::sqrt(2.0 * step), lo.value_or(-INFINITY), hi.value_or(INFINITY),
-                  lo.has_value() || hi.has_value()};
-}
 
 // analytic_energy, analytic_score, analytic_energy_and_score: energy [B] and score [B, d] of x [B, d], all
 // contiguous and of `dtype`; a null output is not computed.

@@ -1,8 +1,9 @@
 // Thread block clusters (sm_90) as the linalg kernels use them: the Newton roots' pairs (small_matrix.cuh) and the
 // tridiagonal reduction's clusters of up to eight (tridiagonal.cuh).
+// The ranks and peer addresses come from the runtime's cluster intrinsics (cuda_runtime.h), which cooperative
+// groups' this_cluster() wraps: its header alone costs a unit about 6 s of compile.
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 namespace torchkern {
@@ -38,7 +39,7 @@ __device__ __forceinline__ void cluster_sync() {
 
 __device__ __forceinline__ int cluster_rank() {
 #if __CUDA_ARCH__ >= 900
-  return static_cast<int>(cooperative_groups::this_cluster().block_rank());
+  return static_cast<int>(__clusterRelativeBlockRank());
 #else
   return 0;
 #endif
@@ -68,7 +69,7 @@ struct ClusterLaunch {
 template <typename X>
 __device__ __forceinline__ X* cluster_peer(X* p, int rank) {
 #if __CUDA_ARCH__ >= 900
-  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+  return static_cast<X*>(__cluster_map_shared_rank(p, static_cast<unsigned>(rank)));
 #else
   return p;
 #endif

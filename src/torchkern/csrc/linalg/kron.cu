@@ -4,7 +4,6 @@
 // this is a pure write-bandwidth kernel: blockIdx.y walks output rows (batch, i, k are uniform
 // per row: no per-element divisions but one), threads walk a row's columns in 16-byte vectors
 // when q allows it, with streaming stores.
-#include <algorithm>
 #include <type_traits>
 
 #include "launchers.h"
@@ -58,9 +57,9 @@ cudaError_t kron_launch(const KronParams& prm, cudaStream_t stream) {
     const auto launch = [&](auto vec) {
       constexpr int W = decltype(vec)::value;
       const int64_t cols_v = cols / W;
-      const unsigned gx = static_cast<unsigned>(std::min<int64_t>((cols_v + kThreads - 1) / kThreads, 1024));
-      const int64_t want_y = std::max<int64_t>(1, int64_t(sm_count()) * 8 / gx);
-      const unsigned gy = static_cast<unsigned>(std::min<int64_t>({rows, want_y * 8, 65535}));
+      const unsigned gx = static_cast<unsigned>(min_of<int64_t>((cols_v + kThreads - 1) / kThreads, 1024));
+      const int64_t want_y = max_of<int64_t>(1, int64_t(sm_count()) * 8 / gx);
+      const unsigned gy = static_cast<unsigned>(min_of<int64_t>(min_of<int64_t>(rows, want_y * 8), 65535));
       kron_kernel<T, W><<<dim3(gx, gy), kThreads, 0, stream>>>(out, static_cast<const T*>(prm.A),
                                                                 static_cast<const T*>(prm.B), rows, prm.m, prm.n,
                                                                 prm.p, prm.q);

@@ -9,10 +9,10 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "torchkern/dispatch.cuh"
+#include "torchkern/launch.cuh"
 #include "torchkern/vec.cuh"
 
 namespace torchkern {
@@ -58,7 +58,7 @@ template <int kInputs, typename T, typename Op>
 cudaError_t launch_elementwise(T* out, const T* in0, const T* in1, int64_t n, Op op, cudaStream_t stream) {
   constexpr int V = kVec16<T>;
   const bool aligned = is_aligned(out, 16) && is_aligned(in0, 16) && (kInputs == 1 || is_aligned(in1, 16));
-  const int64_t vectors = aligned ? std::max<int64_t>(1, n / V) : n;  // at least one block for the tail
+  const int64_t vectors = aligned ? max_of<int64_t>(1, n / V) : n;  // at least one block for the tail
   const auto blocks = static_cast<unsigned>((vectors + kElementwiseThreads - 1) / kElementwiseThreads);
   if (aligned) {
     elementwise_kernel<T, V, kInputs><<<blocks, kElementwiseThreads, 0, stream>>>(out, in0, in1, n, op);

@@ -4,7 +4,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "torchkern/common.h"
@@ -15,6 +14,17 @@ namespace torchkern {
 // are not free, and ops ask for them on every launch. `cache` is the caller's static table (stored as
 // value + 1, so 0 means "not asked yet"); a device past its end is asked every time.
 constexpr int kCachedDevices = 64;
+
+// std::min and std::max for the launchers' host code, without <algorithm>: in C++20 that header alone costs a
+// unit about a second of compile.
+template <typename T>
+constexpr T min_of(T a, T b) {
+  return b < a ? b : a;
+}
+template <typename T>
+constexpr T max_of(T a, T b) {
+  return a < b ? b : a;
+}
 
 template <typename Query>
 inline int per_device(int (&cache)[kCachedDevices], Query query) {
@@ -69,7 +79,7 @@ inline void opt_in_smem(int (&opted_in)[kCachedDevices], Kernel kernel, size_t b
 inline unsigned int grid_for(int64_t work, int64_t per_block, int blocks_per_sm = 8) {
   const int64_t needed = (work + per_block - 1) / per_block;
   const int64_t resident = static_cast<int64_t>(sm_count()) * blocks_per_sm;
-  return static_cast<unsigned int>(std::max<int64_t>(1, std::min(needed, resident)));
+  return static_cast<unsigned int>(max_of<int64_t>(1, min_of(needed, resident)));
 }
 
 // The same, with blocks per SM from the kernel's real occupancy (registers, shared
@@ -77,10 +87,10 @@ inline unsigned int grid_for(int64_t work, int64_t per_block, int blocks_per_sm 
 template <typename Kernel>
 inline unsigned int grid_for(Kernel kernel, int threads, int64_t work, int64_t per_block, size_t smem_bytes = 0) {
   const int64_t needed = (work + per_block - 1) / per_block;
-  if (needed <= sm_count()) return static_cast<unsigned int>(std::max<int64_t>(1, needed));  // one wave anyway
+  if (needed <= sm_count()) return static_cast<unsigned int>(max_of<int64_t>(1, needed));  // one wave anyway
   int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes);
-  return grid_for(work, per_block, std::max(per_sm, 1));
+  return grid_for(work, per_block, max_of(per_sm, 1));
 }
 
 }  // namespace torchkern

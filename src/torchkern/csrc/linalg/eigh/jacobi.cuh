@@ -47,7 +47,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -335,7 +334,7 @@ inline bool fits(int64_t n) {
 // (each repeats the A work, so no more than that), at most kMaxSplit, and no block without rows of V.
 constexpr int kMaxSplit = 8;
 inline int split_for(int64_t B, int n) {
-  const int fill = static_cast<int>(std::min<int64_t>(kMaxSplit, std::max<int64_t>(1, sm_count() / B)));
+  const int fill = static_cast<int>(min_of<int64_t>(kMaxSplit, max_of<int64_t>(1, sm_count() / B)));
   return slice_rows(n, slice_rows(n, fill));  // the blocks that rows of fill-way slices need
 }
 
