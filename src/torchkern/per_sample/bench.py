@@ -356,7 +356,12 @@ def floor_step(model, x, y):
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     graph, _ = capture(lambda: torch.autograd.grad(F.cross_entropy(model(x), y), params), x.device)
-    return graph.replay
+
+    def replay():
+        graph.replay()
+
+    replay.reads = (model, x, y)  # the graph reads their memory: it must outlive every replay
+    return replay
 
 
 def opacus_step(model, x, y, ghost: bool, noise: float = SIGMA, batches: PoissonBatches | None = None):
