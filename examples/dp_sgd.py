@@ -62,7 +62,8 @@ def train(args, device) -> dict:
         noise_multiplier_for(args.target_epsilon, args.delta, sample_rate, steps)
     accountant = PrivacyAccountant()
     graph = device.type == "cuda"
-    # the graph is captured once at this many rows; a Poisson batch above it (rare: mean + 5 sd) gets its own
+    # a batch runs in a capture of its size rounded up to a bucket of rows up to this many; a larger one (rare:
+    # mean + 5 sd) gets buckets beyond it
     max_rows = math.ceil(loader.expected_batch_size + 5 * math.sqrt(loader.expected_batch_size))
     print(f"DP-SGD on {args.examples} examples: q = {sample_rate:.4g} (expected batch {loader.expected_batch_size:g}), "
           f"{len(loader)} steps per epoch, noise multiplier {sigma:.3f}, max_norm {args.max_norm}, "
