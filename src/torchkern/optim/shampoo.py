@@ -4,12 +4,13 @@ Per parameter (viewed as a matrix, split into blocks of at most ``max_preconditi
 on each side) and per block with gradient block ``G``:
 
     L <- beta2 L + G G^T,    R <- beta2 R + G^T G                        (every step)
-    L_root = (L + eps_L I)^(-1/4),  R_root = (R + eps_R I)^(-1/4)          (every precondition_frequency steps)
+    L_root = (L + eps_L I)^(-1/r),  R_root = (R + eps_R I)^(-1/r)          (every precondition_frequency steps)
     P = L_root M R_root                                                   (every step, cached roots)
     direction = P * ||D|| / ||P||                                         (grafting, per block)
     param <- param (1 - lr weight_decay) - lr direction
 
-``eps_L = eps ||L||_F`` (relative, the default) or ``eps`` (absolute). ``M`` is the filtered gradient (beta1
+``r`` is ``inverse_root`` (2 by default; Gupta et al.'s 4), ``eps_L = eps ||L||_F`` (relative, the default) or
+``eps`` (absolute). ``M`` is the filtered gradient (beta1
 EMA of the gradient with Adam's bias correction; the raw gradient when beta1 = 0) and ``D`` the grafting
 method's direction for ``M``: Adam's ``M / (sqrt(v_hat) + grafting_eps)`` with ``v`` an EMA of squared
 gradients (``grafting_beta2``), or AdaGrad's ``M / (sqrt(sum g^2) + grafting_eps)``. With ``grafting=None``
@@ -121,17 +122,20 @@ class Shampoo(GuardedOptimizer):
         betas: ``(beta1, beta2)``. beta1 in [0, 1): EMA of the gradient (bias-corrected) that is
             preconditioned and grafted; beta2 in (0, 1]: decay of the Kronecker factors
             ``L <- beta2 L + G G^T`` (1.0: plain sums, as in AdaGrad).
-        eps: regularization of the factors before the inverse 4th root. Relative (``relative_eps=True``,
-            the default): each factor ``S`` is rooted as ``(S + eps ||S||_F I)^(-1/4)``, which bounds the
-            condition number the root sees by ``1 + 1/eps`` whatever the gradients' scale and the step count.
-            Absolute (``relative_eps=False``, the literature's form): ``(S + eps I)^(-1/4)``, as in Gupta et al.
-            and Shi et al. (epsilon 1e-12 there, in float64 or float32 with eigh); in float32 an absolute eps
-            far below ``1e-7 ||S||`` is below the rounding of the statistics and regularizes nothing.
-            Measured (the quality suite's regression task on CPU, 300 steps, best lr): relative 1e-6, 1e-8 and
-            1e-10 end within 10% of each other (4.6e-3, 4.3e-3, 4.2e-3), absolute 1e-12 5x worse (2.3e-2); the
-            classification task is the same at 1e-6 and 1e-10. 1e-6 stays the default: it bounds the condition
-            number so that float32 Newton roots converge, while below ~1e-8 early, rank-deficient statistics
-            need the (waiting) eigh fallback on CUDA. Ill-conditioned regression-like problems may take 1e-8.
+        eps: regularization of the factors before the inverse root. Relative (``relative_eps=True``, the
+            default): each factor ``S`` is rooted as ``(S + eps ||S||_F I)^(-1/r)``, which bounds the condition
+            number the root sees by ``1 + 1/eps`` whatever the gradients' scale and the step count. Absolute
+            (``relative_eps=False``, the literature's form): ``(S + eps I)^(-1/r)``, as in Gupta et al. and Shi et
+            al. (epsilon 1e-12 there, in float64 or float32 with eigh); in float32 an absolute eps far below
+            ``1e-7 ||S||`` is below the rounding of the statistics and regularizes nothing. The default 1e-8 lets
+            the roots resolve statistics spanning 1e8, which problems whose inputs' scales span 1e3 or more need
+            (their factors span the square); factors indefinite at float32's rounding level then take the eigh
+            fallback described above (on CUDA a root update that waits). Evidence: docs/design.md, "Shampoo".
+        inverse_root: ``r`` (an integer >= 1): the factors' inverse root. 2 (the default) preconditions with
+            ``L^(-1/2) M R^(-1/2)``, the square of Gupta et al.'s ``L^(-1/4) M R^(-1/4)`` (4), which approximates
+            the optimal Kronecker-factored preconditioner more closely (Morwani et al. 2024) and corrects an
+            ill-conditioning that sits on one side of a layer (inputs with disparate scales: ``R`` alone) in full,
+            where 4 corrects its square root. Grafting sets the step's norm either way.
         relative_eps: see ``eps``.
         precondition_frequency: recompute the inverse roots every this many steps (>= 1).
         start_preconditioning_step: the first step (counting from 1) that uses the Shampoo
@@ -149,7 +153,9 @@ class Shampoo(GuardedOptimizer):
             basis that lags fast-changing statistics gives an approximate root; docs/design.md, "Shampoo").
         precision: ``"fp32"`` or ``"bf16"``: the statistics products ``G G^T`` and the preconditioning products
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global
-            TF32 switch is never touched). The statistics, roots and moments stay float32.
+            TF32 switch is never touched). The statistics, roots and moments stay float32. Square roots amplify
+            the products' rounding (about 4e-3 of the statistics) twice as much as 4th roots: with "bf16" take
+            ``inverse_root=4`` (a 20-step classifier: fp32 0.095, bf16 0.25 at 2; 0.036 both at 4).
         cuda_graph: on CUDA, replay the update of every step that takes no new roots as one CUDA graph, once the same
             parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time instead
             of ~70. The learning rate and weight decay are read on the device; another hyperparameter or another
@@ -184,17 +190,18 @@ class Shampoo(GuardedOptimizer):
     _divergence_hint = "a lower lr or a larger eps"
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 1.0),
-                 eps: float = 1e-6, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
+                 eps: float = 1e-8, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
                  max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
                  grafting_beta2: float = 0.999, grafting_eps: float = 1e-8, root_method: str = "auto",
-                 relative_eps: bool = True, precision: str = "fp32", cuda_graph: bool = True,
+                 relative_eps: bool = True, inverse_root: int = 2, precision: str = "fp32", cuda_graph: bool = True,
                  distributed: Distributed | None = Distributed(), skip_limits: SkipLimits | None = SkipLimits()):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         precondition_frequency=precondition_frequency,
                         start_preconditioning_step=start_preconditioning_step,
                         max_preconditioner_dim=max_preconditioner_dim, grafting=grafting, weight_decay=weight_decay,
                         grafting_beta2=grafting_beta2, grafting_eps=grafting_eps, root_method=root_method,
-                        relative_eps=relative_eps, precision=precision, cuda_graph=cuda_graph)
+                        relative_eps=relative_eps, inverse_root=inverse_root, precision=precision,
+                        cuda_graph=cuda_graph)
         check_distributed(self._name, distributed)
         self._distributed = distributed  # read by _init_caches
         super().__init__(params, defaults, skip_limits)
@@ -208,6 +215,8 @@ class Shampoo(GuardedOptimizer):
         check_arg(name, "eps", eps, is_real(eps) and eps > 0,
                   "must be a finite number > 0 (" + ("relative to each factor's norm)" if relative_eps
                                                      else "added to each factor's diagonal)"), where)
+        root = h.get("inverse_root")
+        check_arg(name, "inverse_root", root, is_int(root) and root >= 1, "must be an integer >= 1", where)
         start = h.get("start_preconditioning_step")
         check_arg(name, "start_preconditioning_step", start, start is None or (is_int(start) and start >= 1),
                   "must be an integer >= 1 (steps count from 1) or None (precondition_frequency)", where)
@@ -275,6 +284,8 @@ class Shampoo(GuardedOptimizer):
         with self._distribution.loading(state_dict) as state_dict:  # DCP's and DTensors' forms (distributed.py)
             check_state_dict("Shampoo", self, state_dict, self._state_spec)
             load_state_dict_keeping_dtypes(self, state_dict, _STAT_KEYS)
+        for group in self.param_groups:  # a state dict without inverse_root holds roots and plans of 4th roots
+            group.setdefault("inverse_root", 4)
         self._plans.clear()
         self._root_budgets.clear()
         self._steps = DeviceSteps()
@@ -340,7 +351,7 @@ class Shampoo(GuardedOptimizer):
                 if owners is not None and owners[i] != self._distribution.rank:
                     continue
                 key = (state[side][i].shape[-1], state[side][i].dtype, state[side][i].device, group["root_method"],
-                       group["eps"], group["relative_eps"])
+                       group["eps"], group["relative_eps"], group["inverse_root"])
                 roots_due[key].append((state, side, i, q, first))
 
     def _graph_key(self, groups: list, stepped: list):
@@ -454,39 +465,39 @@ class Shampoo(GuardedOptimizer):
 
     def _update_roots(self, key: tuple, items: list, ok: torch.Tensor) -> None:
         """All factors of one size, ``items`` [(factor, its root, its basis or None, first update)]: one batched
-        inverse-4th-root call, scaled by each factor's norm.
+        inverse-root call, scaled by each factor's norm.
 
         A root (and a "qr" basis) replaces the cached one only where it is finite, the step is not skipped and the
         factor is finite (float32 statistics overflow only for gradients beyond ~1e18: the old root then stays)."""
         from .. import linalg
 
-        n, dtype, device, method, eps, relative = key
+        n, dtype, device, method, eps, relative, p = key
         stats = torch.stack([s for s, _, _, _ in items])
         finite = torch.isfinite(stats).flatten(1).all(dim=1)
         eye = torch.eye(n, dtype=dtype, device=device)
         stats = torch.where(finite[:, None, None], stats, eye)
-        if relative:  # (S/s + eps I)^(-1/4) s^(-1/4) = (S + eps s I)^(-1/4), s = ||S||_F per factor
+        if relative:  # (S/s + eps I)^(-1/p) s^(-1/p) = (S + eps s I)^(-1/p), s = ||S||_F per factor
             scale = torch.linalg.matrix_norm(stats).clamp_min(_TINY)
             normalized = stats / scale[:, None, None]
-        else:  # the literature's (S + eps I)^(-1/4): no normalization (the Newton op scales internally)
+        else:  # the literature's (S + eps I)^(-1/p): no normalization (the Newton op scales internally)
             scale, normalized = None, stats
         bases = None
         if method == "qr":
             first = any(f for _, _, _, f in items)  # a factor without a basis yet: eigh for the whole batch
-            roots, bases = _qr_roots(normalized, None if first else torch.stack([q for _, _, q, _ in items]), eps)
+            roots, bases = _qr_roots(normalized, None if first else torch.stack([q for _, _, q, _ in items]), eps, p)
             accepted = torch.ones_like(finite)
         elif stats.is_cuda and (method == "newton" or (method == "auto" and linalg.auto_method(stats) == "newton")):
-            roots, accepted = self._newton_roots(key, normalized, eps)
+            roots, accepted = self._newton_roots(key, normalized, eps, p)
         else:
             if method == "newton":  # the CPU twin: the same tolerance and acceptance as on CUDA, decided at once
-                roots, err = linalg.matrix_inverse_root(normalized, 4, eps=eps, method=method, tol=_TOL,
+                roots, err = linalg.matrix_inverse_root(normalized, p, eps=eps, method=method, tol=_TOL,
                                                         return_error=True)
-                roots = _eigh_fallback(normalized, roots, eps, err)
+                roots = _eigh_fallback(normalized, roots, eps, p, err)
             else:
-                roots = linalg.matrix_inverse_root(normalized, 4, eps=eps, method=method)
+                roots = linalg.matrix_inverse_root(normalized, p, eps=eps, method=method)
             accepted = torch.ones_like(finite)
         if scale is not None:
-            roots = roots * scale.pow(-0.25)[:, None, None]
+            roots = roots * scale.pow(-1.0 / p)[:, None, None]
         keep = (accepted & finite & torch.isfinite(roots).flatten(1).all(dim=1) & ok)[:, None, None]
         olds = [r for _, r, _, _ in items]
         torch._foreach_copy_(olds, list(torch.where(keep, roots, torch.stack(olds)).unbind(0)))
@@ -494,20 +505,20 @@ class Shampoo(GuardedOptimizer):
             olds = [q for _, _, q, _ in items]
             torch._foreach_copy_(olds, list(torch.where(keep, bases, torch.stack(olds)).unbind(0)))
 
-    def _newton_roots(self, key: tuple, A: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _newton_roots(self, key: tuple, A: torch.Tensor, eps: float, p: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Newton roots of one size on CUDA without waiting for the device after the first update (see
         :class:`_RootBudget`); returns the roots and which were accepted."""
         budget = self._root_budgets.get(key)
         if budget is not None:
             budget.learn()
         if budget is None or budget.fallback:  # waits: learns the iterations, replaces rejected roots at once
-            root, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(A, 4, eps, _MAX_ITERS, _TOL)
-            root = _eigh_fallback(A, root, eps, err)
+            root, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(A, p, eps, _MAX_ITERS, _TOL)
+            root = _eigh_fallback(A, root, eps, p, err)
             rejected = bool((~(err <= _NEWTON_ACCEPT)).any())  # this path waits anyway
             # a size goes back to the queued updates once its roots converge again
             self._root_budgets[key] = _RootBudget(int(iters.max()), rejected)
             return root, torch.ones(A.shape[0], dtype=torch.bool, device=A.device)
-        root, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(A, 4, eps, budget.iters, _TOL, False)
+        root, err, iters = torch.ops.torchkern.matrix_inverse_root_newton(A, p, eps, budget.iters, _TOL, False)
         accepted = err <= _NEWTON_ACCEPT  # NaN: rejected
         budget.record(iters, err, accepted)
         return root, accepted
@@ -628,17 +639,17 @@ class _Bucket(Storage):
 _LAYOUT = {"L": "rr", "R": "cc", "L_root": "rr", "R_root": "cc"}
 
 
-def _qr_roots(A: torch.Tensor, Q0: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _qr_roots(A: torch.Tensor, Q0: torch.Tensor | None, eps: float, p: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``root_method="qr"`` for the factors A (k, n, n): their eigenbases Q, by an eigendecomposition without ``Q0``
     (the first update), else one power-iteration step from the previous bases ``Q0`` (SOAP's refresh); and the roots
-    ``Q diag(d + eps)^(-1/4) Q^T`` with ``d`` the Rayleigh quotients (clamped at 0): A's inverse 4th roots where Q
+    ``Q diag(d + eps)^(-1/p) Q^T`` with ``d`` the Rayleigh quotients (clamped at 0): A's inverse p-th roots where Q
     is its eigenbasis, the roots of A's diagonal in Q otherwise. Returns (roots, Q)."""
     Q = eigh(A)[1] if Q0 is None else power_step(A, Q0)
     d = rayleigh_quotients(A, Q).clamp_min(0.0)
-    return (Q * (d + eps).pow(-0.25).unsqueeze(-2)) @ Q.mT, Q
+    return (Q * (d + eps).pow(-1.0 / p).unsqueeze(-2)) @ Q.mT, Q
 
 
-def _eigh_fallback(A: torch.Tensor, roots: torch.Tensor, eps: float, err: torch.Tensor | None) -> torch.Tensor:
+def _eigh_fallback(A: torch.Tensor, roots: torch.Tensor, eps: float, p: int, err: torch.Tensor | None) -> torch.Tensor:
     """``roots`` with every matrix whose Newton iteration did not converge (error above the acceptance, or not
     finite; ``err`` None: judged from the roots' finiteness alone) replaced by a float64 eigendecomposition root of
     the same normalized factor, which clamps the spectrum at eps. Reads the flags back: a waiting path only."""
@@ -651,5 +662,5 @@ def _eigh_fallback(A: torch.Tensor, roots: torch.Tensor, eps: float, err: torch.
     if idx.numel() == 0:
         return roots
     roots = roots.clone()
-    roots[idx] = linalg.matrix_inverse_root(A[idx], 4, eps=eps, method="eigh", float64=True).to(roots.dtype)
+    roots[idx] = linalg.matrix_inverse_root(A[idx], p, eps=eps, method="eigh", float64=True).to(roots.dtype)
     return roots
