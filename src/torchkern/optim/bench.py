@@ -126,7 +126,8 @@ def _check(kind: str, model: nn.Module, opt, base: nn.Module, x: torch.Tensor, y
         s = torch.linalg.matrix_norm(S)
         lam, Q = torch.linalg.eigh(S / s + opt.param_groups[0]["eps"] * torch.eye(S.shape[0], device=S.device,
                                                                                  dtype=S.dtype))
-        exact = (Q * lam.clamp_min(0).pow(-0.25)) @ Q.T * s ** -0.25
+        r = opt.param_groups[0]["inverse_root"]
+        exact = (Q * lam.clamp_min(0).pow(-1.0 / r)) @ Q.T * s ** (-1.0 / r)
         rel = (torch.linalg.matrix_norm(root - exact) / torch.linalg.matrix_norm(exact)).item()
         assert rel < 1e-3, f"Shampoo's cached root is off by {rel:.2e} (relative Frobenius)"
     else:  # the bases are orthonormal (SOAP: Q_L of the first block; K-FAC: Q_A of the first layer)
