@@ -106,8 +106,7 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     on CUDA a factorization blocked by 64 columns, each block's factor and its inverse in one launch, the rest in
     batched products). The first pass is shifted (:func:`_shifts`) so that rank-deficient statistics cannot break
     it. With ``complete``, the Rayleigh quotients of the resulting columns tell those S resolves from those beyond
-    its rank; a matrix with columns beyond it takes the passes again, its resolved columns with, in the other
-    slots, the axes (outside a CUDA graph capture only those matrices: one host sync a refresh). The passes give X's own Q factor whatever the shift
+    its rank, and the resolved columns with, in the other slots, the axes go through the passes again. The passes give X's own Q factor whatever the shift
     (the product of their triangular factors is X's R), so one shift, from the padded size, serves every matrix of a
     batch. A failed factorization makes its matrix NaN, so the caller's finiteness check keeps the old basis
     (docs/design.md, "SOAP")."""
@@ -131,12 +130,7 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
         # beyond S's rank a column of the Q factor is rounding, orthogonal to the resolved ones: a direction of S's
         # null space, with a Rayleigh quotient at its floor; its slot takes the axis of the column sorted into it
         live = (Y * (M @ Y)).sum(dim=-2) > null_floor(S).to(wide).unsqueeze(-1)
-        if S.is_cuda and torch.cuda.is_current_stream_capturing():  # no host sync in a capture: all take the passes
-            Y = _complete(Y, live, S.dtype, axes)
-        else:  # only rank-deficient matrices: the others' Y is already orthonormal (half of a refresh's passes)
-            deficient = (~live.all(dim=-1)).nonzero().squeeze(-1)  # one host sync a refresh
-            if deficient.numel():
-                Y = Y.index_copy(0, deficient, _complete(Y[deficient], live[deficient], S.dtype, axes[deficient]))
+        Y = _complete(Y, live, S.dtype, axes)
     return (Q0.to(wide) @ Y).to(S.dtype)
 
 
