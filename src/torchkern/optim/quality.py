@@ -69,8 +69,8 @@ OPTIMIZERS = ("adamw", "sgd", "shampoo", "soap", "kfac")
 SECOND_ORDER = ("soap", "shampoo")
 # run at their sibling's best learning rate, reported beside it: the other precision of each (Shampoo's and K-FAC's
 # default is float32, SOAP's bfloat16), K-FAC's and Shampoo's power-step refreshes instead of eigendecompositions or
-# Newton roots, and the alternatives to defaults: Shampoo's 4th roots with relative eps 1e-6 (the literature's root;
-# roots spanning at most 32 where the default's span 1e4) and SOAP with Adam's betas (its second moment and
+# Newton roots, and the alternatives to defaults: Shampoo's square roots with relative eps 1e-8 (roots spanning up to
+# 1e4 where the default 4th roots at 1e-6 span at most 32) and SOAP with Adam's betas (its second moment and
 # statistics averaged longer)
 VARIANTS = {"shampoo_bf16": ("shampoo", dict(precision="bf16")), "soap_fp32": ("soap", dict(precision="fp32")),
             "kfac_qr": ("kfac", dict(refresh="qr")), "shampoo_qr": ("shampoo", dict(root_method="qr")),

@@ -150,7 +150,7 @@ class Shampoo(GuardedOptimizer):
             ``"qr"``: each factor keeps an eigenbasis (state ``L_basis``, ``R_basis``): the first root update takes
             an eigendecomposition, later ones one step of power iteration from the previous basis
             (:func:`torchkern.optim._eigenbases.power_step`, SOAP's refresh) with the Rayleigh quotients as eigenvalues, and
-            the root is ``Q diag(d + eps)^(-1/4) Q^T``: about six products per factor instead of Newton's ~48 (a
+            the root is ``Q diag(d + eps)^(-1/r) Q^T``: about six products per factor instead of Newton's ~48 (a
             basis that lags fast-changing statistics gives an approximate root; docs/design.md, "Shampoo").
         precision: ``"fp32"`` or ``"bf16"``: the statistics products ``G G^T`` and the preconditioning products
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global

@@ -440,11 +440,11 @@ class ConvRule(Rule):
         if "weight" not in names:
             return None, None, rows
         xp, padding = self._padded(module, x)
+        fits = keep and batch * c_out * d_in * ct.itemsize <= CHUNK_BYTES  # the batch's weight gradients, kept
         gram = not grads and twins.use_gram(positions, d_in, d_out) and not (
-            keep and batch * c_out * d_in * ct.itemsize <= CHUNK_BYTES
-            and d_in * d_out <= KEEP_FLOPS * positions * (d_in + d_out))
+            fits and d_in * d_out <= KEEP_FLOPS * positions * (d_in + d_out))
+        kept = grads or (fits and not gram)
         w_bytes = 0 if gram else c_out * d_in * ct.itemsize
-        kept = grads or (keep and not gram and batch * w_bytes <= CHUNK_BYTES)
         # per sample: the unfolded input and the materialized gradient, or for the Gram op the unfolded input, its
         # transposed copy and the op's T x T products (two Gram matrices and their elementwise product, as its
         # twin forms them; T < d_in there, so they stay below 3 unfolded inputs)
