@@ -16,7 +16,7 @@ from optim_testing import small_classifier_case
 
 def _make(opt_name, model, scaler=None):
     if opt_name == "shampoo":
-        return Shampoo(model.parameters(), lr=0.03, precondition_frequency=2, start_preconditioning_step=1)
+        return Shampoo(model.parameters(), lr=0.1, precondition_frequency=2, start_preconditioning_step=1)
     if opt_name == "soap":
         return SOAP(model.parameters(), lr=0.05, precondition_frequency=2)
     # float32 products and full-accuracy decompositions: the scaled and unscaled runs' float16 gradients differ by

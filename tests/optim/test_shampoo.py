@@ -131,13 +131,13 @@ def test_shampoo_one_root_call_per_block_size(monkeypatch):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 4), nn.Linear(4, 1))
     calls = []
-    real = torchkern.linalg.matrix_inverse_root
+    real = torchkern.linalg.twins.matrix_inverse_root_eigh  # the default roots (eigh, at relative eps 1e-8)
 
     def counting(G, p, *args, **kwargs):
         calls.append((tuple(G.shape), p))
         return real(G, p, *args, **kwargs)
 
-    monkeypatch.setattr(torchkern.linalg, "matrix_inverse_root", counting)
+    monkeypatch.setattr(torchkern.linalg.twins, "matrix_inverse_root_eigh", counting)
     opt = Shampoo(model.parameters(), precondition_frequency=3, start_preconditioning_step=1)
     x = torch.randn(8, 6)
     for step in range(1, 6):
@@ -193,12 +193,41 @@ def _rel(X: torch.Tensor, R: torch.Tensor) -> float:
 
 
 @requires_cuda
-def test_shampoo_root_updates_after_the_first_do_not_wait():
-    # factors of 300 and 200: the Newton op's cuBLAS path, whose host loop would wait every iteration
+def test_shampoo_default_root_updates_do_not_wait():
+    # the default roots (eigh at relative eps 1e-8) on factors of 300, 200 and 10: no root update waits for the device
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 200), nn.Tanh(), nn.Linear(200, 10)).cuda()
     x, y = torch.randn(64, 300, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
     opt = Shampoo(model.parameters(), lr=1e-3, precondition_frequency=2, start_preconditioning_step=2)
+    for i in range(8):
+        if i == 2:  # past the step graph's first captures
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert not opt._root_budgets  # no Newton
+    eps, root_p = opt.param_groups[0]["eps"], opt.param_groups[0]["inverse_root"]
+    for S, root in zip(opt.state[model[0].weight]["L"], opt.state[model[0].weight]["L_root"]):
+        # on the factor's dominant directions (float32 resolves those) the root is (lambda + eps ||S||)^(-1/p)
+        lam, Q = torch.linalg.eigh(S.double())
+        top, want = Q[:, -8:], (lam[-8:] + eps * torch.linalg.matrix_norm(S.double())).pow(-1.0 / root_p)
+        assert ((root.double() @ top - top * want).norm(dim=0) / want).max() < 1e-3
+
+
+
+@requires_cuda
+def test_shampoo_root_updates_after_the_first_do_not_wait():
+    # factors of 300 and 200: the Newton op's cuBLAS path, whose host loop would wait every iteration (Newton roots:
+    # 4th roots at relative eps 1e-6, where float32 Newton converges)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 200), nn.Tanh(), nn.Linear(200, 10)).cuda()
+    x, y = torch.randn(64, 300, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
+    opt = Shampoo(model.parameters(), lr=1e-3, precondition_frequency=2, start_preconditioning_step=2,
+                  inverse_root=4, eps=1e-6)
 
     def step(grad_scale=1.0):
         opt.zero_grad()

@@ -9,7 +9,7 @@ on each side) and per block with gradient block ``G``:
     direction = P * ||D|| / ||P||                                         (grafting, per block)
     param <- param (1 - lr weight_decay) - lr direction
 
-``r`` is ``inverse_root`` (Gupta et al.'s 4 by default; 2 for square roots), ``eps_L = eps ||L||_F`` (relative, the default) or
+``r`` is ``inverse_root`` (2 by default; Gupta et al.'s 4), ``eps_L = eps ||L||_F`` (relative, the default) or
 ``eps`` (absolute). ``M`` is the filtered gradient (beta1
 EMA of the gradient with Adam's bias correction; the raw gradient when beta1 = 0) and ``D`` the grafting
 method's direction for ``M``: Adam's ``M / (sqrt(v_hat) + grafting_eps)`` with ``v`` an EMA of squared
@@ -24,9 +24,10 @@ bucket (``_buckets``: the group's blocks stacked, padded to a common shape where
 entries are views of the stacks), and the step never waits for the device.
 
 All inverse roots due at a step are computed by one batched inverse-root call per block size,
-across all parameters and param groups: :func:`torchkern.linalg.matrix_inverse_root`, or, for the
-Newton method on CUDA, its op with an iteration budget learned without waiting for the device
-(:class:`_RootBudget`).
+across all parameters and param groups: eigendecomposition roots through the linalg family's eigh op (no host
+sync), or, for the Newton method on CUDA, its op with an iteration budget learned without waiting for the device
+(:class:`_RootBudget`). ``root_method="auto"`` takes Newton on CUDA only where float32 Newton converges
+(:data:`_NEWTON_MIN_EPS`), eigh everywhere else.
 
 Nothing non-finite comes out of finite gradients (the guards, each named where it sits): a Newton root that
 does not converge (float32 statistics are indefinite at the rounding level, so with a small ``eps`` the
@@ -63,6 +64,9 @@ _ROOT_METHODS = ("auto", "eigh", "newton", "qr")
 _STAT_KEYS = frozenset({"exp_avg", "graft_sq", "L", "R", "L_root", "R_root", "L_basis", "R_basis"})
 _TINY = 1e-30
 _MAX_ITERS = 100  # matrix_inverse_root's default
+# "auto" roots by float32 Newton only where the relative eps bounds the factor's condition number by 1e6: there
+# it converges on CUDA; at 1e-8 (the default) it does not on the H200 (docs/design.md, "Shampoo", *Roots*).
+_NEWTON_MIN_EPS = 1e-6
 # Newton's tolerance on ||X^4 A - I||_inf: float32 roots of factors conditioned up to 1/eps err by >= 1e-4 anyway.
 _TOL = 1e-4
 # A Newton root is accepted when ||X^4 A - I||_inf <= this: the root is then within about a quarter of it
@@ -127,16 +131,15 @@ class Shampoo(GuardedOptimizer):
             number the root sees by ``1 + 1/eps`` whatever the gradients' scale and the step count. Absolute
             (``relative_eps=False``, the literature's form): ``(S + eps I)^(-1/r)``, as in Gupta et al. and Shi et
             al. (epsilon 1e-12 there, in float64 or float32 with eigh); in float32 an absolute eps far below
-            ``1e-7 ||S||`` is below the rounding of the statistics and regularizes nothing. The default 1e-6
-            bounds the condition number so that float32 Newton roots converge on CUDA; square roots
-            (``inverse_root=2``) on factors spanning 1e6 or more want 1e-8 (docs/design.md, "Shampoo").
-        inverse_root: ``r`` (an integer >= 1): the factors' inverse root. 4 (the default) is Gupta et al.'s
-            ``L^(-1/4) M R^(-1/4)``; 2 preconditions with ``L^(-1/2) M R^(-1/2)``, which approximates the optimal
-            Kronecker-factored preconditioner more closely (Morwani et al. 2024) and corrects an ill-conditioning
-            that sits on one side of a layer (inputs with disparate scales: ``R`` alone) in full, where 4 corrects
-            its square root; with ``eps=1e-8`` it wins the quality suite's ``deep_linear`` by orders of magnitude
-            on the CPU, but on CUDA float32 Newton roots of such factors do not converge and fall back to eigh roots
-            that wait for the device (docs/design.md, "Shampoo"). Grafting sets the step's norm either way.
+            ``1e-7 ||S||`` is below the rounding of the statistics and regularizes nothing. The default 1e-8 lets
+            the roots resolve statistics spanning 1e8, which problems whose inputs' scales span 1e3 or more need
+            (their factors span the square); float32 Newton does not converge that far, so the default roots are
+            eigendecomposition roots (``root_method``). Evidence: docs/design.md, "Shampoo".
+        inverse_root: ``r`` (an integer >= 1): the factors' inverse root. 2 (the default) preconditions with
+            ``L^(-1/2) M R^(-1/2)``, the square of Gupta et al.'s ``L^(-1/4) M R^(-1/4)`` (4), which approximates
+            the optimal Kronecker-factored preconditioner more closely (Morwani et al. 2024) and corrects an
+            ill-conditioning that sits on one side of a layer (inputs with disparate scales: ``R`` alone) in full,
+            where 4 corrects its square root. Grafting sets the step's norm either way.
         relative_eps: see ``eps``.
         precondition_frequency: recompute the inverse roots every this many steps (>= 1).
         start_preconditioning_step: the first step (counting from 1) that uses the Shampoo
@@ -146,7 +149,11 @@ class Shampoo(GuardedOptimizer):
         grafting: ``"adam"``, ``"adagrad"`` or ``None``.
         weight_decay: decoupled (AdamW-style) weight decay (>= 0).
         grafting_beta2, grafting_eps: Adam/AdaGrad grafting's second-moment decay and epsilon.
-        root_method: ``method`` of :func:`torchkern.linalg.matrix_inverse_root`: "auto", "eigh" or "newton"; or
+        root_method: "eigh" (``Q diag(max(l + eps, eps)^(-1/r)) Q^T`` from the linalg family's batched eigh, no host
+            sync), "newton" (the coupled Newton iteration; on CUDA float32 it fails on factors conditioned beyond
+            about 1e6, and a root that does not converge is replaced by a float64 eigh root, an update that waits),
+            "auto" (the default: Newton on CUDA where the relative eps is at least :data:`_NEWTON_MIN_EPS`, else
+            eigh; so eigh at the default eps); or
             ``"qr"``: each factor keeps an eigenbasis (state ``L_basis``, ``R_basis``): the first root update takes
             an eigendecomposition, later ones one step of power iteration from the previous basis
             (:func:`torchkern.optim._eigenbases.power_step`, SOAP's refresh) with the Rayleigh quotients as eigenvalues, and
@@ -155,7 +162,7 @@ class Shampoo(GuardedOptimizer):
         precision: ``"fp32"`` or ``"bf16"``: the statistics products ``G G^T`` and the preconditioning products
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global
             TF32 switch is never touched). The statistics, roots and moments stay float32. Square roots amplify
-            the products' rounding (about 4e-3 of the statistics) twice as much as 4th roots: "bf16" goes with
+            the products' rounding (about 4e-3 of the statistics) twice as much as 4th roots: with "bf16" take
             ``inverse_root=4`` (a 20-step classifier: fp32 0.095, bf16 0.25 at 2; 0.036 both at 4).
         cuda_graph: on CUDA, replay the update of every step that takes no new roots as one CUDA graph, once the same
             parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time instead
@@ -191,10 +198,10 @@ class Shampoo(GuardedOptimizer):
     _divergence_hint = "a lower lr or a larger eps"
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 1.0),
-                 eps: float = 1e-6, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
+                 eps: float = 1e-8, precondition_frequency: int = 20, start_preconditioning_step: int | None = None,
                  max_preconditioner_dim: int = 1024, grafting: str | None = "adam", weight_decay: float = 0.0,
                  grafting_beta2: float = 0.999, grafting_eps: float = 1e-8, root_method: str = "auto",
-                 relative_eps: bool = True, inverse_root: int = 4, precision: str = "fp32", cuda_graph: bool = True,
+                 relative_eps: bool = True, inverse_root: int = 2, precision: str = "fp32", cuda_graph: bool = True,
                  distributed: Distributed | None = Distributed(), skip_limits: SkipLimits | None = SkipLimits()):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas, eps=eps,
                         precondition_frequency=precondition_frequency,
@@ -487,15 +494,15 @@ class Shampoo(GuardedOptimizer):
             first = any(f for _, _, _, f in items)  # a factor without a basis yet: eigh for the whole batch
             roots, bases = _qr_roots(normalized, None if first else torch.stack([q for _, _, q, _ in items]), eps, p)
             accepted = torch.ones_like(finite)
-        elif stats.is_cuda and (method == "newton" or (method == "auto" and linalg.auto_method(stats) == "newton")):
+        elif stats.is_cuda and (method == "newton" or (method == "auto" and _auto_newton(stats, eps, relative))):
             roots, accepted = self._newton_roots(key, normalized, eps, p)
         else:
             if method == "newton":  # the CPU twin: the same tolerance and acceptance as on CUDA, decided at once
                 roots, err = linalg.matrix_inverse_root(normalized, p, eps=eps, method=method, tol=_TOL,
                                                         return_error=True)
                 roots = _eigh_fallback(normalized, roots, eps, p, err)
-            else:
-                roots = linalg.matrix_inverse_root(normalized, p, eps=eps, method=method)
+            else:  # eigh, without matrix_inverse_root's NaN check (a host sync): a non-finite root is dropped below
+                roots = linalg.twins.matrix_inverse_root_eigh(normalized, p, eps, eigh=eigh).to(stats.dtype)
             accepted = torch.ones_like(finite)
         if scale is not None:
             roots = roots * scale.pow(-1.0 / p)[:, None, None]
@@ -638,6 +645,15 @@ class _Bucket(Storage):
 
 
 _LAYOUT = {"L": "rr", "R": "cc", "L_root": "rr", "R_root": "cc"}
+
+
+def _auto_newton(stats: torch.Tensor, eps: float, relative: bool) -> bool:
+    """Whether "auto" takes Newton roots for these (CUDA) factors: where linalg's auto would and, with a relative
+    eps, where it bounds the condition number within float32 Newton's reach (an absolute eps's reach depends on
+    the factors' scale, which only the device knows)."""
+    from .. import linalg
+
+    return linalg.auto_method(stats) == "newton" and (not relative or eps >= _NEWTON_MIN_EPS)
 
 
 def _qr_roots(A: torch.Tensor, Q0: torch.Tensor | None, eps: float, p: int) -> tuple[torch.Tensor, torch.Tensor]:
