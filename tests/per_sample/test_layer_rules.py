@@ -223,11 +223,59 @@ def test_materialized_gradients_apart(monkeypatch, bound):
     calls = []
     with OpNames(calls):
         clip_and_accumulate(model, mse_sum, x, y, norms.median().item(), method="fused")
-    # bound: below any two rows, every row (2 per norm layer, 2 of the head's outer products) on its own
-    assert calls.count("cat") == (0 if bound else 1) and calls.count("linalg_vector_norm") == (6 if bound else 1)
+    # bound: below any two rows, every row (2 per norm layer, 2 of the head's outer products) on its own; 2 more
+    # concatenations either way: the two LayerNorms' inputs and gradients, for ops they share
+    assert calls.count("cat") == (2 if bound else 3) and calls.count("linalg_vector_norm") == (6 if bound else 1)
     expected = explicit_clip(grads, norms, norms.median().item(), 5)
     for k, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[k], rtol=1e-9, atol=1e-12)
+
+
+class _Norms(nn.Module):
+    """Norm layers that share their rules' ops (two LayerNorms, two RMSNorms, two GroupNorms of one shape each) and
+    two that cannot (other eps; no bias)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.LayerNorm(6), nn.LayerNorm(6)
+        self.eps, self.unbiased = nn.LayerNorm(6, eps=1e-3), nn.LayerNorm(6, bias=False)
+        self.r1, self.r2 = nn.RMSNorm(6), nn.RMSNorm(6)
+        self.g1, self.g2 = nn.GroupNorm(2, 6), nn.GroupNorm(2, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):  # (B, T, 6)
+        h = self.b(torch.tanh(self.a(x))) + self.eps(x) * self.unbiased(x.cos())
+        h = self.r2(self.r1(h).sin())
+        h = self.g2(self.g1(h.transpose(1, 2)).cos()).transpose(1, 2)
+        return self.head(h.mean(1))
+
+
+@pytest.mark.parametrize("bound", [False, True])
+def test_norm_layers_share_ops(monkeypatch, bound):
+    """Norm layers of one rule, settings, shape and trainable set recompute their normalized inputs in one op (a
+    LayerNorm pair: 3 of the rules' layer_norm ops for 4 LayerNorms; a GroupNorm pair: 1); norms and clipped sums
+    are torch.func's. ``bound``: a byte bound below two layers' inputs: each layer on its own, the same results."""
+    if bound:
+        monkeypatch.setattr(engine, "CHUNK_BYTES", 8)
+    torch.manual_seed(0)
+    model = _Norms().double()
+    for m in model.modules():  # affine parameters away from their defaults (1 and 0)
+        for p in m.parameters(recurse=False):
+            p.data.add_(0.3 * torch.randn_like(p))
+    x, y = randn(5, 4, 6, dtype=torch.float64), randn(5, 3, dtype=torch.float64)
+    grads, norms = func_reference(model, x, y)
+    max_norm = norms.median().item()
+    clip_and_accumulate(model, mse_sum, x, y, max_norm, method="fused")  # its first call also probes the batch dim
+    calls = []
+    with OpNames(calls):
+        out = clip_and_accumulate(model, mse_sum, x, y, max_norm, method="fused")
+    # the forward's own: 4 layer_norm, 2 group_norm
+    assert calls.count("native_layer_norm") == 4 + (4 if bound else 3)
+    assert calls.count("native_group_norm") == 2 + (2 if bound else 1)
+    torch.testing.assert_close(out, norms)
+    expected = explicit_clip(grads, norms, max_norm, 5)
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[k])
 
 
 class _Tokens(nn.Module):

@@ -127,6 +127,8 @@ def _write_grads(layout: Layout, flats: list[torch.Tensor], views: dict[str, tor
     step's sample count (``count`` here, or summed over the ranks; at least 1). ``views``: the flats' views, given
     when the flats may be updated in place; None for a CUDA graph's static outputs, which are only read."""
     noisy = noise_std > 0 and distributed.draws_noise(group)
+    # one process: the divisor is known before the noise, which is then drawn already divided (one op less)
+    local = max(count, 1) if divisor is None else divisor
     results = []
     for (device, dtype, numel, _), flat in zip(layout.groups, flats):
         if group is not None:  # the sums and the count after them: one all-reduce
@@ -136,19 +138,20 @@ def _write_grads(layout: Layout, flats: list[torch.Tensor], views: dict[str, tor
         body = out[:numel] if group is not None else out
         if noisy:
             gen = _generator(generator, device)
+            std, scale = (noise_std, 1.0) if group is not None else (noise_std / local, 1.0 / local)
             for start in range(0, numel, NOISE_CHUNK):
                 piece = slice(start, min(numel, start + NOISE_CHUNK))
-                noise = torch.randn(piece.stop - start, generator=gen, device=device, dtype=dtype)
-                torch.add(flat[piece], noise, alpha=noise_std, out=body[piece])
+                noise = torch.empty(piece.stop - start, device=device, dtype=dtype).normal_(0.0, std, generator=gen)
+                torch.add(noise, flat[piece], alpha=scale, out=body[piece])
         if group is not None:
             if not noisy:
                 body.copy_(flat)
             total = distributed.sum_over_ranks(out, numel, count, group)
             body.div_(total.clamp(min=1) if divisor is None else divisor)
-        elif noisy or body is flat:
-            body.div_(max(count, 1) if divisor is None else divisor)
-        else:
-            torch.div(flat, max(count, 1) if divisor is None else divisor, out=body)
+        elif body is flat and not noisy:
+            body.div_(local)
+        elif not noisy:
+            torch.div(flat, local, out=body)
         results.append(body)
     if views is None or group is not None:
         views = layout.views(results)

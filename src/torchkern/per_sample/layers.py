@@ -174,6 +174,8 @@ class Rule:
     """Interface of a layer rule; ``names`` maps the layer's trainable parameters' local names ("weight",
     "bias") to their qualified names."""
 
+    shares_rows = False  # whether the rule has ``settings`` and ``rows_of_many`` (the norm layers)
+
     def problem(self, module: nn.Module) -> str | None:
         """Why this layer's configuration is not supported (checked once per model structure), or None."""
         return None
@@ -329,6 +331,8 @@ def _segment_sq_norms(idx: torch.Tensor, g: torch.Tensor, vocab: int) -> torch.T
 class _AffineNormRule(Rule):
     """weight_i = sum over positions of g * xhat, bias_i = sum of g; xhat recomputed from the input."""
 
+    shares_rows = True
+
     def _xhat(self, module, x, ct):
         raise NotImplementedError
 
@@ -349,6 +353,20 @@ class _AffineNormRule(Rule):
     def sq_norms(self, module, x, g, names, keep):
         return None, None, {k: v.flatten(1) for k, v in self._parts(module, x, g, names).items()}
 
+    def settings(self, module) -> tuple:
+        """What ``_xhat`` and ``_reduce`` read of the module: layers that agree on it (and on their inputs' shapes)
+        can share one :meth:`rows_of_many`."""
+        raise NotImplementedError
+
+    def rows_of_many(self, module, xs, gs, names) -> list[dict]:
+        """``sq_norms``'s rows of several layers with the same :meth:`settings` (``module``: any one of them), the
+        same input and gradient shapes and the same trainable ``names``: their samples concatenated along the batch
+        dim, so each op runs once for all of them (each sample's rows depend on that sample alone)."""
+        batch = xs[0].shape[0]
+        parts = self._parts(module, torch.cat(xs), torch.cat(gs), names)
+        pieces = {k: v.flatten(1).split(batch) for k, v in parts.items()}
+        return [{k: p[i] for k, p in pieces.items()} for i in range(len(xs))]
+
     def grads(self, module, x, g, names):
         return {k: v.to(getattr(module, k).dtype) for k, v in self._parts(module, x, g, names).items()}
 
@@ -359,6 +377,9 @@ class LayerNormRule(_AffineNormRule):
 
     def other_sizes(self, module, shape):
         return tuple(shape[1:len(shape) - len(module.normalized_shape)])
+
+    def settings(self, module):
+        return tuple(module.normalized_shape), module.eps
 
     def _xhat(self, module, x, ct):
         return F.layer_norm(x.to(ct), module.normalized_shape, None, None, module.eps)
@@ -381,6 +402,9 @@ class GroupNormRule(_AffineNormRule):
 
     def other_sizes(self, module, shape):
         return tuple(shape[2:])
+
+    def settings(self, module):
+        return module.num_groups, module.eps
 
     def _xhat(self, module, x, ct):
         return F.group_norm(x.to(ct), module.num_groups, None, None, module.eps)
