@@ -214,7 +214,7 @@ def root_from_eigh(w: torch.Tensor, V: torch.Tensor, e: torch.Tensor, p: int, ep
     (rounding, or a singular G with eps = 0) are clamped. d is formed in float64 from the scaled eigenvalues, so
     nothing overflows on the way, and every entry of the root stays finite in ``dtype`` (d <= floor^(-1/p) <=
     max(1, 1 / floor); |V D V^T| <= max D for orthonormal V)."""
-    floor = torch.tensor(max(eps, torch.finfo(dtype).tiny), dtype=torch.float64, device=w.device)
+    floor = torch.full((), max(eps, torch.finfo(dtype).tiny), dtype=torch.float64, device=w.device)  # no copy
     e = e.unsqueeze(-1)
     # the floor in A 2^-e's units; in float64 only an extreme e makes it underflow, where it stays at the smallest
     # normal float64 (a clamp at eigenvalues far below the matrix's rounding either way)
@@ -340,7 +340,7 @@ def times_pow2(x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """x * 2^k (k an integer tensor that broadcasts), in two factors so that neither overflows x's dtype: exact
     unless the result over- or underflows."""
     half = torch.div(k, 2, rounding_mode="floor")
-    two = torch.tensor(2.0, dtype=x.dtype, device=x.device)
+    two = torch.full((), 2.0, dtype=x.dtype, device=x.device)  # a fill, not a host-to-device copy (no sync)
     return x * two.pow(half.to(x.dtype)) * two.pow((k - half).to(x.dtype))
 
 
