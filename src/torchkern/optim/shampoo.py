@@ -150,7 +150,8 @@ class Shampoo(GuardedOptimizer):
         weight_decay: decoupled (AdamW-style) weight decay (>= 0).
         grafting_beta2, grafting_eps: Adam/AdaGrad grafting's second-moment decay and epsilon.
         root_method: "eigh" (``Q diag(max(l + eps, eps)^(-1/r)) Q^T`` from the linalg family's batched eigh, no host
-            sync), "newton" (the coupled Newton iteration; on CUDA float32 it fails on factors conditioned beyond
+            sync but where its router picks ``torch.linalg.eigh``, which synchronizes: fewer than 8 float32
+            factors of one size from 704 on, ``linalg.constants``), "newton" (the coupled Newton iteration; on CUDA float32 it fails on factors conditioned beyond
             about 1e6, and a root that does not converge is replaced by a float64 eigh root, an update that waits),
             "auto" (the default: Newton on CUDA where the relative eps is at least :data:`_NEWTON_MIN_EPS`, else
             eigh; so eigh at the default eps); or
@@ -163,7 +164,7 @@ class Shampoo(GuardedOptimizer):
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global
             TF32 switch is never touched). The statistics, roots and moments stay float32. Square roots amplify
             the products' rounding (about 4e-3 of the statistics) twice as much as 4th roots: with "bf16" take
-            ``inverse_root=4`` (a 20-step classifier: fp32 0.095, bf16 0.25 at 2; 0.036 both at 4).
+            ``inverse_root=4, eps=1e-6`` (a 20-step classifier: fp32 0.095, bf16 0.25 at 2; 0.036 both at 4).
         cuda_graph: on CUDA, replay the update of every step that takes no new roots as one CUDA graph, once the same
             parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time instead
             of ~70. The learning rate and weight decay are read on the device; another hyperparameter or another
