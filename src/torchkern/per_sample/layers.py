@@ -112,7 +112,12 @@ class Writer:
         column = self._columns.get(t.dim())
         if column is None:
             column = self._columns[t.dim()] = c.view(-1, *([1] * (t.dim() - 1)))
-        return t * column
+        if t.is_contiguous():
+            return t * column
+        # written contiguous (a product takes a strided t's layout), so that its rows are a view, not another copy
+        dtype = c.dtype if t.dtype.itemsize <= c.dtype.itemsize else t.dtype  # float t, c: the product's dtype
+        out = torch.empty(t.shape, dtype=dtype, device=t.device)
+        return torch.mul(t, column, out=out)
 
     def where(self, name: str) -> tuple[torch.Tensor, int, int] | None:
         """(the flat buffer, start, end) of the accumulator of ``name`` where it is a slice of a flat buffer, else
