@@ -51,7 +51,7 @@ _FINGERPRINT_RTOL = 1e-6
 
 # What a block's refresh costs per n^3 of its factors, in multiply-adds of its every-step products (``work``): on an
 # H200, SOAP's refresh of a 4-block d=512 transformer takes 42 ms for 2.5e10 (sum of n^3), its step 1.1 ms for 5.4e10
-# multiply-adds (both latency-bound: float64 Cholesky QR panels, launches); Shampoo's Newton roots are alike.
+# multiply-adds (both latency-bound: float64 Cholesky QR panels, launches); Shampoo's roots are weighted alike.
 _REFRESH_WEIGHT = 80.0
 
 
