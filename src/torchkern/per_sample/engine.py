@@ -951,11 +951,15 @@ def _func_unit_grads(entry: Entry, run: Run) -> dict[str, torch.Tensor]:
     return {q: grads[rel] for rel, q in names}
 
 
-def _sq_any(g: torch.Tensor) -> torch.Tensor:
+def _norm_any(g: torch.Tensor) -> torch.Tensor:
     # reshape, not flatten(1): a 0-d parameter's gradients are (B,); rows, (B, numel) already, need no view. The
-    # norm, squared: one read of the rows, no squared copy of them (a run of kept weight gradients is tens of MB)
+    # norm: one read of the rows, no squared copy of them (a run of kept weight gradients is tens of MB)
     rows = g if g.dim() == 2 else g.reshape(g.shape[0], -1)
-    return torch.linalg.vector_norm(rows, dim=1, dtype=opmath_dtype(g.dtype)).square_()
+    return torch.linalg.vector_norm(rows, dim=1, dtype=opmath_dtype(g.dtype))
+
+
+def _sq_any(g: torch.Tensor) -> torch.Tensor:
+    return _norm_any(g).square_()
 
 
 def entry_sq_norms(entry: Entry, run: Run, keep: bool) -> tuple[torch.Tensor | None, object, list]:
@@ -1053,9 +1057,9 @@ def _shared_norm_rows(entries: list[Entry]) -> tuple[list, list[Entry]]:
     return rows, alone
 
 
-def _sq_terms(run: Run, keep: bool, writer: Writer | None) -> tuple[list, list, list]:
-    """Every entry's squared-norm terms, (B,) each, with the rows' square-sums among them; the rules' clip states
-    as (entry, state); the groups of materialized rows (``_runs``, parts for ``writer``)."""
+def _sq_terms(run: Run, keep: bool, writer: Writer | None) -> tuple[torch.Tensor | None, list, list]:
+    """The sum of every entry's squared norms (B,), None where there is none; the rules' clip states as (entry,
+    state); the groups of materialized rows (``_runs``, parts for ``writer``)."""
     sqs, states = [], []
     rows, alone = _shared_norm_rows(run.entries)
     for e in alone:
@@ -1066,8 +1070,7 @@ def _sq_terms(run: Run, keep: bool, writer: Writer | None) -> tuple[list, list, 
             states.append((e, state))
         rows += r
     runs = _runs(rows, writer)
-    sqs += [_sq_any(mat) for mat, _ in runs]
-    return sqs, states, runs
+    return _total(sqs, [_norm_any(mat) for mat, _ in runs]), states, runs
 
 
 def _runs_clip(runs: list, c: torch.Tensor, writer: Writer) -> None:
@@ -1101,6 +1104,17 @@ def sum_terms(terms: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
+def _total(sqs: list[torch.Tensor], norms: list[torch.Tensor]) -> torch.Tensor | None:
+    """sum_terms(sqs) plus the squares of ``norms`` (fresh (B,) tensors all), each squared inside the sum: one
+    multiply-add per norm instead of a square and an add; None for no terms."""
+    if not sqs and not norms:
+        return None
+    total = sum_terms(sqs) if sqs else norms.pop(0).square_()
+    for n in norms:
+        total = total.addcmul_(n, n) if n.dtype == total.dtype else total + n.square()
+    return total
+
+
 # ---------------------------------------------------------------------------------------------------- results
 
 
@@ -1113,11 +1127,11 @@ def norms(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: torc
         with torch.no_grad():
             return sum_terms([_sq_any(g) for g in grads.values()]).sqrt_()
     with plain_math(inputs.device.type):
-        sqs = _sq_terms(run, keep=False, writer=None)[0]
-        if not sqs:
+        sq = _sq_terms(run, keep=False, writer=None)[0]
+        if sq is None:
             return torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         # clamp: the Gram form's rounding can take a zero norm a hair below zero
-        return sum_terms(sqs).clamp_(min=0).sqrt_()
+        return sq.clamp_(min=0).sqrt_()
 
 
 _SCALARS: dict[float, torch.Tensor] = {}
@@ -1145,8 +1159,9 @@ def clipped(model: nn.Module, loss_fn: LossFn, inputs: torch.Tensor, targets: to
         if run is None:
             sq = sum_terms([_sq_any(g) for g in grads.values()])
         else:
-            sqs, states, runs = _sq_terms(run, keep=True, writer=writer)
-            sq = sum_terms(sqs) if sqs else torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
+            sq, states, runs = _sq_terms(run, keep=True, writer=writer)
+            if sq is None:
+                sq = torch.zeros(run.batch, dtype=p.norm_dtype(), device=inputs.device)
         result = sq.clamp_(min=0).sqrt_()
         # min(1, C / n) as C / max(n, C): two ops (C a CPU scalar operand, no copy to the device), a zero norm
         # gives 1
