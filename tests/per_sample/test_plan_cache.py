@@ -107,3 +107,13 @@ def test_parameter_aliases_follow_the_parameters():
     clip_and_accumulate(model, mse_sum, x, y, 0.5)
     assert seen[3] is not seen[0]
     assert_grads_clipped(model, x, y, 0.5, 6)
+
+
+def test_clip_factors_follow_max_norm():
+    """The clip factors' bound C (an operand kept per value) is the call's own: alternating bounds, each call's
+    .grad is its own clipped sum; a bound above every norm leaves the sum unclipped."""
+    model, x, y = _sizes_problem()
+    x, y = x[:6], y[:6]
+    for max_norm in (0.5, 2.0, 0.5, 1e6):
+        clip_and_accumulate(model, mse_sum, x, y, max_norm)
+        assert_grads_clipped(model, x, y, max_norm, 6)
