@@ -346,11 +346,15 @@ class _AffineNormRule(Rule):
         raise NotImplementedError
 
     def _parts(self, module, x, g, names):
-        ct = opmath_dtype(g.dtype)
-        gt = g.to(ct)
+        return self._products(module, self._xhat(module, x, opmath_dtype(g.dtype)) if "weight" in names else None,
+                              g, names)
+
+    def _products(self, module, xhat, g, names):
+        """The per-sample parts from the normalized input (None without a weight; overwritten) and g."""
+        gt = g.to(opmath_dtype(g.dtype))
         parts = {}
-        if "weight" in names:
-            parts["weight"] = self._reduce(module, gt * self._xhat(module, x, ct))
+        if xhat is not None:
+            parts["weight"] = self._reduce(module, xhat.mul_(gt))  # written over xhat, a fresh tensor
         if "bias" in names:
             parts["bias"] = self._reduce(module, gt)
         return parts
@@ -367,8 +371,11 @@ class _AffineNormRule(Rule):
         """``sq_norms``'s rows of several layers with the same :meth:`settings` (``module``: any one of them), the
         same input and gradient shapes and the same trainable ``names``: their samples concatenated along the batch
         dim, so each op runs once for all of them (each sample's rows depend on that sample alone)."""
-        batch = xs[0].shape[0]
-        parts = self._parts(module, torch.cat(xs), torch.cat(gs), names)
+        batch, ct = xs[0].shape[0], opmath_dtype(gs[0].dtype)
+        # two concatenation-sized temporaries at a time: the inputs' concatenation is freed once normalized, before
+        # the gradients' is made
+        xhat = self._xhat(module, torch.cat(xs), ct) if "weight" in names else None
+        parts = self._products(module, xhat, torch.cat(gs), names)
         pieces = {k: v.flatten(1).split(batch) for k, v in parts.items()}
         return [{k: p[i] for k, p in pieces.items()} for i in range(len(xs))]
 
