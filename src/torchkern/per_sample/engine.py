@@ -58,7 +58,8 @@ rule layer without hooks of its own, a wrapper of its forward) live only for the
 where it runs, costs about a forward's host time; a ``"mean"`` loss is scaled through the backward's seed; the
 per-sample gradients that rules materialize (norm layers, biases, kept Linear and convolution weights) are
 concatenated for one square-sum per dtype (up to a bound) and one GEMV per run of neighbouring accumulators instead
-of a few launches per parameter; nothing waits for the device.
+of a few launches per parameter; norm layers alike share their rule's ops (``_shared_norm_rows``); nothing waits for
+the device.
 """
 
 from __future__ import annotations

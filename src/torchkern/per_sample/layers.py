@@ -26,7 +26,8 @@ Rules by layer (T: positions per sample, every dim between the batch and the fea
   Clipped sum: the rows of c * g added at their indices (``index_add_``; aten's embedding backward reads a
   segment count back to the host on CUDA, which stalls the call).
 * ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``: weight_i = sum_t g_it * xhat_it, bias_i = sum_t g_it, with
-  xhat recomputed from x; small (B x d), so materialized: rows.
+  xhat recomputed from x; small (B x d), so materialized: rows. Layers of one type, settings (``settings``) and
+  input shape share those ops (``rows_of_many``: their samples concatenated).
 * ``nn.Conv1d`` / ``nn.Conv2d``: a Linear over the unfolded input (T = output positions, d_in = C_in / groups x
   kernel size, d_out = C_out / groups, one such problem per group), unfolded in batch chunks of at most
   :data:`CHUNK_BYTES`; Gram or materialized form by the same rule as Linear, except that clipping keeps the
