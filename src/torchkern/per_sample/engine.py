@@ -250,7 +250,8 @@ class _Call:
         return list(self.args) if self.kwargs is None else tree_flatten((self.args, self.kwargs))[0]
 
     def inputs_unchanged(self) -> bool:
-        return tuple(map(_version, self.leaves())) == self.versions
+        leaves = self.args if self.kwargs is None else self.leaves()
+        return tuple(map(_version, leaves)) == self.versions
 
 
 def _edge(t: torch.Tensor) -> GradientEdge:
@@ -616,6 +617,10 @@ def _reading(call: _Call, batch: int, dims: tuple | None) -> tuple | None:
     """The batch dim (:func:`_batch_dim`) of each of the call's argument leaves and outputs, given the probe's
     shapes of that call (``dims``, None where no probe ran); None if the two calls differ."""
     leaves = call.leaves()
+    if dims is None and batch != 1:  # _batch_dim's reading without a probe, inlined: it runs for every unit and call
+        return (tuple([0 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch else None
+                       for t in leaves]),
+                tuple([0 if shape and shape[0] == batch else None for _, shape, _, _ in call.outs]))
     if dims is None:
         return (tuple(_batch_dim(_shape(t), None, batch) for t in leaves),
                 tuple(_batch_dim(tuple(shape), None, batch) for _, shape, _, _ in call.outs))
