@@ -72,6 +72,13 @@ SOURCE_SUFFIXES = (".cpp", ".cc", ".cu")
 # extra flag.
 COMMON_CFLAGS = ("-O3",)
 COMMON_CUDA_CFLAGS = ("-O3", "--expt-relaxed-constexpr")
+# A run of several libraries whose .cpp units include the same torch headers (Plan.precompiled_headers) parses them
+# once, into a g++ precompiled header in the build directory (made and used within the run, never cached). Making
+# it costs about two units' compile (most of it g++ writing its state out) and saves about half of each unit's, so
+# it is used only where at least PCH_MIN_UNITS units share it and the run is throughput-bound, with at least
+# PCH_UNITS_PER_JOB compile units per job: it sits on its units' critical path, which a wide machine would feel.
+PCH_MIN_UNITS = 3
+PCH_UNITS_PER_JOB = 4
 MANIFEST = "manifest.json"
 FIRST_USE = "first use of this configuration"
 
@@ -533,6 +540,7 @@ class Plan:
     is_python_module: bool
     key: str
     namespaces: tuple[str, ...] = ()  # what its TORCH_LIBRARY blocks define
+    precompiled_headers: tuple[str, ...] = ()  # system headers that its .cpp units may take precompiled
 
     @property
     def entry(self) -> Path:
@@ -542,8 +550,11 @@ class Plan:
 def plan(name: str, sources: Sequence[str | os.PathLike] | str | os.PathLike, *, extra_cflags: Sequence[str] = (),
          extra_cuda_cflags: Sequence[str] = (), extra_ldflags: Sequence[str] = (),
          extra_include_paths: Sequence[str | os.PathLike] = (), depends: Sequence[str | os.PathLike] = (),
-         archs: Sequence[str] | str | None = None, is_python_module: bool = False) -> Plan:
-    """The build of ``sources`` and its key (see :func:`load` for the arguments); builds nothing."""
+         archs: Sequence[str] | str | None = None, is_python_module: bool = False,
+         precompiled_headers: Sequence[str] = ()) -> Plan:
+    """The build of ``sources`` and its key (see :func:`load` for the arguments); builds nothing.
+    ``precompiled_headers``: ``<...>`` headers that every .cpp source includes, which a build of several such
+    libraries may precompile once (PCH_MIN_UNITS); not part of the key, since the code built is the same."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"name must be a valid identifier (it names the library), got {name!r}")
     if isinstance(sources, (str, os.PathLike)):  # one source
@@ -573,7 +584,7 @@ def plan(name: str, sources: Sequence[str | os.PathLike] | str | os.PathLike, *,
     files = collect_files(paths, [Path(d) for d in depends], includes)
     key = compute_key(name, files, [*cflags, "|", *cuda_cflags, "|", *extra_ldflags], archs, version)
     return Plan(name, paths, cflags, cuda_cflags, tuple(extra_ldflags), includes, tuple(archs), nvcc, version,
-                is_python_module, key, torch_library_namespaces(files))
+                is_python_module, key, torch_library_namespaces(files), tuple(precompiled_headers))
 
 
 def _ninja_escape(path: Path | str) -> str:
@@ -587,8 +598,30 @@ def _object(p: Plan, source: Path) -> str:
     return f"{p.name}/{source.relative_to(root).with_suffix('').as_posix()}{kind}.o"
 
 
-def ninja_file(plans: Sequence[Plan]) -> str:
-    """One build.ninja for ``plans``: each library's objects and link target in a folder named after it, so that one
+def _default_jobs() -> int:
+    """ninja's -j when MAX_JOBS is unset: the processors plus two (plus one on two processors, two on one)."""
+    cpus = os.cpu_count() or 1
+    return cpus + 1 if cpus == 2 else cpus + 2
+
+
+def precompiled_groups(plans: Sequence[Plan], jobs: int) -> list[tuple[tuple[str, ...], list[Plan]]]:
+    """The precompiled headers a run of ``plans`` on ``jobs`` jobs makes: (headers, the libraries whose .cpp units
+    use it) for each set of libraries with the same precompiled_headers and the same .cpp flags but -D, where it
+    pays (PCH_MIN_UNITS, PCH_UNITS_PER_JOB)."""
+    if jobs * PCH_UNITS_PER_JOB > sum(len(p.sources) for p in plans):
+        return []
+    groups: dict[tuple, list[Plan]] = {}
+    for p in plans:
+        if p.precompiled_headers:
+            same = (p.precompiled_headers, p.include_paths, tuple(f for f in p.cflags if not f.startswith("-D")))
+            groups.setdefault(same, []).append(p)
+    return [(same[0], members) for same, members in groups.items()
+            if sum(s.suffix != ".cu" for p in members for s in p.sources) >= PCH_MIN_UNITS]
+
+
+def ninja_file(plans: Sequence[Plan], jobs: int | None = None) -> tuple[str, dict[str, str]]:
+    """One build.ninja for ``plans`` on ``jobs`` jobs (default ninja's), and the headers it precompiles (path in
+    the build directory, text): each library's objects and link target in a folder named after it, so that one
     ninja run compiles every library's sources from one job pool. The flags are torch's own for an extension
     (torch's and Python's headers, its libraries, its nvcc defines, C++20), written here rather than by
     ``torch.utils.cpp_extension`` because its ninja file holds one library."""
@@ -610,18 +643,36 @@ def ninja_file(plans: Sequence[Plan]) -> str:
              "  deps = gcc", "  description = $out", "",
              "rule cuda_compile", "  command = $nvcc -MD -MF $out.d $cuda_cflags -c $in -o $out", "  depfile = $out.d",
              "  deps = gcc", "  description = $out", "",
-             "rule link", "  command = $cxx $in $ldflags -o $out", "  description = $out", ""]
+             "rule link", "  command = $cxx $in $ldflags -o $out", "  description = $out", "",
+             "rule precompile", "  command = $cxx $cflags -x c++-header $in -o $out", "  description = $out", ""]
+
+    homes = {p.name: cuda_home(p.nvcc) if p.nvcc else None for p in plans}
+
+    def common(p: Plan) -> list[str]:
+        home = homes[p.name]
+        return [f"-DTORCH_EXTENSION_NAME={p.name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+                *(f"-I{shlex.quote(str(i))}" for i in p.include_paths),
+                *(f"-isystem {shlex.quote(str(i))}" for i in [*systems, *([f"{home}/include"] if home else [])])]
+
+    def cflags(p: Plan) -> list[str]:
+        return [*common(p), "-fPIC", "-std=c++20", *p.cflags]
+
+    headers, precompiled = {}, {}  # the headers to write; by library, the header its .cpp units -include
+    for i, (names, members) in enumerate(precompiled_groups(plans, jobs or _default_jobs())):
+        header = f"precompiled/{i}.h"
+        headers[header] = "".join(f"#include <{name}>\n" for name in names)
+        # The flags the members share: their -D flags differ (the library's name, its constants), and g++ refuses
+        # a precompiled header, falling back to the text, only where a definition it was made without matters.
+        shared = [f for f in cflags(members[0]) if all(f in cflags(m) for m in members[1:])]
+        lines += [f"build {header}.gch: precompile {header}", f"  cflags = {flags(shared)}", ""]
+        precompiled.update((m.name, header) for m in members)
     for p in plans:
-        home = cuda_home(p.nvcc) if p.nvcc else None
-        common = [f"-DTORCH_EXTENSION_NAME={p.name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-                  *(f"-I{shlex.quote(str(i))}" for i in p.include_paths),
-                  *(f"-isystem {shlex.quote(str(i))}" for i in [*systems, *([f"{home}/include"] if home else [])])]
-        v = p.name
-        lines += [f"{v}_cflags = {flags([*common, '-fPIC', '-std=c++20', *p.cflags])}"]
+        home, v = homes[p.name], p.name
+        lines += [f"{v}_cflags = {flags(cflags(p))}"]
         if home:
             ccbin = ["-ccbin", os.environ["CC"]] if os.environ.get("CC") else []
             lines += [f"{v}_nvcc = {_ninja_escape(p.nvcc)}",
-                      f"{v}_cuda_cflags = " + flags([*ccbin, *common, *COMMON_NVCC_FLAGS, "--compiler-options",
+                      f"{v}_cuda_cflags = " + flags([*ccbin, *common(p), *COMMON_NVCC_FLAGS, "--compiler-options",
                                                       "'-fPIC'", *p.cuda_cflags, "-std=c++20"])]
         cuda_libs = ["-lc10_cuda", "-ltorch_cuda", f"-L{shlex.quote(home + '/lib64')}", "-lcudart"] if home else []
         lines += [f"{v}_ldflags = " + flags(["-shared", f"-L{shlex.quote(str(torch_lib))}", "-lc10", "-ltorch_cpu",
@@ -630,13 +681,17 @@ def ninja_file(plans: Sequence[Plan]) -> str:
             if source.suffix == ".cu":
                 lines += [f"build {_ninja_escape(_object(p, source))}: cuda_compile {_ninja_escape(source)}",
                           f"  nvcc = ${v}_nvcc", f"  cuda_cflags = ${v}_cuda_cflags"]
+            elif p.name in precompiled:
+                header = precompiled[p.name]
+                lines += [f"build {_ninja_escape(_object(p, source))}: compile {_ninja_escape(source)} | {header}.gch",
+                          f"  cflags = ${v}_cflags -include {header}"]
             else:
                 lines += [f"build {_ninja_escape(_object(p, source))}: compile {_ninja_escape(source)}",
                           f"  cflags = ${v}_cflags"]
         objects = " ".join(_ninja_escape(_object(p, source)) for source in p.sources)
         lines += [f"build {_ninja_escape(_library_path(p))}: link {objects}", f"  ldflags = ${v}_ldflags", ""]
     lines.append("default " + " ".join(_ninja_escape(_library_path(p)) for p in plans))
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n", headers
 
 
 def _library_path(p: Plan) -> str:
@@ -766,8 +821,12 @@ def _compile(plans: Sequence[Plan], build_dir: Path, verbose: bool) -> dict[str,
     """One ninja run over ``plans`` in ``build_dir`` (MAX_JOBS honoured; -k 0: one library's error does not stop the
     others), in a child process. Returns, by library name, its seconds since the build started, or the compiler
     output of its failure."""
-    (build_dir / "build.ninja").write_text(ninja_file(plans))
     jobs = settings().max_jobs
+    text, headers = ninja_file(plans, jobs)
+    for path, header in headers.items():
+        (build_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        (build_dir / path).write_text(header)
+    (build_dir / "build.ninja").write_text(text)
     command = ["ninja", "-k", "0", *(["-j", str(jobs)] if jobs else []), *(["-v"] if verbose else [])]
     child = subprocess.Popen([sys.executable, "-c", _BUILD_CHILD,
                               json.dumps(dict(ninja=command, cwd=str(build_dir), parent=os.getpid()))],

@@ -30,6 +30,9 @@ FAMILIES = ("primitives", "ebm", "linalg", "per_sample", "optim")
 # The families whose packages a family's Python imports when it is imported (per_sample's layers use
 # batched_outer; optim's K-FAC uses linalg): they are built with it, in the same ninja run.
 FAMILY_IMPORTS = {"per_sample": ("primitives",), "optim": ("linalg",)}
+# The torch headers that every family's ops.cpp includes, most of each one's compile: a build of several families
+# parses them once (jit.PCH_MIN_UNITS).
+TORCH_HEADERS = ("ATen/core/Tensor.h", "ATen/ops/empty.h", "c10/cuda/CUDAGuard.h", "torch/library.h")
 
 
 def started_as_cli() -> bool:
@@ -95,7 +98,8 @@ def family_plan(family: str, archs=None) -> jit.Plan:
     sources = sorted(p for p in folder.rglob("*") if p.suffix in jit.SOURCE_SUFFIXES)
     defines = compile_definitions(family)
     return jit.plan(library_name(family), sources, extra_cflags=defines, extra_cuda_cflags=defines,
-                    extra_include_paths=[CSRC / "include"], depends=[folder, CSRC / "include"], archs=archs)
+                    extra_include_paths=[CSRC / "include"], depends=[folder, CSRC / "include"], archs=archs,
+                    precompiled_headers=TORCH_HEADERS)
 
 
 def with_imports(families: Iterable[str]) -> list[str]:

@@ -23,3 +23,11 @@ def test_every_host_part_is_compiled_by_ops_cpp(family):
     unreached = [p.relative_to(folder).as_posix() for p in folder.rglob("*_host.h") if p.resolve() not in reached]
     assert unreached == []
 
+
+
+@pytest.mark.parametrize("family", _backend.FAMILIES)
+def test_ops_cpp_includes_every_precompiled_header(family):
+    # A build of several families precompiles these once for every ops.cpp: a header no ops.cpp needs would
+    # only add to each one's compile.
+    text = (_backend.CSRC / family / "ops.cpp").read_text()
+    assert [h for h in _backend.TORCH_HEADERS if f"#include <{h}>" not in text] == []

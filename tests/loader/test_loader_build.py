@@ -178,3 +178,32 @@ def test_progress_is_one_status_line_on_a_terminal_and_a_line_per_library_in_a_l
         assert err.splitlines() == [
             f"torchkern: compiled tk_a (4.0 s of compiles), {progress.seconds['tk_a']:.1f} s into the build",
             f"torchkern: compiled tk_b (5.0 s of compiles), {progress.seconds['tk_b']:.1f} s into the build"]
+
+
+def test_a_precompiled_header_only_where_it_pays(tmp_path):
+    def plans(units_each: int, count: int = 3):
+        return [jit.plan(f"tk_{i}", [write_source(tmp_path / f"l{i}", name=f"u{u}.cpp") for u in range(units_each)],
+                         precompiled_headers=("vector",)) for i in range(count)]
+
+    six = plans(2)  # three libraries of two .cpp units
+    [(headers, members)] = jit.precompiled_groups(six, jobs=1)
+    assert headers == ("vector",) and members == six
+    assert jit.precompiled_groups(plans(1, count=2), jobs=1) == []  # fewer units than PCH_MIN_UNITS
+    assert jit.precompiled_groups(six, jobs=2) == []  # fewer than PCH_UNITS_PER_JOB units per job
+    text, files = jit.ninja_file(six, jobs=1)
+    assert files == {"precompiled/0.h": "#include <vector>\n"}
+    assert text.count("-include precompiled/0.h") == 6 and text.count("| precompiled/0.h.gch") == 6
+    text, files = jit.ninja_file(six, jobs=2)  # as before: no header to make, none included
+    assert files == {} and "precompiled/" not in text
+
+
+@pytest.mark.slow
+def test_libraries_built_with_a_precompiled_header_load(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("MAX_JOBS", "1")
+    rename = "#include <vector>\n#define torchkern_test_answer other"  # a second unit, its own symbol
+    sources = [[write_source(tmp_path / f"l{i}", answer=i, extra="#include <vector>"),
+                write_source(tmp_path / f"l{i}", name="other.cpp", extra=rename)] for i in range(3)]
+    plans = [jit.plan(f"tk_pch{i}", pair, precompiled_headers=("vector",)) for i, pair in enumerate(sources)]
+    assert jit.precompiled_groups(plans, jobs=1) != []
+    loaded = jit.load_plans(plans)
+    assert [ctypes.CDLL(lib.path).torchkern_test_answer() for lib in loaded] == [0, 1, 2]
