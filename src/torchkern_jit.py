@@ -554,7 +554,8 @@ def plan(name: str, sources: Sequence[str | os.PathLike] | str | os.PathLike, *,
          precompiled_headers: Sequence[str] = ()) -> Plan:
     """The build of ``sources`` and its key (see :func:`load` for the arguments); builds nothing.
     ``precompiled_headers``: ``<...>`` headers that every .cpp source includes, which a build of several such
-    libraries may precompile once (PCH_MIN_UNITS); not part of the key, since the code built is the same."""
+    libraries may precompile once (PCH_MIN_UNITS); not part of the key: the header is made within the run from
+    what the key covers, and a library built with it or without computes the same."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
         raise ValueError(f"name must be a valid identifier (it names the library), got {name!r}")
     if isinstance(sources, (str, os.PathLike)):  # one source
@@ -599,9 +600,9 @@ def _object(p: Plan, source: Path) -> str:
 
 
 def _default_jobs() -> int:
-    """ninja's -j when MAX_JOBS is unset: the processors plus two (plus one on two processors, two on one)."""
+    """ninja's -j when MAX_JOBS is unset: the processors plus two (3 on two processors, 2 on one)."""
     cpus = os.cpu_count() or 1
-    return cpus + 1 if cpus == 2 else cpus + 2
+    return {1: 2, 2: 3}.get(cpus, cpus + 2)
 
 
 def precompiled_groups(plans: Sequence[Plan], jobs: int) -> list[tuple[tuple[str, ...], list[Plan]]]:
