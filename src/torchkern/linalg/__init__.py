@@ -97,7 +97,7 @@ def matrix_inverse_root(G: torch.Tensor, p: int, eps: float = 1e-6, method: str 
     Args:
         G: (..., n, n), any batch shape (also none); float32, float64, float16 or bfloat16
             (half types are computed in float32).
-        p: positive integer root (Shampoo: 4 for a 2-D block's two sides, 2 for one side).
+        p: positive integer root (Shampoo's default: 2 on each side of a 2-D block; Gupta et al.: 4).
         eps: added to the diagonal, a finite number from 0 up to the compute dtype's largest (G + eps I must
             be finite there: float32's range for float32 and the half types, float64's with ``float64=True``);
             with ``"eigh"`` eigenvalues are also clamped at ``eps`` (at the result dtype's smallest normal number
