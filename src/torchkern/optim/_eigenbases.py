@@ -106,10 +106,10 @@ def power_step(S: torch.Tensor, Q0: torch.Tensor, sizes: torch.Tensor | None = N
     on CUDA a factorization blocked by 64 columns, each block's factor and its inverse in one launch, the rest in
     batched products). The first pass is shifted (:func:`_shifts`) so that rank-deficient statistics cannot break
     it. With ``complete``, the Rayleigh quotients of the resulting columns tell those S resolves from those beyond
-    its rank, and the resolved columns with, in the other slots, the axes go through the passes again. The passes give X's own Q factor whatever the shift
-    (the product of their triangular factors is X's R), so one shift, from the padded size, serves every matrix of a
-    batch. A failed factorization makes its matrix NaN, so the caller's finiteness check keeps the old basis
-    (docs/design.md, "SOAP")."""
+    its rank, and the resolved columns with, in the other slots, the axes go through the passes again. The passes
+    give X's own Q factor whatever the shift (the product of their triangular factors is X's R), so one shift, from
+    the padded size, serves every matrix of a batch. A failed factorization makes its matrix NaN, so the caller's
+    finiteness check keeps the old basis (docs/design.md, "SOAP")."""
     k, n = S.shape[0], S.shape[-1]
     wide = torch.float64
     M = (Q0.mT @ (S @ Q0)).to(wide)

@@ -13,8 +13,8 @@ loop; over several periods that artifact weighs little. ``--quick``: ``QUICK_PER
   + optimizer step (K-FAC's factors are captured in the forward and backward, so only this form is fair).
 
 impls: ``torchkern`` (the case's optimizer at its defaults; Shampoo with Adam grafting) and its variants: for
-Shampoo ``torchkern_bf16`` (``precision="bf16"`` with 4th roots at relative eps 1e-6), ``torchkern_qr``
-(``root_method="qr"``) and ``torchkern_root4`` (4th roots at relative eps 1e-6: Newton roots on CUDA), for SOAP
+Shampoo ``torchkern_bf16`` (``precision="bf16"`` with ``shampoo.FOURTH_ROOTS``), ``torchkern_qr``
+(``root_method="qr"``) and ``torchkern_root4`` (``FOURTH_ROOTS``: Newton roots on CUDA), for SOAP
 ``torchkern_fp32`` (``precision="fp32"``) and ``torchkern_eigh`` (``refresh="eigh"``), for K-FAC ``torchkern_qr``
 (``refresh="qr"``) and ``torchkern_bf16`` (``precision="bf16"``). Baselines: ``adam``/``adamw``
 (torch.optim.Adam/AdamW, their default foreach path), ``adam_fused``/``adamw_fused`` (``fused=True``, CUDA
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..optim import KFAC, SOAP, Shampoo
+from ..optim.shampoo import FOURTH_ROOTS
 from .._bench import Case, Prepared, peer_available
 
 FREQ, PERIODS = 20, 5
@@ -75,11 +76,11 @@ def _optimizers(kind: str, device: str, quick: bool) -> dict:
     else:
         out = {"torchkern": lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ),
                "torchkern_bf16": lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
-                                                   precision="bf16", inverse_root=4, eps=1e-6),
+                                                   precision="bf16", **FOURTH_ROOTS),
                "torchkern_qr": lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
                                                  root_method="qr"),
                "torchkern_root4": lambda m: Shampoo(m.parameters(), lr=1e-3, precondition_frequency=FREQ,
-                                                    inverse_root=4, eps=1e-6)}
+                                                    **FOURTH_ROOTS)}
     out["adam"] = lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)
     if cuda:
         out["adam_fused"] = lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, fused=True)

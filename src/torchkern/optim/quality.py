@@ -24,8 +24,9 @@ but the learning rate, which each takes from a grid per task; the peers (heavyba
 distributed_shampoo) where they are installed. Each learning rate of a grid runs with the first seed; the best
 (lowest final loss) runs again with the other seeds, and the table reports the mean over the seeds with their
 range. Variants run at their sibling's best learning rate: ``shampoo_bf16`` (bfloat16 products, with the 4th roots
-Shampoo's docstring pairs them with) and ``soap_fp32`` (the other precision), ``shampoo_qr`` and ``kfac_qr`` (bases refreshed by power steps), ``kfac_bf16``, ``shampoo_root4`` (Gupta et
-al.'s inverse 4th roots with relative eps 1e-6) and ``soap_betas`` (betas (0.9, 0.999)).
+Shampoo's docstring pairs them with) and ``soap_fp32`` (the other precision), ``shampoo_qr`` and ``kfac_qr`` (bases
+refreshed by power steps), ``kfac_bf16``, ``shampoo_root4`` (Gupta et al.'s inverse 4th roots with relative eps
+1e-6, ``shampoo.FOURTH_ROOTS``) and ``soap_betas`` (betas (0.9, 0.999)).
 
 A run that diverges (its optimizer raises :class:`~torchkern.optim.DivergenceError`, or its held-out loss is not
 finite or grows past ten times its start) stops and is reported as diverged. A torchkern optimizer whose run ends
@@ -58,7 +59,7 @@ from ._guard import DivergenceError
 from ._optimizer import GuardedOptimizer
 from .bench import meta_shampoo
 from .kfac import KFAC
-from .shampoo import Shampoo
+from .shampoo import FOURTH_ROOTS, Shampoo
 from .soap import SOAP
 
 SEEDS = (0, 1, 2)
@@ -73,10 +74,10 @@ SECOND_ORDER = ("soap", "shampoo")
 # refreshes instead of eigendecompositions, and the alternatives to defaults: Shampoo's 4th roots with relative eps
 # 1e-6 (Gupta et al.'s roots, spanning at most 32 where the default square roots at 1e-8 span up to 1e4) and SOAP
 # with Adam's betas (its second moment and statistics averaged longer)
-VARIANTS = {"shampoo_bf16": ("shampoo", dict(precision="bf16", inverse_root=4, eps=1e-6)),
+VARIANTS = {"shampoo_bf16": ("shampoo", dict(precision="bf16", **FOURTH_ROOTS)),
             "soap_fp32": ("soap", dict(precision="fp32")),
             "kfac_qr": ("kfac", dict(refresh="qr")), "shampoo_qr": ("shampoo", dict(root_method="qr")),
-            "kfac_bf16": ("kfac", dict(precision="bf16")), "shampoo_root4": ("shampoo", dict(inverse_root=4, eps=1e-6)),
+            "kfac_bf16": ("kfac", dict(precision="bf16")), "shampoo_root4": ("shampoo", FOURTH_ROOTS),
             "soap_betas": ("soap", dict(betas=(0.9, 0.999)))}
 # a run whose held-out loss passes this many times its start (plus one) has diverged
 EXPLODED = 10.0

@@ -10,8 +10,8 @@ on each side) and per block with gradient block ``G``:
     param <- param (1 - lr weight_decay) - lr direction
 
 ``r`` is ``inverse_root`` (2 by default; Gupta et al.'s 4), ``eps_L = eps ||L||_F`` (relative, the default) or
-``eps`` (absolute). ``M`` is the filtered gradient (beta1
-EMA of the gradient with Adam's bias correction; the raw gradient when beta1 = 0) and ``D`` the grafting
+``eps`` (absolute). ``M`` is the filtered gradient (beta1 EMA of the gradient with Adam's bias correction; the raw
+gradient when beta1 = 0) and ``D`` the grafting
 method's direction for ``M``: Adam's ``M / (sqrt(v_hat) + grafting_eps)`` with ``v`` an EMA of squared
 gradients (``grafting_beta2``), or AdaGrad's ``M / (sqrt(sum g^2) + grafting_eps)``. With ``grafting=None``
 the direction is ``P`` itself. Parameters with more than 2 dims (conv weights) are viewed as
@@ -67,9 +67,12 @@ _MAX_ITERS = 100  # matrix_inverse_root's default
 # "auto" roots by float32 Newton only where the relative eps bounds the factor's condition number by 1e6: there
 # it converges on CUDA; at 1e-8 (the default) it does not on the H200 (docs/design.md, "Shampoo", *Roots*).
 _NEWTON_MIN_EPS = 1e-6
-# Newton's tolerance on ||X^4 A - I||_inf: float32 roots of factors conditioned up to 1/eps err by >= 1e-4 anyway.
+# Gupta et al.'s inverse 4th roots at the relative eps where float32 Newton converges on CUDA: the configuration
+# bfloat16 products go with (``precision``), and the optimizer benchmark's and quality suite's 4th-root variants.
+FOURTH_ROOTS = dict(inverse_root=4, eps=_NEWTON_MIN_EPS)
+# Newton's tolerance on ||X^p A - I||_inf: float32 roots of factors conditioned up to 1/eps err by >= 1e-4 anyway.
 _TOL = 1e-4
-# A Newton root is accepted when ||X^4 A - I||_inf <= this: the root is then within about a quarter of it
+# A Newton root is accepted when ||X^p A - I||_inf <= this: the root is then within about a quarter of it
 # (a few percent); a diverged or stalled iteration (an indefinite factor at the rounding level) is far above.
 _NEWTON_ACCEPT = 0.1
 
@@ -151,8 +154,9 @@ class Shampoo(GuardedOptimizer):
         grafting_beta2, grafting_eps: Adam/AdaGrad grafting's second-moment decay and epsilon.
         root_method: "eigh" (``Q diag(max(l + eps, eps)^(-1/r)) Q^T`` from the linalg family's batched eigh, no host
             sync but where its router picks ``torch.linalg.eigh``, which synchronizes: fewer than 8 float32
-            factors of one size from 704 on, ``linalg.constants``), "newton" (the coupled Newton iteration; on CUDA float32 it fails on factors conditioned beyond
-            about 1e6, and a root that does not converge is replaced by a float64 eigh root, an update that waits),
+            factors of one size from 704 on, ``linalg.constants``), "newton" (the coupled Newton iteration; on CUDA
+            float32 it fails on factors conditioned beyond about 1e6, and a root that does not converge is replaced
+            by a float64 eigh root, an update that waits),
             "auto" (the default: Newton on CUDA where the relative eps is at least :data:`_NEWTON_MIN_EPS`, else
             eigh; so eigh at the default eps); or
             ``"qr"``: each factor keeps an eigenbasis (state ``L_basis``, ``R_basis``): the first root update takes
@@ -164,7 +168,8 @@ class Shampoo(GuardedOptimizer):
             with bfloat16 operands and float32 accumulation and results (tensor cores on CUDA; torch's global
             TF32 switch is never touched). The statistics, roots and moments stay float32. Square roots amplify
             the products' rounding (about 4e-3 of the statistics) twice as much as 4th roots: with "bf16" take
-            ``inverse_root=4, eps=1e-6`` (a 20-step classifier: fp32 0.095, bf16 0.25 at 2; 0.036 both at 4).
+            :data:`FOURTH_ROOTS`, ``inverse_root=4, eps=1e-6`` (a 20-step classifier: fp32 0.095, bf16 0.25 at 2;
+            0.036 both at 4).
         cuda_graph: on CUDA, replay the update of every step that takes no new roots as one CUDA graph, once the same
             parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time instead
             of ~70. The learning rate and weight decay are read on the device; another hyperparameter or another
@@ -495,7 +500,10 @@ class Shampoo(GuardedOptimizer):
             first = any(f for _, _, _, f in items)  # a factor without a basis yet: eigh for the whole batch
             roots, bases = _qr_roots(normalized, None if first else torch.stack([q for _, _, q, _ in items]), eps, p)
             accepted = torch.ones_like(finite)
-        elif stats.is_cuda and (method == "newton" or (method == "auto" and _auto_newton(stats, eps, relative))):
+        # "auto": Newton where linalg's auto would take it and a relative eps bounds the condition number within
+        # float32 Newton's reach (an absolute eps's reach depends on the factors' scale, which only the device knows)
+        elif stats.is_cuda and (method == "newton" or (method == "auto" and linalg.auto_method(stats) == "newton"
+                                                       and (not relative or eps >= _NEWTON_MIN_EPS))):
             roots, accepted = self._newton_roots(key, normalized, eps, p)
         else:
             if method == "newton":  # the CPU twin: the same tolerance and acceptance as on CUDA, decided at once
@@ -646,15 +654,6 @@ class _Bucket(Storage):
 
 
 _LAYOUT = {"L": "rr", "R": "cc", "L_root": "rr", "R_root": "cc"}
-
-
-def _auto_newton(stats: torch.Tensor, eps: float, relative: bool) -> bool:
-    """Whether "auto" takes Newton roots for these (CUDA) factors: where linalg's auto would and, with a relative
-    eps, where it bounds the condition number within float32 Newton's reach (an absolute eps's reach depends on
-    the factors' scale, which only the device knows)."""
-    from .. import linalg
-
-    return linalg.auto_method(stats) == "newton" and (not relative or eps >= _NEWTON_MIN_EPS)
 
 
 def _qr_roots(A: torch.Tensor, Q0: torch.Tensor | None, eps: float, p: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,8 +116,7 @@ class Writer:
         if t.is_contiguous():
             return t * column
         # written contiguous (a product takes a strided t's layout), so that its rows are a view, not another copy
-        dtype = c.dtype if t.dtype.itemsize <= c.dtype.itemsize else t.dtype  # float t, c: the product's dtype
-        out = torch.empty(t.shape, dtype=dtype, device=t.device)
+        out = torch.empty(t.shape, dtype=torch.promote_types(t.dtype, c.dtype), device=t.device)
         return torch.mul(t, column, out=out)
 
     def where(self, name: str) -> tuple[torch.Tensor, int, int] | None:
