@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from torchkern.optim import SOAP, Shampoo
+from torchkern.optim.soap import BF16_MIN_DIM, product_precision
 from testing import devices, randn, requires_cuda
 from optim_testing import blobs, classifier, train
 
@@ -50,3 +51,34 @@ def test_bf16_products_on_cuda_accumulate_in_float32():
     assert out.dtype == torch.float32
     # float32 accumulation of exactly representable products: far below bfloat16's 4e-3 relative rounding
     assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
+
+
+def _soap_run(model, precision, steps=4):
+    opt = SOAP(model.parameters(), lr=0.01, precondition_frequency=2, **({} if precision is None else
+                                                                         dict(precision=precision)))
+    x = torch.randn(16, model[0].in_features, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return opt
+
+
+@pytest.mark.parametrize("width", [8, BF16_MIN_DIM], ids=["small", "large"])
+def test_soap_auto_precision_follows_block_size(width):
+    # the default ("auto") is float32's exact trajectory on blocks under BF16_MIN_DIM and bfloat16's on larger ones
+    # (on CPU too: there "bf16" rounds the operands, so the two differ)
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(5, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
+
+    auto, same, other = model(), model(), model()
+    opt = _soap_run(auto, None)
+    _soap_run(same, "bf16" if width >= BF16_MIN_DIM else "fp32")
+    _soap_run(other, "fp32" if width >= BF16_MIN_DIM else "bf16")
+    assert opt.defaults["precision"] == "auto"
+    assert {b.precision for b in opt._plans[0].buckets} == {"bf16" if width >= BF16_MIN_DIM else "fp32"}
+    assert all(torch.equal(p, q) for p, q in zip(auto.parameters(), same.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(auto.parameters(), other.parameters()))
+    assert product_precision("auto", BF16_MIN_DIM - 1, 3) == "fp32"
+    assert product_precision("auto", 3, BF16_MIN_DIM) == "bf16"

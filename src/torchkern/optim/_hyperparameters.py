@@ -24,8 +24,9 @@ def is_real(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_common_hyperparameters(name: str, h: dict, where: str) -> None:
-    """The hyperparameters Shampoo and SOAP share, from a param group or the defaults ``h``."""
+def check_common_hyperparameters(name: str, h: dict, where: str, precisions: tuple[str, ...] = PRECISIONS) -> None:
+    """The hyperparameters Shampoo and SOAP share, from a param group or the defaults ``h``; ``precision`` is one of
+    ``precisions``."""
     lr, weight_decay = h.get("lr"), h.get("weight_decay")
     check_arg(name, "lr", lr, is_real(lr) and lr >= 0, "must be a finite number >= 0", where)
     check_arg(name, "weight_decay", weight_decay, is_real(weight_decay) and weight_decay >= 0,
@@ -33,8 +34,8 @@ def check_common_hyperparameters(name: str, h: dict, where: str) -> None:
     for key in ("precondition_frequency", "max_preconditioner_dim"):
         value = h.get(key)
         check_arg(name, key, value, is_int(value) and value >= 1, "must be an integer >= 1", where)
-    check_arg(name, "precision", h.get("precision"), h.get("precision") in PRECISIONS, "must be 'fp32' or 'bf16'",
-              where)
+    check_arg(name, "precision", h.get("precision"), h.get("precision") in precisions,
+              "must be " + " or ".join(repr(p) for p in precisions), where)
     check_arg(name, "cuda_graph", h.get("cuda_graph"), isinstance(h.get("cuda_graph"), bool),
               "must be True or False", where)
     betas = h.get("betas")

@@ -24,9 +24,10 @@ but the learning rate, which each takes from a grid per task; the peers (heavyba
 distributed_shampoo) where they are installed. Each learning rate of a grid runs with the first seed; the best
 (lowest final loss) runs again with the other seeds, and the table reports the mean over the seeds with their
 range. Variants run at their sibling's best learning rate: ``shampoo_bf16`` (bfloat16 products, with the 4th roots
-Shampoo's docstring pairs them with) and ``soap_fp32`` (the other precision), ``shampoo_qr`` and ``kfac_qr`` (bases
-refreshed by power steps), ``kfac_bf16``, ``shampoo_root4`` (Gupta et al.'s inverse 4th roots with relative eps
-1e-6, ``shampoo.FOURTH_ROOTS``) and ``soap_betas`` (betas (0.9, 0.999)).
+Shampoo's docstring pairs them with), ``soap_fp32`` and ``soap_bf16`` (one precision for every block, where
+SOAP's default picks by block size), ``shampoo_qr`` and ``kfac_qr`` (bases refreshed by power steps),
+``kfac_bf16``, ``shampoo_root4`` (Gupta et al.'s inverse 4th roots with relative eps 1e-6,
+``shampoo.FOURTH_ROOTS``) and ``soap_betas`` (betas (0.9, 0.999)).
 
 A run that diverges (its optimizer raises :class:`~torchkern.optim.DivergenceError`, or its held-out loss is not
 finite or grows past ten times its start) stops and is reported as diverged. A torchkern optimizer whose run ends
@@ -70,12 +71,12 @@ QUICK_SEEDS = SEEDS[:2]
 OPTIMIZERS = ("adamw", "sgd", "shampoo", "soap", "kfac")
 SECOND_ORDER = ("soap", "shampoo")
 # run at their sibling's best learning rate, reported beside it: the other precision of each (Shampoo's and K-FAC's
-# default is float32, SOAP's bfloat16; Shampoo's bfloat16 with 4th roots), K-FAC's and Shampoo's power-step
-# refreshes instead of eigendecompositions, and the alternatives to defaults: Shampoo's 4th roots with relative eps
-# 1e-6 (Gupta et al.'s roots, spanning at most 32 where the default square roots at 1e-8 span up to 1e4) and SOAP
-# with Adam's betas (its second moment and statistics averaged longer)
+# default is float32; SOAP's picks by block size, so both of its fixed precisions; Shampoo's bfloat16 with 4th
+# roots), K-FAC's and Shampoo's power-step refreshes instead of eigendecompositions, and the alternatives to
+# defaults: Shampoo's 4th roots with relative eps 1e-6 (Gupta et al.'s roots, spanning at most 32 where the default
+# square roots at 1e-8 span up to 1e4) and SOAP with Adam's betas (its second moment and statistics averaged longer)
 VARIANTS = {"shampoo_bf16": ("shampoo", dict(precision="bf16", **FOURTH_ROOTS)),
-            "soap_fp32": ("soap", dict(precision="fp32")),
+            "soap_fp32": ("soap", dict(precision="fp32")), "soap_bf16": ("soap", dict(precision="bf16")),
             "kfac_qr": ("kfac", dict(refresh="qr")), "shampoo_qr": ("shampoo", dict(root_method="qr")),
             "kfac_bf16": ("kfac", dict(precision="bf16")), "shampoo_root4": ("shampoo", FOURTH_ROOTS),
             "soap_betas": ("soap", dict(betas=(0.9, 0.999)))}

@@ -30,8 +30,9 @@ rotations (2 (m^2 n + m n^2)). The blocks of a param group live in buckets (``_B
 to a common shape where that costs little), and each bucket takes one batched product each and one fused Adam op
 (``torch.ops.torchkern.shampoo_graft``): a step's launches do not grow with the number of layer shapes. The refresh
 (eigendecompositions or QR, plus 6 products per block to carry the moments over) is amortized over
-``precondition_frequency`` steps. ``precision="bf16"`` (the default) runs the statistics and rotation products
-with bfloat16 operands and float32 accumulation and results; ``"fp32"`` in float32.
+``precondition_frequency`` steps. ``precision="auto"`` (the default) runs the statistics and rotation products of
+buckets with a side of at least :data:`BF16_MIN_DIM` with bfloat16 operands and float32 accumulation and results,
+and the smaller buckets' in float32; ``"bf16"`` and ``"fp32"`` take one precision for every bucket.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ from ._update import DeviceSteps, UpdateScalars, apply_updates, step_counts
 from .distributed import Distributed, attach, check_distributed
 
 _REFRESHES = ("eigh", "qr")
+_PRECISIONS = ("auto", "fp32", "bf16")
+# precision="auto": bfloat16 products for buckets with a side of at least this, where they save time (on the
+# optimizer benchmark's 1024^2 blocks 11-18% of the step); below it the products are launch-bound, float32 costs no
+# time, and it ends lower (the quality suite's `small` task, blocks of 64 x 32 and 8 x 64: 2.2e-3 against 2.6e-3).
+BF16_MIN_DIM = 256
 _STAT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "L", "R", "QL", "QR"})
 
 
@@ -78,12 +84,12 @@ class SOAP(GuardedOptimizer):
         refresh: ``"qr"`` (one power-iteration step and a QR factorization, the default) or ``"eigh"``
             (warm-started eigendecomposition: closer to the exact eigenbasis, and 7x the cost on an H100 for
             1024^2 factors); the module docstring has both.
-        precision: ``"bf16"`` (the default: the statistics and rotation products with bfloat16 operands, float32
-            accumulation and results, on tensor cores on CUDA) or ``"fp32"`` (float32 products, following torch's
-            global TF32 switch, which is never touched here). In the quality suite bfloat16 products reach float32's
-            final losses within the seeds' spread on every task, and on the optimizer benchmark's MLP the step
-            takes 11–18% less time (docs/design.md, "SOAP"); ``"fp32"`` is for exactness checks. Float64 parameters
-            ignore it.
+        precision: ``"auto"`` (the default: ``"bf16"`` for the buckets with a side of at least
+            :data:`BF16_MIN_DIM`, ``"fp32"`` for the others), ``"bf16"`` (the statistics and rotation products with
+            bfloat16 operands, float32 accumulation and results, on tensor cores on CUDA) or ``"fp32"`` (float32
+            products, following torch's global TF32 switch, which is never touched here). On the optimizer
+            benchmark's MLP bfloat16 products take 11–18% less of the step; on small blocks they save nothing and end
+            higher (docs/design.md, "SOAP"). Float64 parameters ignore it.
         cuda_graph: on CUDA, replay each step's update (every kernel but the bases' refresh) as one CUDA graph once
             the same parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time
             instead of ~60, which is most of the step on small models. The learning rate and weight decay are read
@@ -120,7 +126,7 @@ class SOAP(GuardedOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-2, betas: tuple[float, float] = (0.9, 0.95),
                  shampoo_beta: float | None = None, eps: float = 1e-8, weight_decay: float = 0.01,
                  precondition_frequency: int = 10, max_preconditioner_dim: int = 1024, refresh: str = "qr",
-                 precision: str = "bf16", cuda_graph: bool = True, distributed: Distributed | None = Distributed(),
+                 precision: str = "auto", cuda_graph: bool = True, distributed: Distributed | None = Distributed(),
                  skip_limits: SkipLimits | None = SkipLimits()):
         defaults = dict(lr=lr, betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas,
                         shampoo_beta=shampoo_beta, eps=eps, weight_decay=weight_decay,
@@ -132,7 +138,7 @@ class SOAP(GuardedOptimizer):
 
     def _check_hyperparameters(self, h: dict, where: str) -> None:
         name = self._name
-        check_common_hyperparameters(name, h, where)
+        check_common_hyperparameters(name, h, where, _PRECISIONS)
         check_arg(name, "betas[1]", h["betas"][1], 0.0 <= h["betas"][1] < 1.0, "beta2 must be in [0, 1)", where)
         shampoo_beta, eps = h.get("shampoo_beta"), h.get("eps")
         check_arg(name, "shampoo_beta", shampoo_beta,
@@ -317,12 +323,13 @@ class SOAP(GuardedOptimizer):
             by_shape[(e[3].shape, e[3].dtype, e[3].device)].append(e)
         due: dict[tuple, list] = defaultdict(list)  # (n, dtype, device) -> [(state, side, block index)]
         for (shape, dtype, device), items in by_shape.items():
-            G = as_operand(torch.where(ok[device], torch.stack([e[3] for e in items]), 0.0), group["precision"])
+            precision = product_precision(group["precision"], *shape)
+            G = as_operand(torch.where(ok[device], torch.stack([e[3] for e in items]), 0.0), precision)
             decay = torch.where(ok[device], torch.full((), beta, dtype=dtype, device=device), 1.0)
             for side, (a, b) in (("L", (G, G.mT)), ("R", (G.mT, G))):
                 stats = [e[1][side][e[2]] for e in items]
                 torch._foreach_mul_(stats, decay)
-                torch._foreach_add_(stats, bmm(a, b, group["precision"], dtype).unbind(0), alpha=1.0 - beta)
+                torch._foreach_add_(stats, bmm(a, b, precision, dtype).unbind(0), alpha=1.0 - beta)
                 for _, state, i, _ in items:
                     due[(state[side][i].shape[-1], dtype, device)].append((state, side, i))
         for (n, dtype, device), items in due.items():
@@ -373,13 +380,20 @@ def _other_bases(params: list, state: dict) -> None:
 _LAYOUT = {"L": "rr", "R": "cc", "QL": "rr", "QR": "cc", "exp_avg": "rc", "exp_avg_sq": "rc"}
 
 
+def product_precision(precision: str, m: int, n: int) -> str:
+    """The products' precision ("fp32" or "bf16") of m x n blocks under the ``precision`` hyperparameter."""
+    if precision == "auto":
+        return "bf16" if max(m, n) >= BF16_MIN_DIM else "fp32"
+    return precision
+
+
 class _Bucket(Storage):
     """SOAP's state of k blocks (``Storage``): L (k, m, m), R (k, n, n), the bases QL, QR (the identity on the padding)
     and Adam's moments (k, m, n). Zero padding stays zero through every product and the Adam step; the padding's basis
     columns stay last and keep their axes (``power_step(sizes=...)``)."""
 
     def __init__(self, entries: list, m: int, n: int, precision: str):
-        super().__init__(entries, m, n, _LAYOUT, ("QL", "QR"), precision)
+        super().__init__(entries, m, n, _LAYOUT, ("QL", "QR"), product_precision(precision, m, n))
         self.weight = torch.full((), math.nan, dtype=self.dtype, device=self.device)  # 1 - shampoo_beta
         self.steps = step_counts(self.states, self.device)  # Adam's steps per block, counted on the device
         self._sbeta: float | None = None
