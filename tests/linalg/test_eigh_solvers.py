@@ -22,7 +22,7 @@ from torchkern.linalg import constants, twins
 def test_eigh_kernel_sizes(kind, n, dtype, solver):
     # around the in-block kernel's limit (136 float32, 118 float64) and the block method above it (padding:
     # 137 and 200 are not multiples of 64); "auto": cuSOLVER's batched solver for these cold starts (float64 to 128;
-    # from 200, torch.linalg.eigh for two matrices: constants.EIGH_TORCH_F64)
+    # above, torch.linalg.eigh for two matrices: constants.EIGH_TORCH_F64)
     skip_solver("cuda", solver, dtype)
     A = spectrum(kind, n, batch=(2,))
     w, V = linalg.eigh(A.to(dtype).cuda(), solver=solver)
@@ -59,8 +59,8 @@ def test_eigh_block_method_noncontiguous(solver):
 @requires_cuda
 @pytest.mark.parametrize("batch", [1, 8], ids=["cusolver", "block"])
 def test_eigh_large_cold_starts(batch):
-    # from n = 704 a float64 cold start of one matrix goes to torch.linalg.eigh, a batch of 8 to the block method;
-    # float32 takes the tridiagonal solver (linalg/constants.py): all meet the bars
+    # from n = 704 a cold start of one matrix goes to torch.linalg.eigh; a batch of 8 to the block method in float64,
+    # to the tridiagonal solver in float32 (linalg/constants.py): all meet the bars
     A = spectrum("random", 704, batch=(batch,))
     for dtype in (torch.float64, torch.float32):
         w, V = linalg.eigh(A.to(dtype).cuda())

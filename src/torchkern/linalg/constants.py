@@ -57,8 +57,8 @@ EIGH_SMALL_MAX_N = 168
 # torch.linalg.eigh (cuSOLVER's syevd, one matrix after another) takes the cold starts of fewer than B matrices from
 # n = N on, as (N, B) steps in ascending N, each holding up to the next (at most EIGH_TORCH_STEPS of them), one table
 # per compute type: where it beats the solver the other rules pick (benchmarks/tune_eigh.py prints these tables).
-EIGH_TORCH_F32 = ((1000, 2), (2048, 3))
-EIGH_TORCH_F64 = ((32, 65), (33, 0), (100, 2), (200, 3), (1000, 5), (3000, 0), (4096, 3))
+EIGH_TORCH_F32 = ((704, 2), (2048, 3))
+EIGH_TORCH_F64 = ((129, 3), (2048, 5))
 EIGH_TORCH_STEPS = 8
 # Where the block method is slower than syevd's loop at any batch: cold starts from n = EIGH_TORCH_FROM_N (0: never)
 # go to torch.linalg.eigh when no other solver takes them, unless the batch has at least EIGH_BLOCK_MIN_BATCH
