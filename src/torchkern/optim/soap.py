@@ -59,9 +59,8 @@ from .distributed import Distributed, attach, check_distributed
 
 _REFRESHES = ("eigh", "qr")
 _PRECISIONS = ("auto", "fp32", "bf16")
-# precision="auto": bfloat16 products for buckets with a side of at least this, where they save time (on the
-# optimizer benchmark's 1024^2 blocks 11-18% of the step); below it the products are launch-bound, float32 costs no
-# time, and it ends lower (the quality suite's `small` task, blocks of 64 x 32 and 8 x 64: 2.2e-3 against 2.6e-3).
+# precision="auto": bfloat16 products for buckets with a side of at least this; smaller buckets' products are
+# launch-bound, so float32 costs no time there, and it ends lower (docs/design.md, "SOAP", *Precision*)
 BF16_MIN_DIM = 256
 _STAT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "L", "R", "QL", "QR"})
 
@@ -87,9 +86,7 @@ class SOAP(GuardedOptimizer):
         precision: ``"auto"`` (the default: ``"bf16"`` for the buckets with a side of at least
             :data:`BF16_MIN_DIM`, ``"fp32"`` for the others), ``"bf16"`` (the statistics and rotation products with
             bfloat16 operands, float32 accumulation and results, on tensor cores on CUDA) or ``"fp32"`` (float32
-            products, following torch's global TF32 switch, which is never touched here). On the optimizer
-            benchmark's MLP bfloat16 products take 11–18% less of the step; on small blocks they save nothing and end
-            higher (docs/design.md, "SOAP"). Float64 parameters ignore it.
+            products, following torch's global TF32 switch, which is never touched here). Float64 parameters ignore it.
         cuda_graph: on CUDA, replay each step's update (every kernel but the bases' refresh) as one CUDA graph once
             the same parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time
             instead of ~60, which is most of the step on small models. The learning rate and weight decay are read
