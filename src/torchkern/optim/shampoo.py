@@ -154,9 +154,9 @@ class Shampoo(GuardedOptimizer):
         grafting_beta2, grafting_eps: Adam/AdaGrad grafting's second-moment decay and epsilon.
         root_method: "eigh" (``Q diag(max(l + eps, eps)^(-1/r)) Q^T`` from the linalg family's batched eigh, no host
             sync but where its router picks ``torch.linalg.eigh``, which synchronizes: a single float32 factor of
-            its size from 704 on, or two from 2048, ``linalg.constants.EIGH_TORCH_F32``), "newton" (the coupled Newton iteration; on CUDA
-            float32 it fails on factors conditioned beyond about 1e6, and a root that does not converge is replaced
-            by a float64 eigh root, an update that waits),
+            its size from 704 on, or two from 2048, ``linalg.constants.EIGH_TORCH_F32``), "newton" (the coupled
+            Newton iteration; on CUDA float32 it fails on factors conditioned beyond about 1e6, and a root that does
+            not converge is replaced by a float64 eigh root, an update that waits),
             "auto" (the default: Newton on CUDA where the relative eps is at least :data:`_NEWTON_MIN_EPS`, else
             eigh; so eigh at the default eps); or
             ``"qr"``: each factor keeps an eigenbasis (state ``L_basis``, ``R_basis``): the first root update takes

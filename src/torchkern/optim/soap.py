@@ -86,7 +86,8 @@ class SOAP(GuardedOptimizer):
         precision: ``"auto"`` (the default: ``"bf16"`` for the buckets with a side of at least
             :data:`BF16_MIN_DIM`, ``"fp32"`` for the others), ``"bf16"`` (the statistics and rotation products with
             bfloat16 operands, float32 accumulation and results, on tensor cores on CUDA) or ``"fp32"`` (float32
-            products, following torch's global TF32 switch, which is never touched here). Float64 parameters ignore it.
+            products, following torch's global TF32 switch, which is never touched here). Float64 parameters
+            ignore it.
         cuda_graph: on CUDA, replay each step's update (every kernel but the bases' refresh) as one CUDA graph once
             the same parameters have stepped three times in a row (``_step_graph.StepGraph``): one launch of host time
             instead of ~60, which is most of the step on small models. The learning rate and weight decay are read
