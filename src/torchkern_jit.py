@@ -664,7 +664,8 @@ def ninja_file(plans: Sequence[Plan], jobs: int | None = None) -> tuple[str, dic
         headers[header] = "".join(f"#include <{name}>\n" for name in names)
         # The flags the members share: their -D flags differ (the library's name, its constants), and g++ refuses
         # a precompiled header, falling back to the text, only where a definition it was made without matters.
-        shared = [f for f in cflags(members[0]) if all(f in cflags(m) for m in members[1:])]
+        first, *others = (cflags(m) for m in members)
+        shared = [f for f in first if all(f in other for other in others)]
         lines += [f"build {header}.gch: precompile {header}", f"  cflags = {flags(shared)}", ""]
         precompiled.update((m.name, header) for m in members)
     for p in plans:

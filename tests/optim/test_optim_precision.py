@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from torchkern.optim import SOAP, Shampoo
 from torchkern.optim.soap import BF16_MIN_DIM, product_precision
@@ -53,14 +54,11 @@ def test_bf16_products_on_cuda_accumulate_in_float32():
     assert ((out.double() - exact).abs().max() / exact.abs().max()).item() < 1e-5
 
 
-def _soap_run(model, precision, steps=4):
-    opt = SOAP(model.parameters(), lr=0.01, precondition_frequency=2, **({} if precision is None else
-                                                                         dict(precision=precision)))
+def _soap_run(model, precision):
+    kwargs = {} if precision is None else dict(precision=precision)
+    opt = SOAP(model.parameters(), lr=0.01, precondition_frequency=2, **kwargs)
     x = torch.randn(16, model[0].in_features, generator=torch.Generator().manual_seed(1))
-    for _ in range(steps):
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        opt.step()
+    train(model, opt, x, torch.zeros(16, model[-1].out_features), 4, F.mse_loss)  # the outputs' mean square
     return opt
 
 
